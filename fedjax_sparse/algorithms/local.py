@@ -1,0 +1,31 @@
+"""Local training only: every client keeps its own model and nothing is communicated.
+
+The lower reference of the personalized methods (SpaFL's and SPATL's "Local").
+There is no global model, so only personalized accuracy is reported.
+"""
+
+from __future__ import annotations
+
+from fedjax_sparse.core.algorithm import FederatedAlgorithm, replicate
+from fedjax_sparse.core.local_training import LocalSGD
+
+
+def local_only(local: LocalSGD) -> FederatedAlgorithm:
+    def init(key, variables, num_clients):
+        del key
+        return {}, replicate(variables, num_clients)
+
+    def client_update(down, client_state, data, key):
+        del down
+        variables, stats = local.train(client_state, data, key)
+        return {}, variables, stats
+
+    return FederatedAlgorithm(
+        name="local",
+        init=init,
+        broadcast=lambda server_state, client_id: {},
+        client_update=client_update,
+        server_update=lambda server_state, ups, weights: server_state,
+        client_variables=lambda server_state, client_state: client_state,
+        global_variables=None,
+    )

@@ -1,0 +1,1 @@
+"""The engine: algorithm contract, local training, rounds, aggregation, bytes, evaluation."""

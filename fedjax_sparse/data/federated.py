@@ -1,0 +1,145 @@
+"""Client data on the device: one flat array per split, each client an offset and a count.
+
+Nothing is copied per round: a round gathers its batches by index inside the
+jitted step (`client_batch`), so the host-to-device transfer happens once.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+import chex
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from fedjax_sparse.data.augment import random_crop_flip
+
+
+@flax.struct.dataclass
+class FederatedSplit:
+    """All clients' examples of one split, stored client after client.
+
+    x: [total, H, W, C] uint8; y: [total] int32; offsets, counts: [num_clients].
+    `max_count` (static) is the largest client, which fixes the scan lengths.
+    """
+
+    x: jax.Array
+    y: jax.Array
+    offsets: jax.Array
+    counts: jax.Array
+    mean: jax.Array
+    std: jax.Array
+    max_count: int = flax.struct.field(pytree_node=False)
+    augment: bool = flax.struct.field(pytree_node=False, default=False)
+
+    @property
+    def num_clients(self) -> int:
+        return self.offsets.shape[0]
+
+    def client(self, index: jax.Array) -> "ClientData":
+        """The view of client `index` that `client_update` receives (traceable)."""
+        return ClientData(x=self.x, y=self.y, offset=self.offsets[index], count=self.counts[index],
+                          mean=self.mean, std=self.std, max_count=self.max_count,
+                          augment=self.augment)
+
+
+@flax.struct.dataclass
+class ClientData:
+    """One client's examples: a window [offset, offset + count) of the shared arrays."""
+
+    x: jax.Array
+    y: jax.Array
+    offset: jax.Array
+    count: jax.Array
+    mean: jax.Array
+    std: jax.Array
+    max_count: int = flax.struct.field(pytree_node=False)
+    augment: bool = flax.struct.field(pytree_node=False, default=False)
+
+
+@flax.struct.dataclass
+class Batch:
+    """A gathered batch; `mask` is False on the padding positions of a short batch."""
+
+    x: jax.Array
+    y: jax.Array
+    mask: jax.Array
+
+
+def federated_split(x: np.ndarray, y: np.ndarray, client_indices: Sequence[np.ndarray],
+                    mean: Sequence[float], std: Sequence[float], augment: bool = False) -> FederatedSplit:
+    """Lays the clients' examples out contiguously and puts them on the device once."""
+    if not client_indices:
+        raise ValueError("client_indices is empty: at least one client is needed")
+    counts = np.array([len(ix) for ix in client_indices], np.int32)
+    if counts.min() < 1:
+        empty = [i for i, c in enumerate(counts) if c == 0]
+        raise ValueError(f"clients {empty[:10]} hold no examples; every client needs at least one")
+    order = np.concatenate([np.asarray(ix, np.int64) for ix in client_indices])
+    offsets = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int32)
+    return FederatedSplit(
+        x=jnp.asarray(x[order]), y=jnp.asarray(y[order].astype(np.int32)),
+        offsets=jnp.asarray(offsets), counts=jnp.asarray(counts),
+        mean=jnp.asarray(mean, jnp.float32), std=jnp.asarray(std, jnp.float32),
+        max_count=int(counts.max()), augment=augment)
+
+
+def steps_per_epoch(count: jax.Array, batch_size: int) -> jax.Array:
+    return (count + batch_size - 1) // batch_size
+
+
+def max_steps_per_epoch(split: FederatedSplit, batch_size: int) -> int:
+    return math.ceil(split.max_count / batch_size)
+
+
+def padded_step_fraction(counts: np.ndarray, max_count: int, batch_size: int) -> float:
+    """Share of scan steps that are masked no-ops when clients with `counts` run together."""
+    counts = np.asarray(counts)
+    real = np.ceil(counts / batch_size).sum()
+    scheduled = len(counts) * math.ceil(max_count / batch_size)
+    return float(1.0 - real / scheduled)
+
+
+def normalize(x_uint8: jax.Array, mean: jax.Array, std: jax.Array,
+              augment_key: jax.Array | None = None) -> jax.Array:
+    """uint8 images to standardized float32; pad-crop and flip first when a key is given."""
+    x = x_uint8.astype(jnp.float32) / 255.0
+    if augment_key is not None:
+        x = random_crop_flip(augment_key, x)
+    return (x - mean) / std
+
+
+def epoch_permutations(key: jax.Array, count: jax.Array, max_count: int, epochs: int) -> jax.Array:
+    """[epochs, max_count] orderings whose first `count` entries permute range(count).
+
+    Random sort keys for the padding slots are pushed past every real slot, so
+    a client of any size shuffles inside a static shape.
+    """
+    slots = jnp.arange(max_count)
+
+    def one(k):
+        scores = jnp.where(slots < count, jax.random.uniform(k, (max_count,)), 2.0)
+        return jnp.argsort(scores).astype(jnp.int32)
+
+    return jax.vmap(one)(jax.random.split(key, epochs))
+
+
+def client_batch(data: ClientData, order: jax.Array, step_in_epoch: jax.Array, batch_size: int,
+                 key: jax.Array, train: bool) -> Batch:
+    """Gathers batch `step_in_epoch` of an epoch with the given example order."""
+    pos = step_in_epoch * batch_size + jnp.arange(batch_size)
+    mask = pos < data.count
+    local = order[jnp.minimum(pos, data.max_count - 1)]
+    index = data.offset + jnp.minimum(local, data.count - 1)
+    x = normalize(data.x[index], data.mean, data.std, key if train and data.augment else None)
+    return Batch(x=x, y=data.y[index], mask=mask)
+
+
+def assert_split(split: FederatedSplit) -> None:
+    chex.assert_rank(split.x, 4)
+    chex.assert_rank([split.y, split.offsets, split.counts], 1)
+    chex.assert_equal_shape([split.offsets, split.counts])
+    chex.assert_type(split.x, jnp.uint8)

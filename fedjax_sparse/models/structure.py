@@ -1,0 +1,170 @@
+"""The structure description every model carries.
+
+Sparse federated methods talk about *units*: the filters of a convolution, the
+neurons of a dense layer. SpaFL puts a threshold on each, FedGSE/HeteroFL keep a
+subset of them, SPATL uploads the salient ones, FedLDF moves whole layers. All
+of them are written against this one description instead of against a model.
+
+Conventions (Flax): a kernel's output units are its last axis (`Dense`:
+`[in, out]`, `Conv`: `[kh, kw, in, out]`) and its input units the one before.
+Paths are tuples of keys into the `params` collection; a normalization path
+names a module whose `scale`/`bias` live in `params` and whose `mean`/`var`
+live in `batch_stats`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Callable, Literal
+
+import jax
+import jax.numpy as jnp
+
+Params = Any
+Variables = dict  # {'params': ..., 'batch_stats': ...}; batch_stats may be {}
+Path = tuple[str, ...]
+
+Part = Literal["encoder", "predictor", "private", "shared"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Layer:
+    """One prunable layer: a convolution or dense kernel and what belongs to its units.
+
+    Attributes:
+      name: unique name, also the FedLDF layer name.
+      kind: 'conv' or 'dense'.
+      kernel: path of the kernel in `params`.
+      bias: path of the bias, or None.
+      norm: path of the normalization applied to this layer's outputs, or None.
+      num_units: output units (filters or neurons) = kernel.shape[-1].
+      fan_in: weights feeding one unit = prod(kernel.shape[:-1]) (SpaFL's n_i).
+      inputs_from: names of the layers whose units this layer consumes ('input'
+        for the data). Several names mean their outputs were added (residual).
+      input_repeat: how many input positions each consumed unit occupies in
+        this layer's input axis (a dense layer after flattening an HxWxC map
+        sees each channel H*W times, channel-fastest as Flax flattens NHWC).
+      unit_group: layers whose outputs are summed by a residual connection
+        share a group name and must keep the same units; None if untied.
+      part: 'encoder' / 'predictor' where a paper splits the model (SPATL),
+        'private' for layers a paper keeps on the client, else 'shared'.
+      output_hw: spatial size (H*W) of the output map for a conv, 1 for dense;
+        used for FLOP counts.
+    """
+
+    name: str
+    kind: Literal["conv", "dense"]
+    kernel: Path
+    bias: Path | None
+    norm: Path | None
+    num_units: int
+    fan_in: int
+    inputs_from: tuple[str, ...]
+    input_repeat: int = 1
+    unit_group: str | None = None
+    part: Part = "shared"
+    output_hw: int = 1
+
+    @property
+    def num_weights(self) -> int:
+        return self.num_units * self.fan_in
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelStructure:
+    """Ordered prunable layers of a model, input to output."""
+
+    layers: tuple[Layer, ...]
+
+    def __post_init__(self):
+        names = [l.name for l in self.layers]
+        if len(set(names)) != len(names):
+            raise ValueError(f"layer names must be unique, got {names}")
+        known = set(names) | {"input"}
+        for layer in self.layers:
+            missing = [n for n in layer.inputs_from if n not in known]
+            if missing:
+                raise ValueError(f"layer {layer.name!r} consumes unknown layers {missing}")
+
+    def __getitem__(self, name: str) -> Layer:
+        for layer in self.layers:
+            if layer.name == name:
+                return layer
+        raise KeyError(f"no layer {name!r}; layers are {[l.name for l in self.layers]}")
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(l.name for l in self.layers)
+
+    @property
+    def num_units(self) -> int:
+        return sum(l.num_units for l in self.layers)
+
+    @property
+    def num_prunable_weights(self) -> int:
+        return sum(l.num_weights for l in self.layers)
+
+    def consumers(self, name: str) -> tuple[Layer, ...]:
+        return tuple(l for l in self.layers if name in l.inputs_from)
+
+    def part(self, part: Part) -> tuple[Layer, ...]:
+        return tuple(l for l in self.layers if l.part == part)
+
+
+def get_path(tree: Any, path: Path) -> Any:
+    for key in path:
+        tree = tree[key]
+    return tree
+
+
+def set_path(tree: dict, path: Path, value: Any) -> dict:
+    """Returns a copy of nested dict `tree` with `path` replaced (no mutation)."""
+    if not path:
+        return value
+    head, *rest = path
+    new = dict(tree)
+    new[head] = set_path(tree[head], tuple(rest), value)
+    return new
+
+
+@dataclasses.dataclass(frozen=True)
+class Model:
+    """A Flax module used as pure functions, with its structure description.
+
+    `init(key) -> variables` and `apply(variables, x, train, mask) -> (logits,
+    batch_stats)`; `x` is float32 NHWC. BatchNorm statistics are explicit state
+    in `variables['batch_stats']` (an empty dict for models without them) and
+    `mask` ([B] bool) keeps padded examples out of the batch statistics.
+    """
+
+    name: str
+    module: Any
+    input_shape: tuple[int, int, int]
+    num_classes: int
+    structure: ModelStructure
+    description: str = ""
+
+    def init(self, key: jax.Array) -> Variables:
+        x = jnp.zeros((1, *self.input_shape), jnp.float32)
+        variables = self.module.init(key, x, train=False)
+        return {"params": variables["params"], "batch_stats": variables.get("batch_stats", {})}
+
+    def apply(self, variables: Variables, x: jax.Array, *, train: bool,
+              mask: jax.Array | None = None) -> tuple[jax.Array, Params]:
+        inputs = {"params": variables["params"]}
+        has_stats = bool(jax.tree_util.tree_leaves(variables["batch_stats"]))
+        if has_stats:
+            inputs["batch_stats"] = variables["batch_stats"]
+        if train and has_stats:
+            logits, updates = self.module.apply(inputs, x, train=True, mask=mask,
+                                                mutable=["batch_stats"])
+            return logits, updates["batch_stats"]
+        logits = self.module.apply(inputs, x, train=train, mask=mask)
+        return logits, variables["batch_stats"]
+
+    def num_params(self, variables: Variables) -> int:
+        return sum(math.prod(a.shape) for a in jax.tree_util.tree_leaves(variables["params"]))
+
+
+ModelFactory = Callable[[tuple[int, int, int], int], Model]

@@ -1,0 +1,79 @@
+"""What every run leaves behind: its config, per-round metrics, a summary and a plot."""
+
+from __future__ import annotations
+
+import json
+import platform
+from pathlib import Path
+
+import jax
+
+
+def device_description() -> str:
+    device = jax.devices()[0]
+    kind = getattr(device, "device_kind", device.platform)
+    return f"{jax.device_count()} x {kind} ({device.platform}), {platform.machine()}, jax {jax.__version__}"
+
+
+def progress_bar(total: int, description: str, enabled: bool = True):
+    from tqdm.auto import tqdm
+    return tqdm(total=total, desc=description, unit="round", disable=not enabled, dynamic_ncols=True)
+
+
+class RunWriter:
+    """Writes a run's files into one directory, metrics line by line as they come."""
+
+    def __init__(self, out: Path):
+        self.out = Path(out)
+        self.out.mkdir(parents=True, exist_ok=True)
+        self.metrics_path = self.out / "metrics.jsonl"
+        self.metrics_path.write_text("")
+
+    def _json(self, name: str, obj) -> None:
+        (self.out / name).write_text(json.dumps(obj, indent=2) + "\n")
+
+    def write_config(self, config: dict) -> None:
+        self._json("config.json", config)
+
+    def write_partition(self, clients: list[dict]) -> None:
+        self._json("partition.json", clients)
+
+    def write_summary(self, summary: dict) -> None:
+        self._json("summary.json", summary)
+
+    def append_metrics(self, record: dict) -> None:
+        with self.metrics_path.open("a") as f:
+            f.write(json.dumps(record) + "\n")
+
+    def plot(self, history: list[dict], title: str) -> Path:
+        path = self.out / "accuracy.png"
+        plot_accuracy({"run": history}, path, title)
+        return path
+
+
+def plot_accuracy(histories: dict[str, list[dict]], path: Path, title: str) -> None:
+    """Accuracy against rounds and against cumulative bytes, one line per named run."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (by_round, by_bytes) = plt.subplots(1, 2, figsize=(11, 4))
+    for name, history in histories.items():
+        for key, style in (("test_accuracy", "-"), ("personalized_accuracy", "--")):
+            points = [(h["round"], h["cumulative_bytes"], h[key]) for h in history if h.get(key) is not None]
+            if not points:
+                continue
+            rounds, nbytes, acc = zip(*points)
+            label = f"{name} {key.replace('_accuracy', '')}"
+            by_round.plot(rounds, acc, style, label=label)
+            by_bytes.plot([b / 1e6 for b in nbytes], acc, style, label=label)
+    by_round.set_xlabel("round")
+    by_bytes.set_xlabel("cumulative bytes (MB, up + down)")
+    for ax in (by_round, by_bytes):
+        ax.set_ylabel("accuracy")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -1,0 +1,50 @@
+"""Bytes are derived from the messages: hand-computed and analytic counts."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from fedjax_sparse.algorithms import fedavg, fednova, local_only, scaffold
+from fedjax_sparse.core.local_training import LocalSGD
+from fedjax_sparse.core.messages import SparseArray, index_itemsize, message_bytes
+from fedjax_sparse.core.round import build_round
+from fedjax_sparse.models import get_model
+
+
+def test_dense_leaves_cost_size_times_itemsize():
+    message = {"w": jnp.zeros((3, 4), jnp.float32), "b": jnp.zeros(5, jnp.bfloat16), "n": jnp.zeros((), jnp.int32)}
+    assert int(message_bytes(message)) == 12 * 4 + 5 * 2 + 4
+
+
+def test_sparse_leaves_cost_values_plus_cheaper_index_encoding():
+    mask = np.zeros(1000, bool)
+    mask[:10] = True
+    few = SparseArray(values=jnp.ones(1000), mask=jnp.asarray(mask))
+    # 10 float32 values + an index list of 10 two-byte indices (bitmask would be 125 bytes).
+    assert int(message_bytes(few)) == 10 * 4 + 10 * 2
+    many = SparseArray(values=jnp.ones(1000), mask=jnp.asarray(np.arange(1000) < 900))
+    # 900 values + a 125-byte bitmask (an index list would be 1800 bytes).
+    assert int(message_bytes(many)) == 900 * 4 + 125
+    assert int(jax.jit(message_bytes)({"s": few, "d": jnp.zeros(3)})) == 60 + 12
+    assert [index_itemsize(n) for n in (256, 257, 65536, 65537)] == [1, 2, 2, 4]
+
+
+def test_sparse_array_dense_view_zeroes_unsent_entries():
+    s = SparseArray(values=jnp.array([1.0, 2.0, 3.0]), mask=jnp.array([True, False, True]))
+    np.testing.assert_array_equal(s.dense(), [1.0, 0.0, 3.0])
+
+
+@pytest.mark.parametrize("name,up_factor,down_factor,extra_up", [
+    ("fedavg", 1, 1, 0), ("scaffold", 2, 2, 0), ("fednova", 1, 1, 4), ("local", 0, 0, 0)])
+def test_round_bytes_equal_analytic_counts(make_split, name, up_factor, down_factor, extra_up):
+    model = get_model("mlp", (8, 8, 1), 10)
+    num_params = 64 * 256 + 256 + 256 * 256 + 256 + 256 * 10 + 10
+    local = LocalSGD(model, 0.1, 1, 8)
+    algorithm = {"fedavg": fedavg(local), "scaffold": scaffold(local, 5), "fednova": fednova(local),
+                 "local": local_only(local)}[name]
+    split = make_split([8, 9, 10, 11, 12])
+    server, clients = algorithm.init(jax.random.key(0), model.init(jax.random.key(1)), 5)
+    _, _, out = build_round(algorithm, split, 3, seed=0)(server, clients, 0)
+    np.testing.assert_array_equal(out.uplink_bytes, [up_factor * num_params * 4 + extra_up] * 3)
+    np.testing.assert_array_equal(out.downlink_bytes, [down_factor * num_params * 4] * 3)
