@@ -111,8 +111,7 @@ def build_experiment(config: RunConfig) -> Experiment:
     local_test = federated_split(dataset.x_test, dataset.y_test, test_indices, dataset.mean, dataset.std)
     local = LocalSGD(model, config.lr, config.local_epochs, config.batch_size, config.momentum,
                      config.weight_decay)
-    algorithm = make_algorithm(config.algorithm, local, num_clients=config.num_clients, mu=config.mu,
-                               server_lr=config.server_lr)
+    algorithm = make_algorithm(config.algorithm, local, config)
     key = jax.random.key(config.seed)
     variables = model.init(jax.random.fold_in(key, 0))
     server_state, client_states = algorithm.init(jax.random.fold_in(key, 1), variables, config.num_clients)
@@ -133,7 +132,14 @@ def evaluate(exp: Experiment, server_state, client_states) -> dict:
         out = {"test_accuracy": float(scores["accuracy"]), "test_loss": float(scores["loss"])}
     accuracies = np.asarray(exp.evaluate_personalized(server_state, client_states))
     out["personalized_accuracy"] = float(accuracies.mean())
+    if exp.algorithm.diagnostics is not None:
+        out.update(jax.tree_util.tree_map(_to_python, exp.algorithm.diagnostics(server_state, client_states)))
     return out
+
+
+def _to_python(x):
+    x = np.asarray(x)
+    return x.item() if x.ndim == 0 else x.tolist()
 
 
 def run_experiment(config: RunConfig, *, progress: bool = True) -> dict:
@@ -174,7 +180,6 @@ def run_experiment(config: RunConfig, *, progress: bool = True) -> dict:
                   "padded_step_fraction": padded[-1]}
         if (r + 1) % config.eval_every == 0 or r + 1 == config.rounds:
             record.update(evaluate(exp, server_state, client_states))
-            record["elapsed_seconds"] = time.perf_counter() - start
             writer.append_metrics(record)
             history.append(record)
             bar.set_postfix(acc=_fmt(record["test_accuracy"]), pacc=_fmt(record["personalized_accuracy"]),

@@ -1,6 +1,8 @@
-"""Federated algorithms, each a `FederatedAlgorithm` of pure functions."""
+"""Federated algorithms, each a `FederatedAlgorithm` of pure functions, and the name registry."""
 
 from __future__ import annotations
+
+from typing import Any, Callable
 
 from fedjax_sparse.algorithms.fedavg import fedavg
 from fedjax_sparse.algorithms.fednova import fednova
@@ -10,24 +12,23 @@ from fedjax_sparse.algorithms.scaffold import scaffold
 from fedjax_sparse.core.algorithm import FederatedAlgorithm
 from fedjax_sparse.core.local_training import LocalSGD
 
-ALGORITHM_NAMES = ("fedavg", "fedprox", "scaffold", "fednova", "local")
+# name -> builder(local training, run config with the algorithm's flags)
+ALGORITHMS: dict[str, Callable[[LocalSGD, Any], FederatedAlgorithm]] = {
+    "fedavg": lambda local, config: fedavg(local),
+    "fedprox": lambda local, config: fedprox(local, config.mu),
+    "scaffold": lambda local, config: scaffold(local, config.num_clients, config.server_lr),
+    "fednova": lambda local, config: fednova(local),
+    "local": lambda local, config: local_only(local),
+}
+ALGORITHM_NAMES = tuple(ALGORITHMS)
 
 
-def make_algorithm(name: str, local: LocalSGD, *, num_clients: int, mu: float = 0.01,
-                   server_lr: float = 1.0) -> FederatedAlgorithm:
-    """Builds algorithm `name` from the command line's flags."""
-    if name == "fedavg":
-        return fedavg(local)
-    if name == "fedprox":
-        return fedprox(local, mu)
-    if name == "scaffold":
-        return scaffold(local, num_clients, server_lr)
-    if name == "fednova":
-        return fednova(local)
-    if name == "local":
-        return local_only(local)
-    raise ValueError(f"unknown algorithm {name!r}; valid: {', '.join(ALGORITHM_NAMES)}")
+def make_algorithm(name: str, local: LocalSGD, config: Any) -> FederatedAlgorithm:
+    """Builds algorithm `name`; `config` carries its flags (a `RunConfig`)."""
+    if name not in ALGORITHMS:
+        raise ValueError(f"unknown algorithm {name!r}; valid: {', '.join(ALGORITHM_NAMES)}")
+    return ALGORITHMS[name](local, config)
 
 
-__all__ = ["ALGORITHM_NAMES", "FederatedAlgorithm", "fedavg", "fednova", "fedprox", "local_only",
-           "make_algorithm", "scaffold"]
+__all__ = ["ALGORITHMS", "ALGORITHM_NAMES", "FederatedAlgorithm", "fedavg", "fednova", "fedprox",
+           "local_only", "make_algorithm", "scaffold"]

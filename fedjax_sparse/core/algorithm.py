@@ -35,8 +35,14 @@ class FederatedAlgorithm:
     server_update(server_state, up_messages, weights) -> server_state
         up_messages stacked on a leading [K] axis; weights: the sampled clients'
         numbers of training examples.
-    global_variables(server_state) -> variables, or None when there is no global model.
     client_variables(server_state, client_state) -> the variables a client predicts with.
+    global_variables(server_state) -> variables, or None when there is no global model.
+    select_uploads(up_messages, weights, key) -> up_messages, optional
+        for methods where the server tells clients what to upload after seeing
+        their feedback (FedLDF): returns what is really sent, which is what the
+        uplink bytes are counted on and what server_update receives.
+    diagnostics(server_state, client_states) -> dict of scalars, optional
+        extra figures logged with each evaluation (density, FLOPs, ...).
     """
 
     name: str
@@ -46,6 +52,8 @@ class FederatedAlgorithm:
     server_update: Callable[[ServerState, Message, jax.Array], ServerState]
     client_variables: Callable[[ServerState, ClientState], Variables]
     global_variables: Callable[[ServerState], Variables] | None = None
+    select_uploads: Callable[[Message, jax.Array, jax.Array], Message] | None = None
+    diagnostics: Callable[[ServerState, ClientState], dict] | None = None
 
 
 def replicate(tree: Any, num_clients: int) -> Any:

@@ -46,6 +46,11 @@ def client_keys(seed: int, round_index: jax.Array, client_ids: jax.Array) -> jax
     return jax.vmap(lambda c: jax.random.fold_in(base, c))(client_ids)
 
 
+def server_key(seed: int, round_index: jax.Array) -> jax.Array:
+    """The server's randomness for a round (e.g. random upload selection)."""
+    return jax.random.fold_in(jax.random.fold_in(jax.random.key(seed), round_index), (1 << 20) + 1)
+
+
 def clients_mesh(devices=None) -> Mesh:
     devices = jax.devices() if devices is None else devices
     return Mesh(devices, (CLIENTS_AXIS,))
@@ -69,7 +74,7 @@ def build_round(algorithm: FederatedAlgorithm, train: FederatedSplit, clients_pe
 
     def one_client(down, client_state, client_id, key):
         up, client_state, metrics = algorithm.client_update(down, client_state, train.client(client_id), key)
-        return up, client_state, metrics, message_bytes(up), message_bytes(down)
+        return up, client_state, metrics, message_bytes(down)
 
     def round_fn(server_state, client_states, round_index):
         ids = sample_clients(seed, round_index, num_clients, clients_per_round)
@@ -77,8 +82,12 @@ def build_round(algorithm: FederatedAlgorithm, train: FederatedSplit, clients_pe
         sampled = jax.tree_util.tree_map(lambda a: a[ids], client_states)
         ids, keys, sampled = shard((ids, keys, sampled))
         down = jax.vmap(algorithm.broadcast, in_axes=(None, 0))(server_state, ids)
-        ups, new_states, metrics, up_bytes, down_bytes = jax.vmap(one_client)(down, sampled, ids, keys)
-        server_state = algorithm.server_update(server_state, ups, train.counts[ids].astype(jnp.float32))
+        ups, new_states, metrics, down_bytes = jax.vmap(one_client)(down, sampled, ids, keys)
+        weights = train.counts[ids].astype(jnp.float32)
+        if algorithm.select_uploads is not None:
+            ups = algorithm.select_uploads(ups, weights, server_key(seed, round_index))
+        up_bytes = jax.vmap(message_bytes, axis_size=clients_per_round)(ups)
+        server_state = algorithm.server_update(server_state, ups, weights)
         client_states = jax.tree_util.tree_map(lambda a, new: a.at[ids].set(new), client_states, new_states)
         return server_state, client_states, RoundOutput(ids, up_bytes, down_bytes, metrics)
 

@@ -1,0 +1,33 @@
+"""Data sets, client partitions and augmentation for fedjax_sparse."""
+
+from fedjax_sparse.data.augment import random_crop_flip
+from fedjax_sparse.data.dataset import ImageDataset
+from fedjax_sparse.data.partition import (
+    dirichlet_partition,
+    iid_partition,
+    label_partition,
+    local_test_split,
+    partition,
+    partition_summary,
+)
+from fedjax_sparse.data.sources import (
+    load_dataset,
+    load_digits,
+    load_image_folder,
+    load_tfds,
+)
+
+__all__ = [
+    "ImageDataset",
+    "dirichlet_partition",
+    "iid_partition",
+    "label_partition",
+    "load_dataset",
+    "load_digits",
+    "load_image_folder",
+    "load_tfds",
+    "local_test_split",
+    "partition",
+    "partition_summary",
+    "random_crop_flip",
+]

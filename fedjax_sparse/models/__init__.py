@@ -1,0 +1,56 @@
+"""The model zoo: `get_model(name, input_shape, num_classes) -> Model`.
+
+Every model is a Flax module called as `module(x, train, mask=None)` on float32
+NHWC images, returning `[B, num_classes]` logits, together with the
+`ModelStructure` of its prunable (conv/dense) layers; see `structure.py`.
+
+  mlp           2x256 MLP (quick runs, digits)
+  lenet5_caffe  SpaFL FMNIST LeNet-5-Caffe (430,500 weights, 580 units)
+  spafl_cnn     SpaFL CIFAR-10 4-conv/3-dense CNN
+  vgg9          FedLDF VGG-9 (8 conv + BN, 1 dense)
+  vgg11         SPATL VGG-11 (8-conv encoder, 3-dense predictor)
+  resnet20/32   SPATL CIFAR ResNets (option-A shortcuts)
+  preresnet18   HeteroFL/FedGSE pre-activation ResNet-18
+  cnn4          HeteroFL/FedGSE 4-conv "Conv" model (64-128-256-512)
+  cnn2          SPATL FEMNIST 2-conv CNN (FedAvg/LEAF)
+"""
+
+from __future__ import annotations
+
+from fedjax_sparse.models.cnn import cnn2, cnn4, spafl_cnn
+from fedjax_sparse.models.lenet import lenet5_caffe
+from fedjax_sparse.models.mlp import mlp
+from fedjax_sparse.models.resnet import preresnet18, resnet20, resnet32
+from fedjax_sparse.models.structure import Layer, Model, ModelFactory, ModelStructure
+from fedjax_sparse.models.vgg import vgg9, vgg11
+
+MODEL_NAMES = ('mlp', 'lenet5_caffe', 'spafl_cnn', 'vgg9', 'vgg11', 'resnet20', 'resnet32',
+               'preresnet18', 'cnn4', 'cnn2')
+
+_FACTORIES: dict[str, ModelFactory] = {
+    'mlp': mlp,
+    'lenet5_caffe': lenet5_caffe,
+    'spafl_cnn': spafl_cnn,
+    'vgg9': vgg9,
+    'vgg11': vgg11,
+    'resnet20': resnet20,
+    'resnet32': resnet32,
+    'preresnet18': preresnet18,
+    'cnn4': cnn4,
+    'cnn2': cnn2,
+}
+assert tuple(_FACTORIES) == MODEL_NAMES
+
+
+def get_model(name: str, input_shape: tuple[int, int, int], num_classes: int) -> Model:
+    """Builds model `name` for NHWC inputs of `input_shape` and `num_classes` outputs.
+
+    Raises ValueError for an unknown name, or when the model cannot take the
+    input shape (e.g. a net whose feature map would shrink to nothing).
+    """
+    if name not in _FACTORIES:
+        raise ValueError(f"unknown model {name!r}; valid models are {', '.join(MODEL_NAMES)}")
+    return _FACTORIES[name](tuple(int(d) for d in input_shape), int(num_classes))
+
+
+__all__ = ['MODEL_NAMES', 'get_model', 'Model', 'ModelStructure', 'Layer']

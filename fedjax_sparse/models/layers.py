@@ -1,0 +1,166 @@
+"""Pieces shared by the model zoo: masked BatchNorm, initializers, shape arithmetic.
+
+Initialization (all models):
+  * convolution kernels: He/Kaiming normal with fan_out, untruncated
+    (std = sqrt(2 / (kh * kw * out))), as torchvision's ResNets and the SPATL
+    code initialize their convolutions;
+  * dense kernels: Flax's default (LeCun normal);
+  * biases zero, BatchNorm scale one and bias zero.
+
+Padding is written out as explicit symmetric integers (`padding=1` for a 3x3
+"same" convolution) rather than Flax's 'SAME', so strided convolutions sample
+the same positions as PyTorch's (the option-A shortcut `x[:, ::2, ::2]` of the
+CIFAR ResNets relies on it: Flax's 'SAME' would pad only at the bottom/right
+for a stride-2 3x3 convolution on an even size).
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Iterable, Sequence
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from fedjax_sparse.models.structure import Layer, Part, Path
+
+BN_MOMENTUM = 0.9
+BN_EPSILON = 1e-5
+
+conv_kernel_init = nn.initializers.variance_scaling(2.0, "fan_out", "normal")
+
+
+class MaskedBatchNorm(nn.BatchNorm):
+    """`nn.BatchNorm` whose batch statistics skip padded examples.
+
+    Call it as `bn(x, mask=mask)` with `mask` a `[B]` boolean array (True for a
+    real example); it is reshaped to `[B, 1, ..., 1]` and handed to Flax's own
+    `mask` argument, so mean and variance are taken over the valid examples
+    (and all spatial positions) only. `mask=None` is plain BatchNorm; in eval
+    mode (running averages) the mask is ignored.
+
+    A batch with no valid example at all (a padded no-op step) would give 0/0
+    statistics; there the statistics are taken over the whole batch so the
+    outputs stay finite, and the running averages are left unchanged.
+
+    Parameters and statistics live exactly where `nn.BatchNorm` puts them
+    (`scale`/`bias` in `params`, `mean`/`var` in `batch_stats`).
+    """
+
+    @nn.compact
+    def __call__(self, x, use_running_average: bool | None = None, *,
+                 mask: jax.Array | None = None):
+        running = nn.merge_param("use_running_average", self.use_running_average,
+                                 use_running_average)
+        if mask is None or running:
+            return super().__call__(x, use_running_average)
+        mask = jnp.reshape(jnp.asarray(mask, bool), (x.shape[0],) + (1,) * (x.ndim - 1))
+        any_valid = jnp.any(mask)
+        track = (not self.is_initializing() and self.is_mutable_collection("batch_stats")
+                 and self.has_variable("batch_stats", "mean"))
+        if track:
+            old = {k: self.get_variable("batch_stats", k) for k in ("mean", "var")}
+        y = super().__call__(x, use_running_average, mask=jnp.logical_or(mask, ~any_valid))
+        if track:
+            for k, v in old.items():
+                self.put_variable("batch_stats", k,
+                                  jnp.where(any_valid, self.get_variable("batch_stats", k), v))
+        return y
+
+
+def batch_norm(train: bool, name: str) -> MaskedBatchNorm:
+    """The BatchNorm every model uses (PyTorch's defaults: momentum 0.1 = Flax 0.9, eps 1e-5)."""
+    return MaskedBatchNorm(use_running_average=not train, momentum=BN_MOMENTUM,
+                           epsilon=BN_EPSILON, name=name)
+
+
+def conv(features: int, kernel: int, *, name: str, stride: int = 1, padding: int = 0,
+         use_bias: bool = True) -> nn.Conv:
+    return nn.Conv(features, (kernel, kernel), strides=(stride, stride), padding=padding,
+                   use_bias=use_bias, kernel_init=conv_kernel_init, name=name)
+
+
+def dense(features: int, *, name: str, use_bias: bool = True) -> nn.Dense:
+    return nn.Dense(features, use_bias=use_bias, name=name)
+
+
+def max_pool2(x: jax.Array) -> jax.Array:
+    """2x2 max pooling, stride 2, floor (PyTorch's MaxPool2d(2))."""
+    return nn.max_pool(x, (2, 2), strides=(2, 2), padding="VALID")
+
+
+def flatten(x: jax.Array) -> jax.Array:
+    """NHWC -> [B, H*W*C], channel fastest (the order `Layer.input_repeat` assumes)."""
+    return x.reshape(x.shape[0], -1)
+
+
+def global_avg_pool(x: jax.Array) -> jax.Array:
+    return jnp.mean(x, axis=(1, 2))
+
+
+# ---------------------------------------------------------------- shapes
+
+def conv_out(size: int, kernel: int, stride: int = 1, padding: int = 0) -> int:
+    """Output length of a convolution along one spatial axis (PyTorch's formula)."""
+    return (size + 2 * padding - kernel) // stride + 1
+
+
+def pool_out(size: int) -> int:
+    return size // 2
+
+
+def min_valid_size(sizes: Callable[[int], Sequence[int]], limit: int = 4096) -> int:
+    """Smallest input side for which every intermediate size of `sizes(side)` is >= 1."""
+    for side in range(1, limit + 1):
+        if min(sizes(side)) >= 1:
+            return side
+    raise ValueError(f"no input side up to {limit} is valid")
+
+
+def check_input(model_name: str, input_shape: tuple[int, int, int],
+                sizes: Callable[[int], Sequence[int]] | None = None) -> None:
+    """Raises a one-line ValueError when `input_shape` is malformed or too small.
+
+    `sizes(side)` lists the spatial side after every convolution/pooling of the
+    model for an input side `side` (the same chain applies to H and W).
+    """
+    if len(input_shape) != 3 or any(int(d) < 1 for d in input_shape):
+        raise ValueError(f"{model_name} needs an input shape (H, W, C) of positive sizes, "
+                         f"got {tuple(input_shape)}")
+    if sizes is None:
+        return
+    h, w, c = input_shape
+    if min(sizes(h)) < 1 or min(sizes(w)) < 1:
+        side = min_valid_size(sizes)
+        raise ValueError(f"{model_name} needs inputs of at least {side}x{side}, got {h}x{w}x{c}")
+
+
+def check_classes(model_name: str, num_classes: int) -> None:
+    if int(num_classes) < 1:
+        raise ValueError(f"{model_name} needs num_classes >= 1, got {num_classes}")
+
+
+# ---------------------------------------------------------------- structure
+
+def layer_name(path: Path) -> str:
+    """The structure name of the layer whose module path is `path`: 'stage1_block2.conv1'."""
+    return ".".join(path)
+
+
+def conv_layer(path: Path, *, kernel: int, in_units: int, units: int, output_hw: int,
+               inputs_from: Iterable[str], bias: bool, norm: Path | None,
+               part: Part = "shared", unit_group: str | None = None) -> Layer:
+    return Layer(name=layer_name(path), kind="conv", kernel=path + ("kernel",),
+                 bias=path + ("bias",) if bias else None, norm=norm, num_units=units,
+                 fan_in=kernel * kernel * in_units, inputs_from=tuple(inputs_from),
+                 input_repeat=1, unit_group=unit_group, part=part, output_hw=output_hw)
+
+
+def dense_layer(path: Path, *, in_units: int, units: int, inputs_from: Iterable[str],
+                bias: bool, norm: Path | None, input_repeat: int = 1,
+                part: Part = "shared", unit_group: str | None = None) -> Layer:
+    """A dense layer reading `in_units` producer units, each `input_repeat` times."""
+    return Layer(name=layer_name(path), kind="dense", kernel=path + ("kernel",),
+                 bias=path + ("bias",) if bias else None, norm=norm, num_units=units,
+                 fan_in=in_units * input_repeat, inputs_from=tuple(inputs_from),
+                 input_repeat=input_repeat, unit_group=unit_group, part=part, output_hw=1)

@@ -1,0 +1,49 @@
+"""`mlp`: a two-hidden-layer perceptron, the small model for quick runs.
+
+flatten -> Dense 256 -> ReLU -> Dense 256 -> ReLU -> Dense num_classes, all
+with biases, no normalization. On 8x8x1 digits with 10 classes:
+64*256+256 + 256*256+256 + 256*10+10 = 85,002 parameters. No paper splits it,
+so every layer is part='shared'. The first layer consumes the image channels,
+each H*W times (`input_repeat`).
+"""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+
+from fedjax_sparse.models import layers as L
+from fedjax_sparse.models.structure import Model, ModelStructure
+
+HIDDEN = (256, 256)
+
+
+class MLP(nn.Module):
+    num_classes: int
+    hidden: tuple[int, ...] = HIDDEN
+
+    @nn.compact
+    def __call__(self, x: jax.Array, train: bool, mask: jax.Array | None = None) -> jax.Array:
+        del train, mask  # no normalization
+        x = L.flatten(x)
+        for i, width in enumerate(self.hidden):
+            x = nn.relu(L.dense(width, name=f"fc{i + 1}")(x))
+        return L.dense(self.num_classes, name=f"fc{len(self.hidden) + 1}")(x)
+
+
+def mlp(input_shape: tuple[int, int, int], num_classes: int) -> Model:
+    L.check_input("mlp", input_shape)
+    L.check_classes("mlp", num_classes)
+    h, w, c = input_shape
+    widths = HIDDEN + (num_classes,)
+    layers, prev, prev_units, repeat = [], "input", c, h * w
+    for i, width in enumerate(widths):
+        layer = L.dense_layer((f"fc{i + 1}",), in_units=prev_units, units=width,
+                              inputs_from=(prev,), input_repeat=repeat, bias=True, norm=None)
+        layers.append(layer)
+        prev, prev_units, repeat = layer.name, width, 1
+    return Model(
+        name="mlp", module=MLP(num_classes=num_classes), input_shape=tuple(input_shape),
+        num_classes=num_classes, structure=ModelStructure(tuple(layers)),
+        description=(f"MLP: flatten {h}x{w}x{c} -> dense 256 -> ReLU -> dense 256 -> ReLU -> "
+                     f"dense {num_classes}; biases, no normalization."))

@@ -1,0 +1,225 @@
+"""Residual networks: `resnet20`, `resnet32` (SPATL) and `preresnet18` (HeteroFL/FedGSE).
+
+`resnet20` / `resnet32` -- He et al.'s CIFAR ResNet, depth 6n+2 with n = 3, 5:
+  stem conv 16@3x3 + BN + ReLU (part='private': SPATL's code aggregates only
+  `encoder` = the three stages, so the stem stays on the client), three stages
+  of n basic blocks with 16, 32, 64 channels and strides 1, 2, 2
+  (part='encoder'), global average pool, dense num_classes (part='predictor').
+  Block: conv3x3-BN-ReLU-conv3x3-BN, plus the shortcut, then ReLU. Convs have
+  no bias; the dense layer has one.
+  Shortcut option A (no parameters): identity, or on a downsampling block
+  x[:, ::2, ::2, :] zero-padded with planes//4 channels on each side.
+  (SPATL's released code instead appends all the zero channels after the kept
+  ones, i.e. a shift of 0; the parameter count is the same.)
+  On 32x32x3 with 10 classes (BN scale/bias counted, running stats not):
+    ResNet-20: 432 + 32 (stem) + 13,824 + 192 (stage 1) + 50,688 + 384
+               (stage 2) + 202,752 + 768 (stage 3) + 650 (dense) = 269,722;
+    ResNet-32: 464 + 23,360 + 88,192 + 351,488 + 650 = 464,154.
+  Unit groups: the stem's output and every stage-1 block's second conv are
+  added together, so they share group 'stage1'; in stages 2 and 3 the blocks'
+  second convs share 'stage2' / 'stage3'. The option-A padding also adds the
+  units of stage k into stage k+1 with a channel shift of planes//4 (stage-k
+  unit i lands on stage-(k+1) unit i + planes//4), a relation `ModelStructure`
+  cannot state: consumers in stage k+1 list only stage-(k+1) producers in
+  `inputs_from`. A layer reading the stream lists every group member summed
+  into it so far (e.g. stage1_block2.conv1 reads ('conv1', 'stage1_block1.conv2')).
+  Any input side >= 1 works (global average pooling).
+
+`preresnet18` -- pre-activation ResNet-18 (He et al. 2016) as HeteroFL and
+  FedGSE use it: stem conv 64@3x3 stride 1; four stages of 2 pre-activation
+  blocks with 64, 128, 256, 512 channels (strides 1, 2, 2, 2); final BN-ReLU,
+  global average pool, dense num_classes. Block: BN-ReLU, then
+  conv3x3-BN-ReLU-conv3x3, added to the shortcut: identity, or a 1x1 conv
+  projection (of the pre-activated input) when the stride or width changes.
+  Convs have no bias. part='shared'. On 32x32x3 with 10 classes: 11,172,170
+  parameters ("11.2 M" in HeteroFL's table for CIFAR-10).
+  Normalization: in pre-activation nets a BN precedes the conv that reads it.
+  Each BN is assigned to the layer whose *output units* it normalizes: a
+  block's bn2 belongs to that block's conv1; the bn1 of the next block (or
+  the final BN) normalizes the residual stream and belongs to the stream's
+  most recent producer, the previous block's conv2 (the stem for
+  stage1_block1.bn1). Projection shortcuts share the unit group of their
+  stage's conv2s and carry norm=None. Groups: 'stage1'..'stage4' (the stem is
+  in 'stage1'); projections cut the stream, so stages are not related.
+  HeteroFL/FedGSE's `Scaler` and static BN are left to the algorithms.
+"""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from fedjax_sparse.models import layers as L
+from fedjax_sparse.models.structure import Layer, Model, ModelStructure
+
+# ------------------------------------------------------------------ CIFAR ResNet
+
+CIFAR_WIDTHS = (16, 32, 64)
+
+
+class BasicBlock(nn.Module):
+    planes: int
+    stride: int
+
+    @nn.compact
+    def __call__(self, x: jax.Array, train: bool, mask: jax.Array | None = None) -> jax.Array:
+        y = L.conv(self.planes, 3, stride=self.stride, padding=1, use_bias=False, name="conv1")(x)
+        y = nn.relu(L.batch_norm(train, "bn1")(y, mask=mask))
+        y = L.conv(self.planes, 3, padding=1, use_bias=False, name="conv2")(y)
+        y = L.batch_norm(train, "bn2")(y, mask=mask)
+        shortcut = x
+        if self.stride != 1 or x.shape[-1] != self.planes:
+            # Option A: subsample and zero-pad planes // 4 channels on each side.
+            pad = self.planes // 4
+            if x.shape[-1] + 2 * pad != self.planes:
+                raise ValueError(f"option-A shortcut cannot map {x.shape[-1]} to "
+                                 f"{self.planes} channels")
+            shortcut = x[:, ::self.stride, ::self.stride, :]
+            shortcut = jnp.pad(shortcut, ((0, 0), (0, 0), (0, 0), (pad, pad)))
+        return nn.relu(y + shortcut)
+
+
+class CifarResNet(nn.Module):
+    num_classes: int
+    blocks_per_stage: int
+
+    @nn.compact
+    def __call__(self, x: jax.Array, train: bool, mask: jax.Array | None = None) -> jax.Array:
+        x = L.conv(CIFAR_WIDTHS[0], 3, padding=1, use_bias=False, name="conv1")(x)
+        x = nn.relu(L.batch_norm(train, "bn1")(x, mask=mask))
+        for s, planes in enumerate(CIFAR_WIDTHS, start=1):
+            for b in range(1, self.blocks_per_stage + 1):
+                stride = 2 if s > 1 and b == 1 else 1
+                x = BasicBlock(planes, stride, name=f"stage{s}_block{b}")(x, train, mask)
+        return L.dense(self.num_classes, name="fc")(L.global_avg_pool(x))
+
+
+def _cifar_resnet(name: str, n: int, input_shape, num_classes: int) -> Model:
+    L.check_input(name, input_shape)
+    L.check_classes(name, num_classes)
+    h, w, c = input_shape
+    layers: list[Layer] = [
+        L.conv_layer(("conv1",), kernel=3, in_units=c, units=CIFAR_WIDTHS[0], output_hw=h * w,
+                     inputs_from=("input",), bias=False, norm=("bn1",), part="private",
+                     unit_group="stage1")]
+    stream, units = ["conv1"], CIFAR_WIDTHS[0]
+    for s, planes in enumerate(CIFAR_WIDTHS, start=1):
+        for b in range(1, n + 1):
+            stride = 2 if s > 1 and b == 1 else 1
+            h, w = L.conv_out(h, 3, stride, 1), L.conv_out(w, 3, stride, 1)
+            blk = f"stage{s}_block{b}"
+            conv1 = L.conv_layer((blk, "conv1"), kernel=3, in_units=units, units=planes,
+                                 output_hw=h * w, inputs_from=stream, bias=False,
+                                 norm=(blk, "bn1"), part="encoder")
+            conv2 = L.conv_layer((blk, "conv2"), kernel=3, in_units=planes, units=planes,
+                                 output_hw=h * w, inputs_from=(conv1.name,), bias=False,
+                                 norm=(blk, "bn2"), part="encoder", unit_group=f"stage{s}")
+            layers += [conv1, conv2]
+            # A downsampling block starts a new stream (see the docstring).
+            stream = [conv2.name] if planes != units or stride != 1 else stream + [conv2.name]
+            units = planes
+    layers.append(L.dense_layer(("fc",), in_units=units, units=num_classes, inputs_from=stream,
+                                bias=True, norm=None, part="predictor"))
+    return Model(
+        name=name, module=CifarResNet(num_classes=num_classes, blocks_per_stage=n),
+        input_shape=tuple(input_shape), num_classes=num_classes,
+        structure=ModelStructure(tuple(layers)),
+        description=(f"ResNet-{6 * n + 2} (CIFAR, He et al.; SPATL): stem conv 16@3x3 + BN + ReLU "
+                     f"(private); 3 stages x {n} basic blocks (conv3x3-BN-ReLU-conv3x3-BN + "
+                     "option-A shortcut, ReLU), widths 16/32/64, strides 1/2/2 (encoder); "
+                     f"global average pool; dense {num_classes} (predictor). No conv biases."))
+
+
+def resnet20(input_shape: tuple[int, int, int], num_classes: int) -> Model:
+    return _cifar_resnet("resnet20", 3, input_shape, num_classes)
+
+
+def resnet32(input_shape: tuple[int, int, int], num_classes: int) -> Model:
+    return _cifar_resnet("resnet32", 5, input_shape, num_classes)
+
+
+# ------------------------------------------------------------------ PreAct ResNet-18
+
+PRERESNET_WIDTHS = (64, 128, 256, 512)
+PRERESNET_BLOCKS = (2, 2, 2, 2)
+
+
+class PreActBlock(nn.Module):
+    planes: int
+    stride: int
+
+    @nn.compact
+    def __call__(self, x: jax.Array, train: bool, mask: jax.Array | None = None) -> jax.Array:
+        out = nn.relu(L.batch_norm(train, "bn1")(x, mask=mask))
+        shortcut = x
+        if self.stride != 1 or x.shape[-1] != self.planes:
+            shortcut = L.conv(self.planes, 1, stride=self.stride, use_bias=False,
+                              name="shortcut")(out)
+        y = L.conv(self.planes, 3, stride=self.stride, padding=1, use_bias=False, name="conv1")(out)
+        y = nn.relu(L.batch_norm(train, "bn2")(y, mask=mask))
+        y = L.conv(self.planes, 3, padding=1, use_bias=False, name="conv2")(y)
+        return y + shortcut
+
+
+def _preresnet_blocks() -> list[tuple[str, int, int, int]]:
+    """(block name, stage, planes, stride) in forward order."""
+    out = []
+    for s, (planes, n) in enumerate(zip(PRERESNET_WIDTHS, PRERESNET_BLOCKS), start=1):
+        for b in range(1, n + 1):
+            out.append((f"stage{s}_block{b}", s, planes, 2 if s > 1 and b == 1 else 1))
+    return out
+
+
+class PreActResNet18(nn.Module):
+    num_classes: int
+
+    @nn.compact
+    def __call__(self, x: jax.Array, train: bool, mask: jax.Array | None = None) -> jax.Array:
+        x = L.conv(PRERESNET_WIDTHS[0], 3, padding=1, use_bias=False, name="conv1")(x)
+        for blk, _, planes, stride in _preresnet_blocks():
+            x = PreActBlock(planes, stride, name=blk)(x, train, mask)
+        x = nn.relu(L.batch_norm(train, "bn_final")(x, mask=mask))
+        return L.dense(self.num_classes, name="fc")(L.global_avg_pool(x))
+
+
+def preresnet18(input_shape: tuple[int, int, int], num_classes: int) -> Model:
+    L.check_input("preresnet18", input_shape)
+    L.check_classes("preresnet18", num_classes)
+    h, w, c = input_shape
+    blocks = _preresnet_blocks()
+    # The BN that normalizes the stream leaving block k: bn1 of block k+1, or the final BN.
+    stream_norm = [(blocks[k + 1][0], "bn1") for k in range(len(blocks) - 1)] + [("bn_final",)]
+    layers: list[Layer] = [
+        L.conv_layer(("conv1",), kernel=3, in_units=c, units=PRERESNET_WIDTHS[0],
+                     output_hw=h * w, inputs_from=("input",), bias=False,
+                     norm=(blocks[0][0], "bn1"), unit_group="stage1")]
+    stream, units = ["conv1"], PRERESNET_WIDTHS[0]
+    for k, (blk, s, planes, stride) in enumerate(blocks):
+        h, w = L.conv_out(h, 3, stride, 1), L.conv_out(w, 3, stride, 1)
+        group = f"stage{s}"
+        if stride != 1 or units != planes:
+            shortcut = L.conv_layer((blk, "shortcut"), kernel=1, in_units=units, units=planes,
+                                    output_hw=h * w, inputs_from=stream, bias=False, norm=None,
+                                    unit_group=group)
+            layers.append(shortcut)
+            residual = [shortcut.name]
+        else:
+            residual = stream
+        conv1 = L.conv_layer((blk, "conv1"), kernel=3, in_units=units, units=planes,
+                             output_hw=h * w, inputs_from=stream, bias=False, norm=(blk, "bn2"))
+        conv2 = L.conv_layer((blk, "conv2"), kernel=3, in_units=planes, units=planes,
+                             output_hw=h * w, inputs_from=(conv1.name,), bias=False,
+                             norm=stream_norm[k], unit_group=group)
+        layers += [conv1, conv2]
+        stream, units = residual + [conv2.name], planes
+    layers.append(L.dense_layer(("fc",), in_units=units, units=num_classes, inputs_from=stream,
+                                bias=True, norm=None))
+    return Model(
+        name="preresnet18", module=PreActResNet18(num_classes=num_classes),
+        input_shape=tuple(input_shape), num_classes=num_classes,
+        structure=ModelStructure(tuple(layers)),
+        description=("Pre-activation ResNet-18 (HeteroFL/FedGSE): stem conv 64@3x3; 4 stages x 2 "
+                     "blocks (BN-ReLU-conv3x3-BN-ReLU-conv3x3 + identity or 1x1 projection), "
+                     "widths 64/128/256/512, strides 1/2/2/2; final BN-ReLU; global average pool; "
+                     f"dense {num_classes}. No conv biases."))
