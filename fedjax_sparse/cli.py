@@ -39,8 +39,20 @@ def _run_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--eval-every", type=int, default=d.eval_every)
     p.add_argument("--mu", type=float, default=d.mu, help="FedProx proximal coefficient")
     p.add_argument("--server-lr", type=float, default=d.server_lr, help="SCAFFOLD server learning rate")
+    p.add_argument("--sparsity-coef", type=float, default=d.sparsity_coef,
+                   help="SpaFL: alpha, the weight of sum(exp(-threshold)) in the loss")
+    p.add_argument("--no-weight-bounds", dest="weight_bounds", action="store_false",
+                   help="SpaFL: do not clip weights to [-1, 1] and thresholds to [0, 1] after each step")
+    p.add_argument("--no-threshold-update", dest="threshold_update", action="store_false",
+                   help="SpaFL: skip the weight update from the change of the global thresholds (eq. 13)")
+    p.add_argument("--clients-per-layer", type=int, default=d.clients_per_layer,
+                   help="FedLDF: n, the clients that upload each layer")
     p.add_argument("--shard-clients", action="store_true",
                    help="shard the sampled clients over all local devices")
+    p.add_argument("--max-train-examples", type=int, default=d.max_train_examples,
+                   help="use a random subset of this many training examples (quick runs)")
+    p.add_argument("--max-test-examples", type=int, default=d.max_test_examples,
+                   help="use a random subset of this many test examples (quick runs)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--out", default=d.out, help="directory for config, metrics, summary and plot")
     return p

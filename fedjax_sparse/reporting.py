@@ -51,20 +51,21 @@ class RunWriter:
         return path
 
 
-def plot_accuracy(histories: dict[str, list[dict]], path: Path, title: str) -> None:
-    """Accuracy against rounds and against cumulative bytes, one line per named run."""
+def plot_accuracy(histories: dict[str, list[dict]], path: Path, title: str,
+                  metrics: tuple[str, ...] = ("test_accuracy", "personalized_accuracy")) -> None:
+    """Accuracy against rounds and against cumulative bytes, one line per named run and metric."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, (by_round, by_bytes) = plt.subplots(1, 2, figsize=(11, 4))
     for name, history in histories.items():
-        for key, style in (("test_accuracy", "-"), ("personalized_accuracy", "--")):
+        for key, style in zip(metrics, ("-", "--", ":")):
             points = [(h["round"], h["cumulative_bytes"], h[key]) for h in history if h.get(key) is not None]
             if not points:
                 continue
             rounds, nbytes, acc = zip(*points)
-            label = f"{name} {key.replace('_accuracy', '')}"
+            label = f"{name} {key.replace('_accuracy', '')}" if len(metrics) > 1 else name
             by_round.plot(rounds, acc, style, label=label)
             by_bytes.plot([b / 1e6 for b in nbytes], acc, style, label=label)
     by_round.set_xlabel("round")

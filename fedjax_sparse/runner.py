@@ -50,7 +50,13 @@ class RunConfig:
     eval_every: int = 1
     mu: float = 0.01
     server_lr: float = 1.0
+    sparsity_coef: float = 0.002
+    weight_bounds: bool = True
+    threshold_update: bool = True
+    clients_per_layer: int = 4
     shard_clients: bool = False
+    max_train_examples: int | None = None
+    max_test_examples: int | None = None
     out: str = "runs/default"
 
     def validate(self) -> None:
@@ -96,7 +102,8 @@ class Experiment:
 
 def build_experiment(config: RunConfig) -> Experiment:
     config.validate()
-    dataset = load_dataset(config.dataset)
+    dataset = load_dataset(config.dataset).subset(config.max_train_examples, config.max_test_examples,
+                                                  config.seed)
     if config.partition == "labels" and config.labels_per_client > dataset.num_classes:
         raise ValueError(f"--labels-per-client {config.labels_per_client} exceeds the "
                          f"{dataset.num_classes} classes of {config.dataset}")

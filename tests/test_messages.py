@@ -27,6 +27,11 @@ def test_sparse_leaves_cost_values_plus_cheaper_index_encoding():
     # 900 values + a 125-byte bitmask (an index list would be 1800 bytes).
     assert int(message_bytes(many)) == 900 * 4 + 125
     assert int(jax.jit(message_bytes)({"s": few, "d": jnp.zeros(3)})) == 60 + 12
+    # A leaf sent whole goes dense (no index); a leaf not sent costs nothing.
+    assert int(message_bytes(SparseArray(values=jnp.ones(1000), mask=jnp.ones(1000, bool)))) == 4000
+    assert int(message_bytes(SparseArray(values=jnp.ones(1000), mask=jnp.zeros(1000, bool)))) == 0
+    # 990 of 1000: values + bitmask (3960 + 125) exceed the dense 4000 bytes.
+    assert int(message_bytes(SparseArray(values=jnp.ones(1000), mask=jnp.arange(1000) < 990))) == 4000
     assert [index_itemsize(n) for n in (256, 257, 65536, 65537)] == [1, 2, 2, 4]
 
 
@@ -48,3 +53,13 @@ def test_round_bytes_equal_analytic_counts(make_split, name, up_factor, down_fac
     _, _, out = build_round(algorithm, split, 3, seed=0)(server, clients, 0)
     np.testing.assert_array_equal(out.uplink_bytes, [up_factor * num_params * 4 + extra_up] * 3)
     np.testing.assert_array_equal(out.downlink_bytes, [down_factor * num_params * 4] * 3)
+
+
+def test_masked_mean_weights_only_the_senders_and_keeps_the_rest():
+    from fedjax_sparse.core.aggregation import masked_mean
+    x = jnp.array([[1.0, 2.0, 3.0], [5.0, 6.0, 7.0], [9.0, 10.0, 11.0]])
+    m = jnp.array([[True, True, False], [True, False, False], [False, True, False]])
+    w = jnp.array([1.0, 3.0, 4.0])
+    out = masked_mean({"a": x}, {"a": m}, w, {"a": jnp.array([-1.0, -1.0, -1.0])})
+    # entry 0: (1*1 + 3*5) / 4; entry 1: (1*2 + 4*10) / 5; entry 2: nobody sent it.
+    np.testing.assert_allclose(out["a"], [4.0, 8.4, -1.0], rtol=1e-6)

@@ -27,3 +27,24 @@ def weighted_mean(stacked: Any, weights: jax.Array) -> Any:
 
 def uniform_mean(stacked: Any) -> Any:
     return jax.tree_util.tree_map(lambda leaf: jnp.mean(leaf, axis=0), stacked)
+
+
+def masked_mean(stacked: Any, masks: Any, weights: jax.Array, fallback: Any) -> Any:
+    """Per entry, sum_k w_k m_k x_k / sum_k w_k m_k over the clients that sent it.
+
+    `masks` has the structure and shapes of `stacked` (or broadcasts to them);
+    entries no client sent keep their `fallback` value (the previous global
+    model), so partial uploads (FedLDF layers, SPATL channels, sub-models)
+    aggregate with one function.
+    """
+    w = weights.astype(jnp.float32)
+
+    def mean(leaf, mask, old):
+        chex.assert_axis_dimension(leaf, 0, w.shape[0])
+        m = jnp.broadcast_to(mask, leaf.shape).astype(jnp.float32)
+        wm = m * w.reshape((-1,) + (1,) * (leaf.ndim - 1))
+        total = jnp.sum(wm, axis=0)
+        summed = jnp.sum(wm * leaf.astype(jnp.float32), axis=0)
+        return jnp.where(total > 0, summed / jnp.where(total > 0, total, 1.0), old).astype(leaf.dtype)
+
+    return jax.tree_util.tree_map(mean, stacked, masks, fallback)

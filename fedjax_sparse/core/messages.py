@@ -2,9 +2,12 @@
 
 Messages are pytrees. A dense leaf costs size x itemsize bytes. A `SparseArray`
 keeps a static dense shape (so vmap and jit are happy) plus a mask of the
-entries that are sent; it costs nnz x itemsize for the values plus the cheaper
-index encoding: a bitmask (ceil(size / 8) bytes) or an index list (nnz times the
-smallest of 1, 2, 4 bytes that can address `size`). One function prices every
+entries that are sent; its sparse encoding costs nnz x itemsize for the values
+plus the cheaper index encoding: a bitmask (ceil(size / 8) bytes) or an index
+list (nnz times the smallest of 1, 2, 4 bytes that can address `size`). A
+sender picks the cheaper of that and the plain dense encoding, so a leaf sent
+whole costs what a dense leaf costs and a leaf not sent costs nothing (the one
+bit saying which encoding was used is not counted). One function prices every
 message of every algorithm, inside jit.
 """
 
@@ -41,7 +44,8 @@ def _sparse_bytes(leaf: SparseArray) -> jax.Array:
     nnz = jnp.sum(leaf.mask.astype(jnp.int32))
     index_list = nnz * index_itemsize(size)
     bitmask = (size + 7) // 8
-    return nnz * leaf.values.dtype.itemsize + jnp.minimum(index_list, bitmask)
+    itemsize = leaf.values.dtype.itemsize
+    return jnp.minimum(nnz * itemsize + jnp.minimum(index_list, bitmask), size * itemsize)
 
 
 def message_bytes(message: Any) -> jax.Array:

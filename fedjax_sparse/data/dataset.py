@@ -42,3 +42,18 @@ class ImageDataset:
     @property
     def input_shape(self) -> tuple[int, int, int]:
         return tuple(self.x_train.shape[1:])
+
+    def subset(self, max_train: int | None, max_test: int | None, seed: int) -> "ImageDataset":
+        """A random subset of each split (for quick runs); None keeps a split whole."""
+
+        def pick(n, limit, salt):
+            if limit is None or limit >= n:
+                return np.arange(n)
+            if limit < 1:
+                raise ValueError(f"a subset needs at least one example, got {limit}")
+            return np.sort(np.random.default_rng([seed, salt]).permutation(n)[:limit])
+
+        train = pick(len(self.y_train), max_train, 0)
+        test = pick(len(self.y_test), max_test, 1)
+        return dataclasses.replace(self, x_train=self.x_train[train], y_train=self.y_train[train],
+                                   x_test=self.x_test[test], y_test=self.y_test[test])

@@ -1,0 +1,1 @@
+"""Paper settings as runnable modules: `python -m experiments.NAME [--quick]`."""

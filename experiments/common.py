@@ -1,0 +1,152 @@
+"""Paper settings side by side: named configurations, one run per compared algorithm, a table and a plot.
+
+An experiment module defines one or more `Setting`s and calls `main(SETTINGS)`;
+`python -m experiments.NAME [--quick] [--setting S] [--out DIR]` then runs every
+arm of the setting and writes, per setting, `results.md`, `results.csv` and
+`comparison.png` (accuracy against rounds and against cumulative bytes).
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import dataclasses
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any, Sequence
+
+from fedjax_sparse.reporting import device_description, plot_accuracy
+from fedjax_sparse.runner import DivergenceError, RunConfig, run_experiment
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def cifar10_folder() -> str:
+    """The CIFAR-10 image folder: $FEDJAX_SPARSE_CIFAR10, else ../shared/data/cifar10-jpeg beside the repo."""
+    return os.environ.get("FEDJAX_SPARSE_CIFAR10", str(REPO.parent / "shared" / "data" / "cifar10-jpeg"))
+
+
+@dataclasses.dataclass(frozen=True)
+class Arm:
+    """One compared algorithm: a label, its config overrides and the paper's figures for it."""
+
+    label: str
+    overrides: dict
+    paper: dict = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass(frozen=True)
+class Setting:
+    """A paper's experimental setting.
+
+    config: the shared configuration as the paper states it.
+    arms: the algorithms compared.
+    target_accuracy: for the "rounds to target" column.
+    metric: 'test_accuracy' (global model) or 'personalized_accuracy'.
+    quick: overrides that make a CPU-sized version of the setting.
+    extra_columns: metrics.jsonl/summary keys to report too (e.g. 'density').
+    """
+
+    name: str
+    description: str
+    config: RunConfig
+    arms: tuple[Arm, ...]
+    target_accuracy: float
+    metric: str = "test_accuracy"
+    quick: dict = dataclasses.field(default_factory=dict)
+    extra_columns: tuple[str, ...] = ()
+
+    def arm_config(self, arm: Arm, out: Path, quick: bool) -> RunConfig:
+        fields = {**(self.quick if quick else {}), **arm.overrides, "out": str(out / arm.label)}
+        return dataclasses.replace(self.config, **fields)
+
+
+def rounds_to_target(history: list[dict], metric: str, target: float) -> int | None:
+    for record in history:
+        if record.get(metric) is not None and record[metric] >= target:
+            return record["round"]
+    return None
+
+
+def arm_row(setting: Setting, arm: Arm, config: RunConfig, history: list[dict], summary: dict) -> dict:
+    metric = setting.metric
+    values = [h[metric] for h in history if h.get(metric) is not None]
+    per_client_round = summary["cumulative_bytes"] / (config.rounds * config.clients_per_round)
+    row = {
+        "algorithm": arm.label,
+        "final_accuracy": values[-1] if values else None,
+        "best_accuracy": max(values) if values else None,
+        f"rounds_to_{setting.target_accuracy:g}": rounds_to_target(history, metric, setting.target_accuracy),
+        "total_gbit": summary["cumulative_bytes"] * 8 / 1e9,
+        "uplink_gbit": summary["total_uplink_bytes"] * 8 / 1e9,
+        "mb_per_client_round": per_client_round / 1e6,
+    }
+    for key in setting.extra_columns:
+        last = next((h[key] for h in reversed(history) if key in h), summary.get(key))
+        row[key] = last
+    for key, value in arm.paper.items():
+        row[f"paper: {key}"] = value
+    return row
+
+
+def run_setting(setting: Setting, out_root: Path, quick: bool, progress: bool = True,
+                command: str = "") -> list[dict]:
+    out = out_root / setting.name
+    out.mkdir(parents=True, exist_ok=True)
+    rows, histories = [], {}
+    for arm in setting.arms:
+        config = setting.arm_config(arm, out, quick)
+        print(f"[{setting.name}] {arm.label}: {config.algorithm} for {config.rounds} rounds", flush=True)
+        summary = run_experiment(config, progress=progress)
+        history = [json.loads(line) for line in (Path(config.out) / "metrics.jsonl").read_text().splitlines()]
+        histories[arm.label] = history
+        rows.append(arm_row(setting, arm, config, history, summary))
+    write_table(rows, out, setting, quick, command)
+    plot_accuracy(histories, out / "comparison.png", f"{setting.name}{' (quick)' if quick else ''}",
+                  metrics=(setting.metric,))
+    return rows
+
+
+def _cell(value: Any) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    return str(value)
+
+
+def write_table(rows: list[dict], out: Path, setting: Setting, quick: bool, command: str) -> None:
+    columns = list(dict.fromkeys(k for row in rows for k in row))
+    with (out / "results.csv").open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=columns)
+        writer.writeheader()
+        writer.writerows(rows)
+    lines = [f"# {setting.name}{' (quick)' if quick else ''}", "", setting.description, "",
+             f"Accuracy: {setting.metric}. Device: {device_description()}.", f"Command: `{command}`", "",
+             "| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(_cell(row.get(c)) for c in columns) + " |" for row in rows]
+    (out / "results.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines[-len(rows) - 2:]))
+
+
+def main(settings: dict[str, Setting], module: str, argv: Sequence[str] | None = None) -> int:
+    """Command line of an experiment module `module` (e.g. 'experiments.baselines_digits')."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = argparse.ArgumentParser(prog=f"python -m {module}",
+                                     description="Runs a paper's setting and tabulates it.")
+    parser.add_argument("--quick", action="store_true", help="the reduced, CPU-sized version")
+    parser.add_argument("--setting", choices=sorted(settings), action="append",
+                        help="run only these settings (default: all)")
+    parser.add_argument("--out", default="runs/experiments", help="root directory of the outputs")
+    parser.add_argument("--no-progress", action="store_true")
+    args = parser.parse_args(argv)
+    try:
+        for name in args.setting or list(settings):
+            run_setting(settings[name], Path(args.out), args.quick, progress=not args.no_progress,
+                        command=" ".join(["python -m", module, *argv]))
+    except (ValueError, FileNotFoundError, DivergenceError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
