@@ -4,14 +4,19 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import sys
+from pathlib import Path
 
 from fedjax_sparse.algorithms import ALGORITHM_NAMES
 from fedjax_sparse.models import MODEL_NAMES
 
 
 
-def _run_parser(sub) -> argparse.ArgumentParser:
+_UNSET = object()
+
+
+def _run_parser(sub, suppress_defaults: bool = False) -> argparse.ArgumentParser:
     from fedjax_sparse.runner import RunConfig
     d = RunConfig()
     p = sub.add_parser("run", help="run one federated experiment",
@@ -53,26 +58,56 @@ def _run_parser(sub) -> argparse.ArgumentParser:
                    help="use a random subset of this many training examples (quick runs)")
     p.add_argument("--max-test-examples", type=int, default=d.max_test_examples,
                    help="use a random subset of this many test examples (quick runs)")
+    p.add_argument("--checkpoint-every", type=int, default=d.checkpoint_every,
+                   help="save the whole run state every R rounds (and at the end and on Ctrl-C)")
+    p.add_argument("--resume", metavar="DIR", default=None,
+                   help="continue the run in DIR from its latest checkpoint; its config.json is the "
+                        "default for every flag, and flags that would change the results are refused")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--out", default=d.out, help="directory for config, metrics, summary and plot")
+    if suppress_defaults:  # to learn which flags were given explicitly
+        p.set_defaults(**{action.dest: _UNSET for action in p._actions})
     return p
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parser(suppress_defaults: bool = False) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="fedjax-sparse",
                                      description="Communication-efficient, sparse federated learning in JAX.")
     sub = parser.add_subparsers(dest="command", required=True)
-    _run_parser(sub)
-    args = parser.parse_args(argv)
+    _run_parser(sub, suppress_defaults)
+    return parser
 
-    from fedjax_sparse.runner import DivergenceError, RunConfig, run_experiment
+
+def _config(args: argparse.Namespace, argv: list[str] | None):
+    """The run's config: the flags, or for --resume the saved config updated with the flags given."""
+    from fedjax_sparse.runner import RunConfig
     fields = {f.name for f in dataclasses.fields(RunConfig)}
-    config = RunConfig(**{k: v for k, v in vars(args).items() if k in fields})
+    if args.resume is None:
+        return RunConfig(**{k: v for k, v in vars(args).items() if k in fields})
+    saved_path = Path(args.resume) / "config.json"
+    if not saved_path.exists():
+        raise FileNotFoundError(f"--resume {args.resume}: no config.json there (is it a run directory?)")
+    saved = json.loads(saved_path.read_text())
+    given = {k: v for k, v in vars(_parser(suppress_defaults=True).parse_args(argv)).items()
+             if v is not _UNSET}
+    merged = {**{k: v for k, v in saved.items() if k in fields},
+              **{k: v for k, v in given.items() if k in fields}, "out": args.resume}
+    return RunConfig(**merged)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+
+    from fedjax_sparse.runner import DivergenceError, Interrupted, run_experiment
     try:
-        summary = run_experiment(config, progress=not args.no_progress)
+        config = _config(args, argv)
+        summary = run_experiment(config, progress=not args.no_progress, resume=args.resume is not None)
     except (ValueError, FileNotFoundError, DivergenceError) as e:
         print(f"fedjax-sparse: error: {e}", file=sys.stderr)
         return 2
+    except Interrupted as e:
+        print(f"fedjax-sparse: {e}", file=sys.stderr)
+        return 130
     acc = summary["final_test_accuracy"]
     print(f"done: test accuracy {acc if acc is None else round(acc, 4)}, personalized accuracy "
           f"{summary['final_personalized_accuracy']:.4f}, {summary['cumulative_bytes']:,} bytes "

@@ -15,19 +15,30 @@ def device_description() -> str:
     return f"{jax.device_count()} x {kind} ({device.platform}), {platform.machine()}, jax {jax.__version__}"
 
 
-def progress_bar(total: int, description: str, enabled: bool = True):
+def progress_bar(total: int, description: str, enabled: bool = True, initial: int = 0):
     from tqdm.auto import tqdm
-    return tqdm(total=total, desc=description, unit="round", disable=not enabled, dynamic_ncols=True)
+    return tqdm(total=total, desc=description, unit="round", disable=not enabled, dynamic_ncols=True,
+                initial=initial)
 
 
 class RunWriter:
-    """Writes a run's files into one directory, metrics line by line as they come."""
+    """Writes a run's files into one directory, metrics line by line as they come.
 
-    def __init__(self, out: Path):
+    A resumed run keeps the metrics of the rounds its checkpoint covers
+    (`keep_rounds_up_to`) and drops any written after it.
+    """
+
+    def __init__(self, out: Path, keep_rounds_up_to: int | None = None):
         self.out = Path(out)
         self.out.mkdir(parents=True, exist_ok=True)
         self.metrics_path = self.out / "metrics.jsonl"
-        self.metrics_path.write_text("")
+        kept = [r for r in self.read_metrics() if r["round"] <= keep_rounds_up_to] if keep_rounds_up_to else []
+        self.metrics_path.write_text("".join(json.dumps(r) + "\n" for r in kept))
+
+    def read_metrics(self) -> list[dict]:
+        if not self.metrics_path.exists():
+            return []
+        return [json.loads(line) for line in self.metrics_path.read_text().splitlines() if line.strip()]
 
     def _json(self, name: str, obj) -> None:
         (self.out / name).write_text(json.dumps(obj, indent=2) + "\n")

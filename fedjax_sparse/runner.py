@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import signal
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -15,6 +17,7 @@ import jax
 import numpy as np
 
 from fedjax_sparse.algorithms import make_algorithm
+from fedjax_sparse.checkpoint import RunCheckpointer, config_mismatches
 from fedjax_sparse.core.evaluation import global_evaluator, personalized_evaluator
 from fedjax_sparse.core.local_training import LocalSGD
 from fedjax_sparse.core.round import build_round, clients_mesh
@@ -57,6 +60,7 @@ class RunConfig:
     shard_clients: bool = False
     max_train_examples: int | None = None
     max_test_examples: int | None = None
+    checkpoint_every: int | None = None
     out: str = "runs/default"
 
     def validate(self) -> None:
@@ -77,6 +81,8 @@ class RunConfig:
         if self.partition == "labels" and (self.labels_per_client is None or self.labels_per_client < 1):
             raise ValueError(f"--labels-per-client must be >= 1 for the labels partition, "
                              f"got {self.labels_per_client}")
+        if self.checkpoint_every is not None and self.checkpoint_every < 1:
+            raise ValueError(f"--checkpoint-every must be >= 1, got {self.checkpoint_every}")
         if not 0 < self.local_test_ratio <= 1:
             raise ValueError(f"--local-test-ratio must be in (0, 1], got {self.local_test_ratio}")
 
@@ -149,52 +155,127 @@ def _to_python(x):
     return x.item() if x.ndim == 0 else x.tolist()
 
 
-def run_experiment(config: RunConfig, *, progress: bool = True) -> dict:
-    """Runs `config` and writes config.json, metrics.jsonl, partition.json, summary.json and a plot."""
+class Interrupted(RuntimeError):
+    """Ctrl-C stopped the run after a round; a checkpoint was saved if checkpointing is on."""
+
+
+@dataclasses.dataclass
+class Counters:
+    """What a run accumulates across rounds; saved in checkpoints beside the states."""
+
+    rounds_done: int = 0
+    cumulative_bytes: int = 0
+    total_uplink_bytes: int = 0
+    total_downlink_bytes: int = 0
+    padded_step_fractions: list = dataclasses.field(default_factory=list)
+
+
+class _StopOnInterrupt:
+    """The first Ctrl-C asks the run to stop after the current round; a second one stops at once."""
+
+    def __init__(self):
+        self.requested = False
+        self._previous = None
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():
+            self._previous = signal.signal(signal.SIGINT, self._handle)
+        return self
+
+    def _handle(self, signum, frame):
+        if self.requested:
+            raise KeyboardInterrupt
+        self.requested = True
+
+    def __exit__(self, *exc):
+        if self._previous is not None:
+            signal.signal(signal.SIGINT, self._previous)
+
+
+def run_experiment(config: RunConfig, *, progress: bool = True, resume: bool = False) -> dict:
+    """Runs `config` and writes config.json, metrics.jsonl, partition.json, summary.json and a plot.
+
+    With `config.checkpoint_every` the whole run state is saved every so many
+    rounds, at the end and on Ctrl-C; `resume=True` continues the run in
+    `config.out` from its latest checkpoint, refusing one made with a config
+    that would change the results.
+    """
     start = time.perf_counter()
+    out = Path(config.out)
+    checkpointer = RunCheckpointer(out) if config.checkpoint_every or resume else None
+    saved_meta = checkpointer.read_meta() if resume else None
+    if resume:
+        if saved_meta is None:
+            raise FileNotFoundError(f"--resume {out}: no checkpoint under {checkpointer.directory}")
+        mismatches = config_mismatches(saved_meta["config"], dataclasses.asdict(config))
+        if mismatches:
+            raise ValueError(f"--resume {out}: the checkpoint was made with another configuration ("
+                             + "; ".join(mismatches) + ")")
     exp = build_experiment(config)
-    writer = RunWriter(Path(config.out))
+    server_state, client_states = exp.server_state, exp.client_states
+    counters = Counters()
+    if resume:
+        rounds_done, server_state, client_states, meta = checkpointer.restore(server_state, client_states)
+        counters = Counters(**meta["counters"])
+    writer = RunWriter(out, keep_rounds_up_to=counters.rounds_done if resume else None)
     writer.write_config(dataclasses.asdict(config))
     writer.write_partition(partition_summary(exp.client_indices, exp.dataset.y_train,
                                              exp.dataset.num_classes))
+    history = writer.read_metrics()
+
+    def save():
+        if checkpointer is not None:
+            checkpointer.save(counters.rounds_done, server_state, client_states,
+                              {"config": dataclasses.asdict(config), "counters": dataclasses.asdict(counters)})
+
     counts = np.asarray(exp.train.counts)
-    server_state, client_states = exp.server_state, exp.client_states
-    cumulative = total_uplink = total_downlink = 0
-    padded = []
-    history = []
     compile_seconds = None
-    bar = progress_bar(config.rounds, f"{config.algorithm} on {config.dataset}", enabled=progress)
-    for r in range(config.rounds):
-        t0 = time.perf_counter()
-        server_state, client_states, out = exp.round_fn(server_state, client_states, r)
-        ids = np.asarray(out.client_ids)
-        uplink = int(np.asarray(out.uplink_bytes, np.int64).sum())
-        downlink = int(np.asarray(out.downlink_bytes, np.int64).sum())
-        losses = np.asarray(out.metrics["loss"])
-        if compile_seconds is None:
-            compile_seconds = time.perf_counter() - t0
-        cumulative += uplink + downlink
-        total_uplink += uplink
-        total_downlink += downlink
-        train_loss = float(np.average(losses, weights=counts[ids]))
-        if not math.isfinite(train_loss):
-            bar.close()
-            raise DivergenceError(f"round {r + 1}: training loss is {train_loss}; the run diverged "
-                                  f"(try a smaller --lr than {config.lr})")
-        padded.append(padded_step_fraction(counts[ids], exp.train.max_count, config.batch_size))
-        record = {"round": r + 1, "train_loss": train_loss, "uplink_bytes": uplink,
-                  "downlink_bytes": downlink, "cumulative_bytes": cumulative,
-                  "padded_step_fraction": padded[-1]}
-        if (r + 1) % config.eval_every == 0 or r + 1 == config.rounds:
-            record.update(evaluate(exp, server_state, client_states))
-            writer.append_metrics(record)
-            history.append(record)
-            bar.set_postfix(acc=_fmt(record["test_accuracy"]), pacc=_fmt(record["personalized_accuracy"]),
-                            loss=f"{train_loss:.3f}", MB=f"{cumulative / 1e6:.1f}")
-        bar.update(1)
+    bar = progress_bar(config.rounds, f"{config.algorithm} on {config.dataset}", enabled=progress,
+                       initial=counters.rounds_done)
+    with _StopOnInterrupt() as interrupt:
+        for r in range(counters.rounds_done, config.rounds):
+            t0 = time.perf_counter()
+            server_state, client_states, round_out = exp.round_fn(server_state, client_states, r)
+            ids = np.asarray(round_out.client_ids)
+            if compile_seconds is None:
+                compile_seconds = time.perf_counter() - t0
+            train_loss = float(np.average(np.asarray(round_out.metrics["loss"]), weights=counts[ids]))
+            if not math.isfinite(train_loss):
+                bar.close()
+                raise DivergenceError(f"round {r + 1}: training loss is {train_loss}; the run diverged "
+                                      f"(try a smaller --lr than {config.lr})")
+            uplink = int(np.asarray(round_out.uplink_bytes, np.int64).sum())
+            downlink = int(np.asarray(round_out.downlink_bytes, np.int64).sum())
+            counters.rounds_done = r + 1
+            counters.cumulative_bytes += uplink + downlink
+            counters.total_uplink_bytes += uplink
+            counters.total_downlink_bytes += downlink
+            counters.padded_step_fractions.append(
+                padded_step_fraction(counts[ids], config.batch_size))
+            if (r + 1) % config.eval_every == 0 or r + 1 == config.rounds:
+                record = {"round": r + 1, "train_loss": train_loss, "uplink_bytes": uplink,
+                          "downlink_bytes": downlink, "cumulative_bytes": counters.cumulative_bytes,
+                          "padded_step_fraction": counters.padded_step_fractions[-1],
+                          **evaluate(exp, server_state, client_states)}
+                writer.append_metrics(record)
+                history.append(record)
+                bar.set_postfix(acc=_fmt(record["test_accuracy"]), pacc=_fmt(record["personalized_accuracy"]),
+                                loss=f"{train_loss:.3f}", MB=f"{counters.cumulative_bytes / 1e6:.1f}")
+            bar.update(1)
+            if config.checkpoint_every and ((r + 1) % config.checkpoint_every == 0 or r + 1 == config.rounds):
+                save()
+            if interrupt.requested and r + 1 < config.rounds:
+                bar.close()
+                if checkpointer is None:
+                    raise Interrupted(f"interrupted after round {r + 1}; no checkpoint (use --checkpoint-every)")
+                save()
+                raise Interrupted(f"interrupted after round {r + 1}; checkpoint saved in "
+                                  f"{checkpointer.directory}; continue with --resume {out}")
     bar.close()
-    totals = {"total_uplink_bytes": total_uplink, "total_downlink_bytes": total_downlink,
-              "cumulative_bytes": cumulative, "mean_padded_step_fraction": float(np.mean(padded))}
+    totals = {"total_uplink_bytes": counters.total_uplink_bytes,
+              "total_downlink_bytes": counters.total_downlink_bytes,
+              "cumulative_bytes": counters.cumulative_bytes,
+              "mean_padded_step_fraction": float(np.mean(counters.padded_step_fractions))}
     summary = _summary(exp, history, totals, compile_seconds, time.perf_counter() - start)
     writer.write_summary(summary)
     writer.plot(history, title=f"{config.algorithm} / {config.model} / {config.dataset}")

@@ -201,3 +201,10 @@ def test_run_local_steps_reports_mean_loss_over_examples(make_split):
     _, stats = run_local_steps(step, jnp.zeros(()), data, jax.random.key(0), epochs=2, batch_size=4)
     np.testing.assert_allclose(float(stats["loss"]), float(np.asarray(split.y).mean()), rtol=1e-6)
     assert int(stats["num_steps"]) == 6
+
+
+def test_padded_step_fraction_is_set_by_the_busiest_sampled_client():
+    from fedjax_sparse.data.federated import padded_step_fraction
+    # steps per epoch 1 and 3: the small client idles 2 of the 6 vmapped steps.
+    assert padded_step_fraction([16, 48], 16) == 1 - 4 / 6
+    assert padded_step_fraction([20, 20, 20], 8) == 0.0

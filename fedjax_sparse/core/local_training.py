@@ -1,8 +1,8 @@
-"""Local training as one `lax.scan` over a client's steps, with exact epochs.
+"""Local training as one loop over a client's steps, with exact epochs.
 
-A client with n examples takes ceil(n / B) steps per epoch; the scan runs the
-largest client's number of steps for everybody (static shapes, so clients
-vmap together) and a padded step returns its input carry unchanged.
+A client with n examples takes ceil(n / B) steps per epoch. Clients of
+different sizes vmap together: the vmapped loop runs the busiest sampled
+client's number of steps and a padded step leaves a client's carry unchanged.
 """
 
 from __future__ import annotations
@@ -33,27 +33,28 @@ def run_local_steps(step_fn: StepFn, carry: Carry, data: ClientData, key: jax.Ar
 
     `step_fn(carry, batch, key) -> (carry, mean_batch_loss)`. Returns the final
     carry and {'loss': mean loss over all examples seen, 'num_steps': real steps}.
+
+    The loop is a `lax.while_loop` over the client's own number of steps. Under
+    `vmap` it runs as long as the busiest *sampled* client and keeps finished
+    clients' carries unchanged, so the padded steps of a round are set by the
+    clients in it, not by the largest client of the whole federation.
     """
     per_epoch = steps_per_epoch(data.count, batch_size)
-    max_per_epoch = -(-data.max_count // batch_size)
     num_steps = epochs * per_epoch
     order_key, step_key = jax.random.split(key)
     orders = epoch_permutations(order_key, data.count, data.max_count, epochs)
 
-    def body(state, t):
-        carry, loss_sum, seen = state
-        real = t < num_steps
+    def body(state):
+        t, carry, loss_sum, seen = state
         batch_key, fn_key = jax.random.split(jax.random.fold_in(step_key, t))
         epoch = jnp.minimum(t // per_epoch, epochs - 1)
         batch = client_batch(data, orders[epoch], t % per_epoch, batch_size, batch_key, train=True)
-        batch = batch.replace(mask=batch.mask & real)
-        new_carry, loss = step_fn(carry, batch, fn_key)
-        carry = jax.tree_util.tree_map(lambda new, old: jnp.where(real, new, old), new_carry, carry)
+        carry, loss = step_fn(carry, batch, fn_key)
         n = batch.mask.sum()
-        return (carry, loss_sum + jnp.where(real, loss * n, 0.0), seen + n), None
+        return t + 1, carry, loss_sum + loss * n, seen + n
 
-    init = (carry, jnp.zeros((), jnp.float32), jnp.zeros((), jnp.int32))
-    (carry, loss_sum, seen), _ = jax.lax.scan(body, init, jnp.arange(epochs * max_per_epoch))
+    init = (jnp.zeros((), jnp.int32), carry, jnp.zeros((), jnp.float32), jnp.zeros((), jnp.int32))
+    _, carry, loss_sum, seen = jax.lax.while_loop(lambda state: state[0] < num_steps, body, init)
     return carry, {"loss": loss_sum / jnp.maximum(seen, 1), "num_steps": num_steps}
 
 

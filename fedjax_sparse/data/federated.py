@@ -6,7 +6,6 @@ jitted step (`client_batch`), so the host-to-device transfer happens once.
 
 from __future__ import annotations
 
-import math
 from typing import Sequence
 
 import chex
@@ -91,16 +90,13 @@ def steps_per_epoch(count: jax.Array, batch_size: int) -> jax.Array:
     return (count + batch_size - 1) // batch_size
 
 
-def max_steps_per_epoch(split: FederatedSplit, batch_size: int) -> int:
-    return math.ceil(split.max_count / batch_size)
+def padded_step_fraction(counts: np.ndarray, batch_size: int) -> float:
+    """Share of the vmapped steps that are no-ops when clients holding `counts` train together.
 
-
-def padded_step_fraction(counts: np.ndarray, max_count: int, batch_size: int) -> float:
-    """Share of scan steps that are masked no-ops when clients with `counts` run together."""
-    counts = np.asarray(counts)
-    real = np.ceil(counts / batch_size).sum()
-    scheduled = len(counts) * math.ceil(max_count / batch_size)
-    return float(1.0 - real / scheduled)
+    The vmapped loop runs as many steps as the busiest of them; the others idle.
+    """
+    steps = np.ceil(np.asarray(counts) / batch_size)
+    return float(1.0 - steps.sum() / (len(steps) * steps.max()))
 
 
 def normalize(x_uint8: jax.Array, mean: jax.Array, std: jax.Array,
