@@ -12,6 +12,7 @@ import pytest
 
 from fedjax_sparse.models import MODEL_NAMES, Layer, Model, ModelStructure, get_model
 from fedjax_sparse.models import layers as L
+from fedjax_sparse.models.conv import Conv2D, conv2d
 from fedjax_sparse.models.structure import get_path
 
 # The input each model is meant for (digits are 8x8x1, (E/F)MNIST 28x28x1, CIFAR 32x32x3).
@@ -442,3 +443,37 @@ def test_bad_shapes_and_classes():
 
 def test_layer_type_reexported():
     assert Layer.__name__ == "Layer"
+
+
+@pytest.mark.parametrize("size,kernel,stride,padding", [
+    (8, 3, 1, 1), (9, 3, 2, 1), (8, 1, 2, 0), (10, 5, 1, 2), (11, 3, 3, 0)])
+def test_conv2d_gradients_equal_jax_differentiating_lax_conv(size, kernel, stride, padding):
+    """The hand-written canonical gradients are JAX's own, also vmapped over per-client kernels."""
+    kx, kw, kg = jax.random.split(jax.random.key(size * kernel + stride), 3)
+    x = jax.random.normal(kx, (3, 2, size, size, 3))
+    w = jax.random.normal(kw, (3, kernel, kernel, 3, 4))
+
+    def reference(x, w):
+        return jax.lax.conv_general_dilated(x, w, (stride, stride), [(padding, padding)] * 2,
+                                            dimension_numbers=("NHWC", "HWIO", "NHWC"))
+
+    def ours(x, w):
+        return conv2d(x, w, stride, padding)
+
+    g = jax.random.normal(kg, jax.vmap(reference)(x, w).shape)
+
+    def grads(fn):
+        loss = lambda x, w: jnp.sum(fn(x, w) * g)  # noqa: E731
+        return jax.vmap(fn)(x, w), jax.vmap(jax.grad(loss, argnums=(0, 1)))(x, w)
+
+    (y_ref, (dx_ref, dw_ref)), (y, (dx, dw)) = grads(reference), grads(ours)
+    for a, b in ((y, y_ref), (dx, dx_ref), (dw, dw_ref)):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_conv2d_refuses_what_it_does_not_implement():
+    x = jnp.zeros((1, 8, 8, 3))
+    with pytest.raises(ValueError, match="padding must be in \\[0, 2\\] for a 3x3 kernel, got 3"):
+        Conv2D(4, 3, padding=3).init(jax.random.key(0), x)
+    with pytest.raises(ValueError, match="NHWC inputs of rank 4, got shape \\(8, 8, 3\\)"):
+        Conv2D(4, 3).init(jax.random.key(0), x[0])

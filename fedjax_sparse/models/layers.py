@@ -22,6 +22,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from fedjax_sparse.models.conv import Conv2D
 from fedjax_sparse.models.structure import Layer, Part, Path
 
 BN_MOMENTUM = 0.9
@@ -75,9 +76,9 @@ def batch_norm(train: bool, name: str) -> MaskedBatchNorm:
 
 
 def conv(features: int, kernel: int, *, name: str, stride: int = 1, padding: int = 0,
-         use_bias: bool = True) -> nn.Conv:
-    return nn.Conv(features, (kernel, kernel), strides=(stride, stride), padding=padding,
-                   use_bias=use_bias, kernel_init=conv_kernel_init, name=name)
+         use_bias: bool = True) -> Conv2D:
+    return Conv2D(features, kernel, stride=stride, padding=padding, use_bias=use_bias,
+                  kernel_init=conv_kernel_init, name=name)
 
 
 def dense(features: int, *, name: str, use_bias: bool = True) -> nn.Dense:

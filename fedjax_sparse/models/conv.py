@@ -1,0 +1,114 @@
+"""A 2-D convolution whose gradients are themselves plain NHWC/HWIO convolutions.
+
+Why: JAX differentiates `lax.conv_general_dilated` into convolutions with
+non-canonical dimension labels (the filter gradient is `f01b_i01o->01bf`).
+Outside a loop XLA:CPU rewrites them with transposes into its fast
+convolution; inside a `while` body (every client's local training is one) it
+leaves them to a generic emitter that is about 20 times slower
+(jax-ml/jax#12868, open). Writing the two gradients by hand as canonical
+convolutions keeps every convolution of a training step on the fast path, in
+loops and under vmap alike. The gradients are the same sums as JAX's own, in
+another order; `tests/test_models.py` checks them against `jax.grad` of
+`lax.conv_general_dilated`.
+
+Scope: NHWC inputs, HWIO kernels, equal strides and symmetric integer padding
+per spatial axis, no dilation and no feature groups -- every convolution of the
+model zoo. Anything else is refused when the module is built.
+
+With y[n, o] = sum_{t, ci} x_pad[n, o*s + t, ci] w[t, ci, co] (one spatial axis
+shown; o < Ho, t < k, x_pad = x padded by p on both sides):
+  dL/dx: dy dilated by s (holes between outputs), padded by k-1-p on the low
+    side and k-1-p+r on the high side (r = (H + 2p - k) mod s, the input rows
+    the last window never reached), convolved with the kernel flipped in space
+    and with its in/out axes swapped;
+  dL/dw[t, ci, co] = sum_{n, o} x_pad[n, o*s + t, ci] dy[n, o, co]: a
+    convolution with the batch as the contracted feature axis, the input
+    channels as the batch, and dy as a kernel dilated by s; the first k taps of
+    its k + r outputs are the gradient.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+NHWC = ("NHWC", "HWIO", "NHWC")
+
+
+def _conv(x, w, strides, padding, lhs_dilation=(1, 1), rhs_dilation=(1, 1)):
+    return lax.conv_general_dilated(x, w, strides, padding, lhs_dilation=lhs_dilation,
+                                    rhs_dilation=rhs_dilation, dimension_numbers=NHWC)
+
+
+def conv2d(x: jax.Array, kernel: jax.Array, stride: int, padding: int) -> jax.Array:
+    """NHWC x HWIO -> NHWC convolution with canonical-convolution gradients (see module docstring)."""
+    return _conv2d(x, kernel, stride, padding)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def _conv2d(x, kernel, stride, padding):
+    return _conv(x, kernel, (stride, stride), [(padding, padding)] * 2)
+
+
+def _conv2d_fwd(x, kernel, stride, padding):
+    return _conv2d(x, kernel, stride, padding), (x, kernel)
+
+
+def _input_gradient(dy, kernel, stride, padding, in_hw):
+    pads = []
+    for size, out, k in zip(in_hw, dy.shape[1:3], kernel.shape[:2]):
+        remainder = size + 2 * padding - k - (out - 1) * stride
+        pads.append((k - 1 - padding, k - 1 - padding + remainder))
+    flipped = jnp.swapaxes(kernel[::-1, ::-1], 2, 3)
+    return _conv(dy, flipped, (1, 1), pads, lhs_dilation=(stride, stride))
+
+
+def _kernel_gradient(x, dy, stride, padding, kernel_hw):
+    x_pad = jnp.pad(x, ((0, 0), (padding, padding), (padding, padding), (0, 0)))
+    lhs = jnp.transpose(x_pad, (3, 1, 2, 0))   # [C_in, H, W, N]: N is the contracted axis
+    rhs = jnp.transpose(dy, (1, 2, 0, 3))      # [Ho, Wo, N, C_out]
+    taps = _conv(lhs, rhs, (1, 1), [(0, 0), (0, 0)], rhs_dilation=(stride, stride))
+    kh, kw = kernel_hw
+    return jnp.transpose(taps[:, :kh, :kw, :], (1, 2, 0, 3))  # [kh, kw, C_in, C_out]
+
+
+def _conv2d_bwd(stride, padding, residuals, dy):
+    x, kernel = residuals
+    dx = _input_gradient(dy, kernel, stride, padding, x.shape[1:3])
+    dw = _kernel_gradient(x, dy, stride, padding, kernel.shape[:2])
+    return dx.astype(x.dtype), dw.astype(kernel.dtype)
+
+
+_conv2d.defvjp(_conv2d_fwd, _conv2d_bwd)
+
+
+class Conv2D(nn.Module):
+    """A square-kernel 2-D convolution with Flax's parameter names (`kernel` [k, k, in, out], `bias`)."""
+
+    features: int
+    kernel_size: int
+    stride: int = 1
+    padding: int = 0
+    use_bias: bool = True
+    kernel_init: nn.initializers.Initializer = nn.initializers.lecun_normal()
+    bias_init: nn.initializers.Initializer = nn.initializers.zeros_init()
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        k = self.kernel_size
+        if self.features < 1 or k < 1 or self.stride < 1:
+            raise ValueError(f"Conv2D needs features, kernel_size and stride >= 1, got "
+                             f"{self.features}, {k}, {self.stride}")
+        if not 0 <= self.padding < k:
+            raise ValueError(f"Conv2D padding must be in [0, {k - 1}] for a {k}x{k} kernel, got {self.padding}")
+        if x.ndim != 4:
+            raise ValueError(f"Conv2D expects NHWC inputs of rank 4, got shape {x.shape}")
+        kernel = self.param("kernel", self.kernel_init, (k, k, x.shape[-1], self.features), jnp.float32)
+        y = conv2d(x, kernel.astype(x.dtype), self.stride, self.padding)
+        if self.use_bias:
+            y = y + self.param("bias", self.bias_init, (self.features,), jnp.float32).astype(y.dtype)
+        return y
