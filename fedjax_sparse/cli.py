@@ -54,6 +54,9 @@ def _run_parser(sub, suppress_defaults: bool = False) -> argparse.ArgumentParser
                    help="FedLDF: n, the clients that upload each layer")
     p.add_argument("--shard-clients", action="store_true",
                    help="shard the sampled clients over all local devices")
+    p.add_argument("--client-chunk", type=int, default=d.client_chunk,
+                   help="train the sampled clients this many at a time (0: all at once, one vmap); "
+                        "default: all at once on an accelerator, a cache-sized chunk on a CPU")
     p.add_argument("--max-train-examples", type=int, default=d.max_train_examples,
                    help="use a random subset of this many training examples (quick runs)")
     p.add_argument("--max-test-examples", type=int, default=d.max_test_examples,

@@ -20,7 +20,7 @@ from fedjax_sparse.algorithms import make_algorithm
 from fedjax_sparse.checkpoint import RunCheckpointer, config_mismatches
 from fedjax_sparse.core.evaluation import global_evaluator, personalized_evaluator
 from fedjax_sparse.core.local_training import LocalSGD
-from fedjax_sparse.core.round import build_round, clients_mesh
+from fedjax_sparse.core.round import build_round, clients_mesh, default_client_chunk
 from fedjax_sparse.data import load_dataset, local_test_split, partition, partition_summary
 from fedjax_sparse.data.federated import federated_split, padded_step_fraction
 from fedjax_sparse.models import get_model
@@ -58,6 +58,7 @@ class RunConfig:
     threshold_update: bool = True
     clients_per_layer: int = 4
     shard_clients: bool = False
+    client_chunk: int | None = None
     max_train_examples: int | None = None
     max_test_examples: int | None = None
     checkpoint_every: int | None = None
@@ -83,6 +84,12 @@ class RunConfig:
                              f"got {self.labels_per_client}")
         if self.checkpoint_every is not None and self.checkpoint_every < 1:
             raise ValueError(f"--checkpoint-every must be >= 1, got {self.checkpoint_every}")
+        if self.client_chunk is not None and not 0 <= self.client_chunk <= self.clients_per_round:
+            raise ValueError(f"--client-chunk must be in [0, {self.clients_per_round}] (0: all sampled "
+                             f"clients at once), got {self.client_chunk}")
+        if self.client_chunk and self.shard_clients:
+            raise ValueError(f"--client-chunk {self.client_chunk} and --shard-clients do not combine: "
+                             f"sharding splits the vmap of all sampled clients over the devices")
         if not 0 < self.local_test_ratio <= 1:
             raise ValueError(f"--local-test-ratio must be in (0, 1], got {self.local_test_ratio}")
 
@@ -104,6 +111,7 @@ class Experiment:
     server_state: Any
     client_states: Any
     num_params: int
+    client_chunk: int | None
 
 
 def build_experiment(config: RunConfig) -> Experiment:
@@ -129,13 +137,24 @@ def build_experiment(config: RunConfig) -> Experiment:
     variables = model.init(jax.random.fold_in(key, 0))
     server_state, client_states = algorithm.init(jax.random.fold_in(key, 1), variables, config.num_clients)
     mesh = clients_mesh() if config.shard_clients else None
-    round_fn = build_round(algorithm, train, config.clients_per_round, seed=config.seed, mesh=mesh)
+    chunk = resolve_client_chunk(config, variables)
+    round_fn = build_round(algorithm, train, config.clients_per_round, seed=config.seed, mesh=mesh,
+                           client_chunk=chunk)
     evaluate_global = (global_evaluator(model, dataset.x_test, dataset.y_test, dataset.mean, dataset.std)
                        if algorithm.global_variables is not None else None)
     evaluate_personalized = personalized_evaluator(model, algorithm.client_variables, local_test)
     return Experiment(config, dataset, model, algorithm, train, local_test, client_indices, round_fn,
                       evaluate_global, evaluate_personalized, server_state, client_states,
-                      model.num_params(variables))
+                      model.num_params(variables), chunk)
+
+
+def resolve_client_chunk(config: RunConfig, variables) -> int | None:
+    """The chunk the round trains clients in: the flag (0 = all at once), else the platform's default."""
+    if config.shard_clients or config.client_chunk == 0:
+        return None
+    if config.client_chunk is not None:
+        return config.client_chunk
+    return default_client_chunk(variables, config.clients_per_round)
 
 
 def evaluate(exp: Experiment, server_state, client_states) -> dict:
@@ -299,6 +318,7 @@ def _summary(exp: Experiment, history: list, totals: dict, compile_seconds: floa
         "final_train_loss": final["train_loss"],
         **totals,
         "num_params": exp.num_params,
+        "client_chunk": exp.client_chunk,
         "num_train_examples": int(np.asarray(exp.train.counts).sum()),
         "compile_seconds": compile_seconds,
         "wall_seconds": wall,

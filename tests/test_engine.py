@@ -9,7 +9,7 @@ import pytest
 from fedjax_sparse.algorithms import fedavg, fednova, fedprox, local_only, scaffold
 from fedjax_sparse.core.aggregation import weighted_mean
 from fedjax_sparse.core.local_training import LocalSGD, masked_cross_entropy, run_local_steps
-from fedjax_sparse.core.round import build_round, client_keys, sample_clients
+from fedjax_sparse.core.round import build_round, client_keys, default_client_chunk, sample_clients
 from fedjax_sparse.data.federated import (client_batch, epoch_permutations, federated_split, normalize,
                                           steps_per_epoch)
 from fedjax_sparse.models import get_model
@@ -124,15 +124,17 @@ def _loop_round(algorithm, split, server, clients, round_index, seed, k):
     return server, clients
 
 
-@pytest.mark.parametrize("name", ["fedavg", "scaffold", "local"])
-def test_vmapped_round_equals_per_client_loop(make_split, mlp, name):
+@pytest.mark.parametrize("name,chunk", [("fedavg", None), ("scaffold", None), ("local", None),
+                                        ("fedavg", 1), ("scaffold", 2)])
+def test_vmapped_round_equals_per_client_loop(make_split, mlp, name, chunk):
+    """chunk None: one vmap over the 3 sampled clients; 1 and 2: lax.map over chunks (2 leaves a remainder)."""
     split = make_split([9, 17, 12, 30, 5, 22])
     local = LocalSGD(mlp, learning_rate=0.1, epochs=2, batch_size=8)
     algorithm = {"fedavg": fedavg(local), "scaffold": scaffold(local, 6), "local": local_only(local)}[name]
     variables = mlp.init(jax.random.key(0))
     server, clients = algorithm.init(jax.random.key(1), variables, 6)
     ref_server, ref_clients = server, clients
-    round_fn = build_round(algorithm, split, 3, seed=5)
+    round_fn = build_round(algorithm, split, 3, seed=5, client_chunk=chunk)
     for r in range(2):
         ref_server, ref_clients = _loop_round(algorithm, split, ref_server, ref_clients, r, 5, 3)
         server, clients, _ = round_fn(server, tree_map(jnp.copy, clients), r)
@@ -208,3 +210,16 @@ def test_padded_step_fraction_is_set_by_the_busiest_sampled_client():
     # steps per epoch 1 and 3: the small client idles 2 of the 6 vmapped steps.
     assert padded_step_fraction([16, 48], 16) == 1 - 4 / 6
     assert padded_step_fraction([20, 20, 20], 8) == 0.0
+
+
+def test_client_chunk_and_its_default_are_checked(make_split, mlp):
+    split = make_split([8, 8, 8, 8])
+    algorithm = fedavg(LocalSGD(mlp, learning_rate=0.1, epochs=1, batch_size=8))
+    for bad in (0, 5):
+        with pytest.raises(ValueError, match=rf"client chunk must be in \[1, 4\].*got {bad}"):
+            build_round(algorithm, split, 4, seed=0, client_chunk=bad)
+    variables = mlp.init(jax.random.key(0))  # 85,002 float32 parameters, 340,008 bytes
+    assert default_client_chunk(variables, 100, "gpu") is None
+    assert default_client_chunk(variables, 100, "cpu") == (3 << 19) // 340008 == 4
+    assert default_client_chunk(variables, 3, "cpu") == 3
+    assert default_client_chunk(variables, 100, "cpu", cache_bytes=1000) == 1
