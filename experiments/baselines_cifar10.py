@@ -30,8 +30,8 @@ SETTINGS = {
             Arm("fednova", {"algorithm": "fednova"}, {"MB per client-round": 4.2, "rounds to 80%": "198"}),
         ),
         target_accuracy=0.8,
-        quick={"rounds": 3, "local_epochs": 1, "batch_size": 32, "max_train_examples": 2000,
-               "max_test_examples": 1000},
+        quick={"rounds": 2, "local_epochs": 1, "batch_size": 32, "max_train_examples": 1000,
+               "max_test_examples": 500, "min_examples": 2},
     ),
 }
 

@@ -1,0 +1,77 @@
+"""The round-throughput benchmark: its smallest setting runs, and its variants do the same work."""
+
+import json
+import math
+import sys
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # `benchmarks` is a top-level folder of the repository, not installed
+    sys.path.insert(0, str(ROOT))
+
+from benchmarks import round_throughput as rt  # noqa: E402
+
+
+def _positive_finite(x):
+    return isinstance(x, float) and math.isfinite(x) and x > 0
+
+
+@pytest.fixture(scope="module")
+def smallest_record():
+    return rt.run_setting(rt.SMALLEST)
+
+
+def test_smallest_setting_gives_a_full_record(smallest_record):
+    record = smallest_record
+    for key in rt.RECORD_KEYS:
+        assert key in record
+    assert record["model"] == "mlp" and record["clients_per_round"] == rt.SMALLEST.clients_per_round
+    measured = [v for v in rt.VARIANTS if v != "engine_vmap" or record["engine_client_chunk"] is not None]
+    assert measured == [v for v in rt.VARIANTS if v in record["round_seconds"]]
+    for variant in measured:
+        assert _positive_finite(record[variant]), (variant, record[variant])
+        assert _positive_finite(record["round_seconds"][variant])
+        assert record["compile_seconds"][variant] >= 0.0
+    assert record["padded_step_fraction"] == 0.0
+    assert record["examples_per_round"] == rt.SMALLEST.clients_per_round * rt.SMALLEST.examples_per_client
+    json.dumps(record)  # what --json writes
+
+
+def test_engine_and_loops_compute_the_same_rounds():
+    """step_loop, client_loop and the chunked engine replay the vmapped engine's rounds
+    (same keys, orders, steps, aggregation)."""
+    setting = rt.Setting("mlp", 3, 20, batch_size=8, epochs=2, momentum=0.5)  # 3 steps an epoch, the last short
+    w = rt.build_workload(setting)
+    engine = rt.EngineRunner(w, client_chunk=None)
+    loops = [rt.EngineRunner(w, client_chunk=2), rt.step_loop_runner(w), rt.client_loop_runner(w)]
+    for r in range(2):
+        expected = engine(r)[0]
+        for run in loops:
+            got = run(r)
+            got = got[0] if isinstance(run, rt.EngineRunner) else got
+            jax.tree_util.tree_map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6),
+                                   got, expected)
+    central = rt.centralized_runner(w)
+    moved = central(0)  # a different computation: it only has to train
+    delta = jax.tree_util.tree_map(lambda a, b: float(np.abs(np.asarray(a) - np.asarray(b)).max()),
+                                   moved["params"], w.variables["params"])
+    assert all(math.isfinite(d) for d in jax.tree_util.tree_leaves(delta))
+    assert max(jax.tree_util.tree_leaves(delta)) > 0
+
+
+def test_command_line_writes_a_list_of_records(tmp_path, monkeypatch, capsys, smallest_record):
+    """--quick --only --json plumbing; the measurement itself is the record measured above."""
+    monkeypatch.setattr(rt, "run_setting", lambda setting: dict(smallest_record))
+    out = tmp_path / "records.json"
+    rt.main(["--quick", "--only", "mlp:10", "--json", str(out)])
+    records = json.loads(out.read_text())
+    assert isinstance(records, list) and len(records) == 1
+    assert all(_positive_finite(records[0][v]) for v in rt.RECORD_KEYS[2:])
+    assert records[0]["environment"]["command"].endswith("--quick --only mlp:10 --json " + str(out))
+    assert "| mlp | 2 |" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        rt.main(["--quick", "--only", "resnet20"])
