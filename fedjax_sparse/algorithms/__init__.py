@@ -9,6 +9,7 @@ from fedjax_sparse.algorithms.fednova import fednova
 from fedjax_sparse.algorithms.fedprox import fedprox
 from fedjax_sparse.algorithms.local import local_only
 from fedjax_sparse.algorithms.scaffold import scaffold
+from fedjax_sparse.algorithms.spafl import spafl, spafl_local
 from fedjax_sparse.core.algorithm import FederatedAlgorithm
 from fedjax_sparse.core.local_training import LocalSGD
 
@@ -19,6 +20,10 @@ ALGORITHMS: dict[str, Callable[[LocalSGD, Any], FederatedAlgorithm]] = {
     "scaffold": lambda local, config: scaffold(local, config.num_clients, config.server_lr),
     "fednova": lambda local, config: fednova(local),
     "local": lambda local, config: local_only(local),
+    "spafl": lambda local, config: spafl(local, config.sparsity_coef, weight_bounds=config.weight_bounds,
+                                         threshold_update=config.threshold_update),
+    "spafl_local": lambda local, config: spafl_local(local, config.sparsity_coef,
+                                                     weight_bounds=config.weight_bounds),
 }
 ALGORITHM_NAMES = tuple(ALGORITHMS)
 
@@ -31,4 +36,4 @@ def make_algorithm(name: str, local: LocalSGD, config: Any) -> FederatedAlgorith
 
 
 __all__ = ["ALGORITHMS", "ALGORITHM_NAMES", "FederatedAlgorithm", "fedavg", "fednova", "fedprox",
-           "local_only", "make_algorithm", "scaffold"]
+           "local_only", "make_algorithm", "scaffold", "spafl", "spafl_local"]
