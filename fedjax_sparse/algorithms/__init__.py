@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from fedjax_sparse.algorithms.fedavg import fedavg
+from fedjax_sparse.algorithms.fedldf import fedldf, fedldf_random, hdfl
 from fedjax_sparse.algorithms.fednova import fednova
 from fedjax_sparse.algorithms.fedprox import fedprox
 from fedjax_sparse.algorithms.local import local_only
@@ -24,6 +25,10 @@ ALGORITHMS: dict[str, Callable[[LocalSGD, Any], FederatedAlgorithm]] = {
                                          threshold_update=config.threshold_update),
     "spafl_local": lambda local, config: spafl_local(local, config.sparsity_coef,
                                                      weight_bounds=config.weight_bounds),
+    "fedldf": lambda local, config: fedldf(local, config.clients_per_layer, config.clients_per_round),
+    "fedldf_random": lambda local, config: fedldf_random(local, config.clients_per_layer,
+                                                         config.clients_per_round),
+    "hdfl": lambda local, config: hdfl(local, config.clients_per_layer, config.clients_per_round),
 }
 ALGORITHM_NAMES = tuple(ALGORITHMS)
 
@@ -35,5 +40,5 @@ def make_algorithm(name: str, local: LocalSGD, config: Any) -> FederatedAlgorith
     return ALGORITHMS[name](local, config)
 
 
-__all__ = ["ALGORITHMS", "ALGORITHM_NAMES", "FederatedAlgorithm", "fedavg", "fednova", "fedprox",
-           "local_only", "make_algorithm", "scaffold", "spafl", "spafl_local"]
+__all__ = ["ALGORITHMS", "ALGORITHM_NAMES", "FederatedAlgorithm", "fedavg", "fedldf", "fedldf_random",
+           "fednova", "fedprox", "hdfl", "local_only", "make_algorithm", "scaffold", "spafl", "spafl_local"]

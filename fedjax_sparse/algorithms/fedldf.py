@@ -1,0 +1,185 @@
+"""FedLDF (Wang et al., 2024): each layer is uploaded only by the clients whose layer moved most.
+
+Per round (paper section II.A, Algorithm 1):
+  1. the server broadcasts the global model (downlink as FedAvg);
+  2. the K sampled clients train locally exactly as in FedAvg (`LocalSGD.train`);
+  3. each computes its divergence vector, one float32 per layer l:
+     ||Theta_{k,l} - Theta_hat_l||_2 over all the layer's trainable parameters
+     (eq. 3; see `core.layer_groups` for the grouping and the norm), and sends
+     it (L floats; counted in the uplink);
+  4. the server (`select_uploads`) takes, per layer, the n clients with the
+     largest divergence (eq. 4), and only they upload that layer: the up
+     message's variables become `SparseArray`s whose mask is that per-layer
+     selection, so a layer sent costs its dense bytes and a layer not sent
+     costs nothing;
+  5. each layer is the data-size-weighted mean over its n senders (eqs. 5, 6),
+     via `masked_mean`; a layer nobody sent (impossible with n >= 1) would
+     keep the previous global value.
+
+Uplink per round = sum_l n * bytes(layer l) + K * L * 4, i.e. n model copies
+plus the feedback. A "layer" is one structure layer with its bias and its
+normalization (BN scale/bias and running mean/var travel with their conv).
+
+Ties in eq. 4 are broken deterministically: among equal divergences the client
+earlier in the round's (sorted) client order wins.
+
+Baselines of the paper's section III:
+  `fedldf_random` -- the same per-layer upload pattern (n clients per layer, same
+    bytes) with the n drawn uniformly at random per layer from the server's
+    round key. Its clients still send the divergence vector, so its bytes equal
+    FedLDF's exactly and only the choice rule differs (the paper says the two
+    have the same communication overhead).
+  `hdfl` -- HDFL-style client dropping: a random n of the K clients upload
+    their whole model and the server takes the data-size-weighted mean of
+    those. The paper's HDFL has no layer feedback, so its clients send no
+    divergence: uplink = n * model bytes.
+
+n = K is FedAvg (every client uploads every layer; the mean is the same
+data-size-weighted mean, up to float rounding of a different summation).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+
+from fedjax_sparse.core.aggregation import masked_mean
+from fedjax_sparse.core.algorithm import FederatedAlgorithm
+from fedjax_sparse.core.layer_groups import LayerGroups, model_layer_groups
+from fedjax_sparse.core.local_training import LocalSGD
+from fedjax_sparse.core.messages import SparseArray
+
+tree_map = jax.tree_util.tree_map
+
+
+def check_clients_per_layer(clients_per_layer: int, clients_per_round: int, name: str = "fedldf") -> None:
+    """n must be in [1, K]: raised when the algorithm is built, before any training."""
+    if not 1 <= clients_per_layer <= clients_per_round:
+        raise ValueError(f"{name}: --clients-per-layer n={clients_per_layer} is outside the valid range "
+                         f"[1, {clients_per_round}] (1 to --clients-per-round K={clients_per_round})")
+
+
+def top_n_per_layer(scores: jax.Array, n: int) -> jax.Array:
+    """[K, L] scores -> [K, L] bool, True for the n largest scores of each column (eq. 4).
+
+    A stable sort on the negated scores puts, among equal scores, the lower
+    client index first, so ties are broken deterministically.
+    """
+    order = jnp.argsort(-scores, axis=0, stable=True)  # [K, L]: clients by decreasing score
+    ranks = jnp.argsort(order, axis=0, stable=True)   # rank of each client within its layer
+    return ranks < n
+
+
+def random_n_per_layer(key: jax.Array, num_clients: int, num_layers: int, n: int) -> jax.Array:
+    """[K, L] bool with exactly n True per column, each n-subset equally likely."""
+    return top_n_per_layer(jax.random.uniform(key, (num_clients, num_layers)), n)
+
+
+def random_n_clients(key: jax.Array, num_clients: int, n: int) -> jax.Array:
+    """[K] bool with exactly n True, each n-subset equally likely."""
+    return top_n_per_layer(jax.random.uniform(key, (num_clients, 1)), n)[:, 0]
+
+
+def _sparsify(variables, masks):
+    return tree_map(SparseArray, variables, masks)
+
+
+def _is_sparse(x) -> bool:
+    return isinstance(x, SparseArray)
+
+
+def _masked_aggregate(server_state, sparse_variables, weights):
+    """Per entry, the data-size-weighted mean over the clients that sent it (eq. 5)."""
+    values = tree_map(lambda s: s.dense(), sparse_variables, is_leaf=_is_sparse)
+    masks = tree_map(lambda s: s.mask, sparse_variables, is_leaf=_is_sparse)
+    return masked_mean(values, masks, weights, server_state)
+
+
+def _layer_upload_algorithm(name: str, local: LocalSGD, groups: LayerGroups,
+                            choose: Callable[[jax.Array, jax.Array], jax.Array]) -> FederatedAlgorithm:
+    """FedLDF's round with a pluggable per-layer choice `choose(divergences [K, L], key) -> [K, L] bool`."""
+
+    def init(key, variables, num_clients):
+        del key, num_clients
+        return variables, {}
+
+    def client_update(down, client_state, data, key):
+        variables, stats = local.train(down, data, key)
+        up = {"divergence": groups.divergence(variables, down), "variables": variables}
+        return up, client_state, stats
+
+    def select_uploads(ups, weights, key):
+        del weights  # eq. 4 ranks by divergence only; the data sizes enter the mean (eq. 5)
+        selection = choose(ups["divergence"], key)
+        masks = groups.expand(selection, ups["variables"])
+        return {"divergence": ups["divergence"], "variables": _sparsify(ups["variables"], masks)}
+
+    def server_update(server_state, ups, weights):
+        return _masked_aggregate(server_state, ups["variables"], weights)
+
+    return FederatedAlgorithm(
+        name=name,
+        init=init,
+        broadcast=lambda server_state, client_id: server_state,
+        client_update=client_update,
+        server_update=server_update,
+        client_variables=lambda server_state, client_state: server_state,
+        global_variables=lambda server_state: server_state,
+        select_uploads=select_uploads,
+    )
+
+
+def fedldf(local: LocalSGD, clients_per_layer: int, clients_per_round: int) -> FederatedAlgorithm:
+    """FedLDF: per layer, the n = `clients_per_layer` clients of largest divergence upload it."""
+    check_clients_per_layer(clients_per_layer, clients_per_round, "fedldf")
+    groups = model_layer_groups(local.model)
+    n = clients_per_layer
+    return _layer_upload_algorithm("fedldf", local, groups,
+                                   lambda divergence, key: top_n_per_layer(divergence, n))
+
+
+def fedldf_random(local: LocalSGD, clients_per_layer: int, clients_per_round: int) -> FederatedAlgorithm:
+    """The paper's "random" baseline: per layer, n clients drawn at random upload it (FedLDF's bytes)."""
+    check_clients_per_layer(clients_per_layer, clients_per_round, "fedldf_random")
+    groups = model_layer_groups(local.model)
+    n = clients_per_layer
+
+    def choose(divergence, key):
+        k, num_layers = divergence.shape
+        return random_n_per_layer(key, k, num_layers, n)
+
+    return _layer_upload_algorithm("fedldf_random", local, groups, choose)
+
+
+def hdfl(local: LocalSGD, clients_per_layer: int, clients_per_round: int) -> FederatedAlgorithm:
+    """HDFL-style client dropping: a random n of the K clients upload the whole model; no feedback."""
+    check_clients_per_layer(clients_per_layer, clients_per_round, "hdfl")
+    n = clients_per_layer
+
+    def init(key, variables, num_clients):
+        del key, num_clients
+        return variables, {}
+
+    def client_update(down, client_state, data, key):
+        variables, stats = local.train(down, data, key)
+        return variables, client_state, stats
+
+    def select_uploads(ups, weights, key):
+        del weights
+        k = jax.tree_util.tree_leaves(ups)[0].shape[0]
+        chosen = random_n_clients(key, k, n)
+        masks = tree_map(lambda x: jnp.broadcast_to(chosen.reshape((k,) + (1,) * (x.ndim - 1)), x.shape), ups)
+        return _sparsify(ups, masks)
+
+    return FederatedAlgorithm(
+        name="hdfl",
+        init=init,
+        broadcast=lambda server_state, client_id: server_state,
+        client_update=client_update,
+        server_update=_masked_aggregate,
+        client_variables=lambda server_state, client_state: server_state,
+        global_variables=lambda server_state: server_state,
+        select_uploads=select_uploads,
+    )
