@@ -270,7 +270,7 @@ def run_experiment(config: RunConfig, *, progress: bool = True, resume: bool = F
             counters.total_uplink_bytes += uplink
             counters.total_downlink_bytes += downlink
             counters.padded_step_fractions.append(
-                padded_step_fraction(counts[ids], config.batch_size))
+                padded_step_fraction(counts[ids], config.batch_size, exp.client_chunk))
             if (r + 1) % config.eval_every == 0 or r + 1 == config.rounds:
                 record = {"round": r + 1, "train_loss": train_loss, "uplink_bytes": uplink,
                           "downlink_bytes": downlink, "cumulative_bytes": counters.cumulative_bytes,

@@ -210,6 +210,10 @@ def test_padded_step_fraction_is_set_by_the_busiest_sampled_client():
     # steps per epoch 1 and 3: the small client idles 2 of the 6 vmapped steps.
     assert padded_step_fraction([16, 48], 16) == 1 - 4 / 6
     assert padded_step_fraction([20, 20, 20], 8) == 0.0
+    # chunks of 2 train [16, 48] and then [32]: 1 + 3 + 2 real steps of 3 + 3 + 2
+    assert padded_step_fraction([16, 48, 32], 16, chunk=2) == 1 - 6 / 8
+    assert padded_step_fraction([16, 48, 32], 16, chunk=1) == 0.0
+    assert padded_step_fraction([16, 48, 32], 16) == 1 - 6 / 9
 
 
 def test_client_chunk_and_its_default_are_checked(make_split, mlp):

@@ -235,3 +235,28 @@ def test_experiment_settings_and_uplink_curve():
     assert cumulative_uplink(sparse) == [100, 200]
     with pytest.raises(ValueError, match="eval-every 1"):
         cumulative_uplink([{"round": 10, "uplink_bytes": 1}, {"round": 20, "uplink_bytes": 2}])
+
+
+def test_experiment_module_writes_the_uplink_table_and_plot(monkeypatch, tmp_path):
+    """`python -m experiments.fedldf --quick`, shrunk to 2 rounds of K = 5, n = 2: the uplink table."""
+    import dataclasses
+
+    import experiments.fedldf as module
+    setting = module.SETTINGS["cifar10_iid"]
+    tiny = {**setting.quick, "rounds": 2, "num_clients": 10, "clients_per_round": 5, "clients_per_layer": 2,
+            "local_epochs": 1}
+    monkeypatch.setitem(module.SETTINGS, "cifar10_iid", dataclasses.replace(setting, quick=tiny))
+    assert module.run(["--quick", "--setting", "cifar10_iid", "--out", str(tmp_path), "--no-progress"]) == 0
+    folder = tmp_path / "cifar10_iid"
+    rows = {}
+    for line in (folder / "uplink.md").read_text().splitlines():
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        if cells[0] in ("fedldf", "fedldf_random", "hdfl", "fedavg"):
+            rows[cells[0]] = cells
+    assert set(rows) == {"fedldf", "fedldf_random", "hdfl", "fedavg"}
+    uplink = {name: int(cells[3].replace(",", "")) for name, cells in rows.items()}
+    feedback = 5 * 3 * 4  # K x L x 4 bytes a round
+    assert uplink["fedldf"] == uplink["fedldf_random"] == 2 * (2 * MLP_BYTES + feedback)
+    assert uplink["hdfl"] == 2 * 2 * MLP_BYTES and uplink["fedavg"] == 2 * 5 * MLP_BYTES
+    assert float(rows["fedldf"][5]) == pytest.approx(uplink["fedldf"] / uplink["fedavg"], abs=1e-4)
+    assert (folder / "uplink.png").stat().st_size > 1000 and (folder / "results.csv").exists()

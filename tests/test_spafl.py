@@ -432,3 +432,26 @@ def test_experiment_settings_are_valid_and_quick_means_digits(monkeypatch, tmp_p
     monkeypatch.setattr(module, "main", lambda settings, name, argv: seen.append(argv) or 0)
     assert module.run(["--quick"]) == 0 and seen[-1] == ["--quick", "--setting", "digits"]
     assert module.run(["--quick", "--setting", "cifar10"]) == 0 and seen[-1] == ["--quick", "--setting", "cifar10"]
+
+
+def test_experiment_module_runs_and_tabulates_every_arm(monkeypatch, tmp_path):
+    """`python -m experiments.spafl --quick`, shrunk to 2 rounds of 3 clients: the Table 2 columns."""
+    import csv
+    import dataclasses
+
+    import experiments.spafl as module
+    tiny = {"rounds": 2, "num_clients": 6, "clients_per_round": 3, "local_epochs": 1}
+    monkeypatch.setitem(module.SETTINGS, "digits", dataclasses.replace(module.SETTINGS["digits"], quick=tiny))
+    assert module.run(["--quick", "--out", str(tmp_path), "--no-progress"]) == 0
+    folder = tmp_path / "digits"
+    with (folder / "results.csv").open() as f:
+        rows = {r["algorithm"]: r for r in csv.DictReader(f)}
+    assert list(rows) == ["fedavg", "local", "spafl", "spafl_no_eq13"]
+    assert float(rows["fedavg"]["total_gbit"]) == pytest.approx(2 * 3 * 2 * MLP_PARAMS * 4 * 8 / 1e9)
+    for name in ("spafl", "spafl_no_eq13"):
+        assert float(rows[name]["total_gbit"]) == pytest.approx(2 * 3 * 2 * MLP_THRESHOLDS * 4 * 8 / 1e9)
+        assert 0 < float(rows[name]["density"]) <= 1
+        assert 0 < float(rows[name]["train_flops"]) <= float(rows[name]["train_flops_dense"]) + 6 * 1.5 * MLP_PARAMS
+    assert float(rows["local"]["total_gbit"]) == 0
+    assert "| spafl |" in (folder / "results.md").read_text()
+    assert (folder / "comparison.png").stat().st_size > 1000

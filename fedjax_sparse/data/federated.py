@@ -90,13 +90,17 @@ def steps_per_epoch(count: jax.Array, batch_size: int) -> jax.Array:
     return (count + batch_size - 1) // batch_size
 
 
-def padded_step_fraction(counts: np.ndarray, batch_size: int) -> float:
+def padded_step_fraction(counts: np.ndarray, batch_size: int, chunk: int | None = None) -> float:
     """Share of the vmapped steps that are no-ops when clients holding `counts` train together.
 
-    The vmapped loop runs as many steps as the busiest of them; the others idle.
+    Clients vmapped together run as many steps as the busiest of them; the
+    others idle. `chunk=None` vmaps all of them at once; `chunk=c` groups them
+    as the round's `lax.map` does: consecutive groups of c, the remainder last.
     """
     steps = np.ceil(np.asarray(counts) / batch_size)
-    return float(1.0 - steps.sum() / (len(steps) * steps.max()))
+    chunk = len(steps) if chunk is None else chunk
+    run = sum(len(group) * group.max() for group in np.split(steps, range(chunk, len(steps), chunk)))
+    return float(1.0 - steps.sum() / run)
 
 
 def normalize(x_uint8: jax.Array, mean: jax.Array, std: jax.Array,
