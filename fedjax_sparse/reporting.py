@@ -70,17 +70,25 @@ def plot_accuracy(histories: dict[str, list[dict]], path: Path, title: str,
     import matplotlib.pyplot as plt
 
     fig, (by_round, by_bytes) = plt.subplots(1, 2, figsize=(11, 4))
-    for name, history in histories.items():
+    sent = []
+    for i, (name, history) in enumerate(histories.items()):
+        color = f"C{i % 10}"  # one color per run in both panels, also when a run skips the bytes panel
         for key, style in zip(metrics, ("-", "--", ":")):
             points = [(h["round"], h["cumulative_bytes"], h[key]) for h in history if h.get(key) is not None]
             if not points:
                 continue
             rounds, nbytes, acc = zip(*points)
             label = f"{name} {key.replace('_accuracy', '')}" if len(metrics) > 1 else name
-            by_round.plot(rounds, acc, style, label=label)
-            by_bytes.plot([b / 1e6 for b in nbytes], acc, style, label=label)
+            by_round.plot(rounds, acc, style, color=color, label=label)
+            if max(nbytes) > 0:  # a run that sends nothing has no place on the bytes axis
+                by_bytes.plot([b / 1e6 for b in nbytes], acc, style, color=color, label=label)
+                sent += [b for b in nbytes if b > 0]
     by_round.set_xlabel("round")
-    by_bytes.set_xlabel("cumulative bytes (MB, up + down)")
+    # sparse methods send orders of magnitude less than dense ones: a log axis shows both
+    log_bytes = bool(sent) and max(sent) > 100 * min(sent)
+    if log_bytes:
+        by_bytes.set_xscale("log")
+    by_bytes.set_xlabel(f"cumulative bytes (MB, up + down{', log scale' if log_bytes else ''})")
     for ax in (by_round, by_bytes):
         ax.set_ylabel("accuracy")
         ax.grid(alpha=0.3)
