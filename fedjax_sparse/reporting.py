@@ -89,10 +89,13 @@ def plot_accuracy(histories: dict[str, list[dict]], path: Path, title: str,
     if log_bytes:
         by_bytes.set_xscale("log")
     by_bytes.set_xlabel(f"cumulative bytes (MB, up + down{', log scale' if log_bytes else ''})")
+    if not sent:
+        by_bytes.text(0.5, 0.5, "no bytes sent", ha="center", va="center", transform=by_bytes.transAxes)
     for ax in (by_round, by_bytes):
         ax.set_ylabel("accuracy")
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
+        if ax.get_lines():
+            ax.legend(fontsize=8)
     fig.suptitle(title)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
