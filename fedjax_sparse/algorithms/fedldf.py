@@ -40,11 +40,13 @@ data-size-weighted mean, up to float rounding of a different summation).
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Callable
 
 import jax
 import jax.numpy as jnp
 
+from fedjax_sparse.algorithms.fedavg import fedavg
 from fedjax_sparse.core.aggregation import masked_mean
 from fedjax_sparse.core.algorithm import FederatedAlgorithm
 from fedjax_sparse.core.layer_groups import LayerGroups, model_layer_groups
@@ -99,14 +101,15 @@ def _masked_aggregate(server_state, sparse_variables, weights):
 
 def _layer_upload_algorithm(name: str, local: LocalSGD, groups: LayerGroups,
                             choose: Callable[[jax.Array, jax.Array], jax.Array]) -> FederatedAlgorithm:
-    """FedLDF's round with a pluggable per-layer choice `choose(divergences [K, L], key) -> [K, L] bool`."""
+    """FedLDF's round with a pluggable per-layer choice `choose(divergences [K, L], key) -> [K, L] bool`.
 
-    def init(key, variables, num_clients):
-        del key, num_clients
-        return variables, {}
+    FedAvg's round with the divergence feedback added to the upload, the
+    server's per-layer choice of what is really sent, and the masked mean.
+    """
+    base = fedavg(local)
 
     def client_update(down, client_state, data, key):
-        variables, stats = local.train(down, data, key)
+        variables, client_state, stats = base.client_update(down, client_state, data, key)
         up = {"divergence": groups.divergence(variables, down), "variables": variables}
         return up, client_state, stats
 
@@ -119,16 +122,8 @@ def _layer_upload_algorithm(name: str, local: LocalSGD, groups: LayerGroups,
     def server_update(server_state, ups, weights):
         return _masked_aggregate(server_state, ups["variables"], weights)
 
-    return FederatedAlgorithm(
-        name=name,
-        init=init,
-        broadcast=lambda server_state, client_id: server_state,
-        client_update=client_update,
-        server_update=server_update,
-        client_variables=lambda server_state, client_state: server_state,
-        global_variables=lambda server_state: server_state,
-        select_uploads=select_uploads,
-    )
+    return dataclasses.replace(base, name=name, client_update=client_update, server_update=server_update,
+                               select_uploads=select_uploads)
 
 
 def fedldf(local: LocalSGD, clients_per_layer: int, clients_per_round: int) -> FederatedAlgorithm:
@@ -158,14 +153,6 @@ def hdfl(local: LocalSGD, clients_per_layer: int, clients_per_round: int) -> Fed
     check_clients_per_layer(clients_per_layer, clients_per_round, "hdfl")
     n = clients_per_layer
 
-    def init(key, variables, num_clients):
-        del key, num_clients
-        return variables, {}
-
-    def client_update(down, client_state, data, key):
-        variables, stats = local.train(down, data, key)
-        return variables, client_state, stats
-
     def select_uploads(ups, weights, key):
         del weights
         k = jax.tree_util.tree_leaves(ups)[0].shape[0]
@@ -173,13 +160,5 @@ def hdfl(local: LocalSGD, clients_per_layer: int, clients_per_round: int) -> Fed
         masks = tree_map(lambda x: jnp.broadcast_to(chosen.reshape((k,) + (1,) * (x.ndim - 1)), x.shape), ups)
         return _sparsify(ups, masks)
 
-    return FederatedAlgorithm(
-        name="hdfl",
-        init=init,
-        broadcast=lambda server_state, client_id: server_state,
-        client_update=client_update,
-        server_update=_masked_aggregate,
-        client_variables=lambda server_state, client_state: server_state,
-        global_variables=lambda server_state: server_state,
-        select_uploads=select_uploads,
-    )
+    return dataclasses.replace(fedavg(local), name="hdfl", server_update=_masked_aggregate,
+                               select_uploads=select_uploads)
