@@ -13,7 +13,7 @@ another order; `tests/test_models.py` checks them against `jax.grad` of
 
 Scope: NHWC inputs, HWIO kernels, equal strides and symmetric integer padding
 per spatial axis, no dilation and no feature groups -- every convolution of the
-model zoo. Anything else is refused when the module is built.
+model zoo. Anything else is refused when the module is first called.
 
 With y[n, o] = sum_{t, ci} x_pad[n, o*s + t, ci] w[t, ci, co] (one spatial axis
 shown; o < Ho, t < k, x_pad = x padded by p on both sides):
@@ -44,18 +44,14 @@ def _conv(x, w, strides, padding, lhs_dilation=(1, 1), rhs_dilation=(1, 1)):
                                     rhs_dilation=rhs_dilation, dimension_numbers=NHWC)
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
 def conv2d(x: jax.Array, kernel: jax.Array, stride: int, padding: int) -> jax.Array:
     """NHWC x HWIO -> NHWC convolution with canonical-convolution gradients (see module docstring)."""
-    return _conv2d(x, kernel, stride, padding)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
-def _conv2d(x, kernel, stride, padding):
     return _conv(x, kernel, (stride, stride), [(padding, padding)] * 2)
 
 
 def _conv2d_fwd(x, kernel, stride, padding):
-    return _conv2d(x, kernel, stride, padding), (x, kernel)
+    return conv2d(x, kernel, stride, padding), (x, kernel)
 
 
 def _input_gradient(dy, kernel, stride, padding, in_hw):
@@ -83,7 +79,7 @@ def _conv2d_bwd(stride, padding, residuals, dy):
     return dx.astype(x.dtype), dw.astype(kernel.dtype)
 
 
-_conv2d.defvjp(_conv2d_fwd, _conv2d_bwd)
+conv2d.defvjp(_conv2d_fwd, _conv2d_bwd)
 
 
 class Conv2D(nn.Module):
