@@ -79,7 +79,7 @@ import optax
 from fedjax_sparse.algorithms import fedavg
 from fedjax_sparse.core.algorithm import FederatedAlgorithm
 from fedjax_sparse.core.local_training import LocalSGD, masked_cross_entropy
-from fedjax_sparse.core.round import build_round, client_keys, default_client_chunk, sample_clients
+from fedjax_sparse.core.round import build_round, client_keys, default_client_chunk, round_info, sample_clients
 from fedjax_sparse.data import load_dataset
 from fedjax_sparse.data.federated import (Batch, ClientData, FederatedSplit, client_batch,
                                           epoch_permutations, federated_split, padded_step_fraction)
@@ -235,8 +235,9 @@ def _aggregator(w: Workload):
     """server_update on the stacked messages of a Python list of clients (one jitted call)."""
 
     @jax.jit
-    def aggregate(server, ups, weights):
-        return w.algorithm.server_update(server, tree_map(lambda *a: jnp.stack(a), *ups), weights)
+    def aggregate(server, ups, weights, round_index, ids):
+        info = round_info(w.setting.seed, round_index, ids)
+        return w.algorithm.server_update(server, tree_map(lambda *a: jnp.stack(a), *ups), weights, info)
 
     return aggregate
 
@@ -280,7 +281,7 @@ def step_loop_runner(w: Workload) -> Callable[[int], Any]:
         order_key, step_key = jax.random.split(key)  # as run_local_steps splits it
         data = split.client(cid)
         orders = epoch_permutations(order_key, data.count, data.max_count, epochs)
-        variables = alg.broadcast(server, cid)
+        variables = alg.broadcast(server, cid, round_info(s.seed, round_index, cid[None]))
         return (variables, tx.init(variables["params"])), orders, step_key
 
     @jax.jit
@@ -302,7 +303,7 @@ def step_loop_runner(w: Workload) -> Callable[[int], Any]:
             for t in range(epochs * per_epoch):
                 carry = train_step(carry, split, cid, orders, t // per_epoch, t % per_epoch, t, step_key)
             ups.append(carry[0])
-        state["server"] = aggregate(state["server"], ups, counts[ids].astype(np.float32))
+        state["server"] = aggregate(state["server"], ups, counts[ids].astype(np.float32), r, ids)
         return state["server"]
 
     return run
@@ -315,10 +316,11 @@ def client_loop_runner(w: Workload) -> Callable[[int], Any]:
     _, client_states = alg.init(jax.random.key(s.seed), w.variables, w.num_clients)
 
     @jax.jit
-    def train_client(server, split, client_states, round_index, cid):
+    def train_client(server, split, client_states, round_index, cid, ids):
         key = client_keys(s.seed, round_index, cid[None])[0]
+        info = round_info(s.seed, round_index, ids)
         state = tree_map(lambda a: a[cid], client_states)
-        up, _, _ = alg.client_update(alg.broadcast(server, cid), state, split.client(cid), key)
+        up, _, _ = alg.client_update(alg.broadcast(server, cid, info), state, split.client(cid), key, info)
         return up
 
     aggregate, sample = _aggregator(w), _sampler(w)
@@ -326,8 +328,8 @@ def client_loop_runner(w: Workload) -> Callable[[int], Any]:
 
     def run(r: int):
         ids = sample(r)
-        ups = [train_client(state["server"], split, client_states, r, cid) for cid in ids]
-        state["server"] = aggregate(state["server"], ups, counts[ids].astype(np.float32))
+        ups = [train_client(state["server"], split, client_states, r, cid, ids) for cid in ids]
+        state["server"] = aggregate(state["server"], ups, counts[ids].astype(np.float32), r, ids)
         return state["server"]
 
     return run

@@ -19,7 +19,7 @@ SETTINGS = {
     "baselines_cifar10": Setting(
         name="baselines_cifar10",
         description=__doc__.split("\n\n")[1].replace("\n", " "),
-        config=RunConfig(dataset=f"imagefolder:{cifar10_folder()}", model="resnet20", num_clients=10,
+        config=RunConfig.create(dataset=f"imagefolder:{cifar10_folder()}", model="resnet20", num_clients=10,
                          clients_per_round=10, rounds=100, local_epochs=10, batch_size=64, lr=0.005,
                          momentum=0.9, partition="dirichlet", alpha=0.1, min_examples=10, mu=0.01,
                          eval_every=1, local_test_ratio=0.2),

@@ -14,7 +14,7 @@ SETTINGS = {
     "baselines_digits": Setting(
         name="baselines_digits",
         description=__doc__.split("\n\n")[1].replace("\n", " "),
-        config=RunConfig(dataset="digits", model="mlp", num_clients=20, clients_per_round=10, rounds=30,
+        config=RunConfig.create(dataset="digits", model="mlp", num_clients=20, clients_per_round=10, rounds=30,
                          local_epochs=5, batch_size=16, lr=0.1, partition="dirichlet", alpha=0.5, mu=0.01),
         arms=tuple(Arm(name, {"algorithm": name}) for name in ("fedavg", "fedprox", "scaffold", "fednova")),
         target_accuracy=0.9,

@@ -60,7 +60,7 @@ class Setting:
 
     def arm_config(self, arm: Arm, out: Path, quick: bool) -> RunConfig:
         fields = {**(self.quick if quick else {}), **arm.overrides, "out": str(out / arm.label)}
-        return dataclasses.replace(self.config, **fields)
+        return self.config.replace(**fields)
 
 
 def rounds_to_target(history: list[dict], metric: str, target: float) -> int | None:

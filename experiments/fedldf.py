@@ -23,7 +23,7 @@ from fedjax_sparse.runner import RunConfig
 MODULE = "experiments.fedldf"
 DEFAULT_OUT = "runs/experiments"  # experiments.common.main's default for --out
 
-BASE = RunConfig(dataset=f"imagefolder:{cifar10_folder()}", model="vgg9", num_clients=50, clients_per_round=20,
+BASE = RunConfig.create(dataset=f"imagefolder:{cifar10_folder()}", model="vgg9", num_clients=50, clients_per_round=20,
                  clients_per_layer=4, rounds=1000, local_epochs=1, batch_size=64, lr=0.01, momentum=0.9,
                  weight_decay=5e-4, min_examples=10, eval_every=10, local_test_ratio=0.2)
 
@@ -42,7 +42,7 @@ SETTINGS = {
     "cifar10_iid": Setting(
         name="cifar10_iid",
         description=DESCRIPTION + " This setting: IID.",
-        config=dataclasses.replace(BASE, partition="iid", alpha=None),
+        config=BASE.replace(partition="iid", alpha=None),
         arms=_arms({
             "fedldf": {"final error vs FedLDF": "0", "uplink vs FedAvg": "-80%"},
             "fedldf_random": {"final error vs FedLDF": "+3.2 pt"},
@@ -55,7 +55,7 @@ SETTINGS = {
     "cifar10_dirichlet": Setting(
         name="cifar10_dirichlet",
         description=DESCRIPTION + " This setting: Dirichlet alpha = 1.",
-        config=dataclasses.replace(BASE, partition="dirichlet", alpha=1.0),
+        config=BASE.replace(partition="dirichlet", alpha=1.0),
         arms=_arms({
             "fedldf": {"final error vs FedLDF": "0", "uplink vs FedAvg": "-80%"},
             "fedldf_random": {"final error vs FedLDF": "+2.2 pt"},

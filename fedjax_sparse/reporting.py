@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
+import math
 import platform
 from pathlib import Path
+from typing import Any
 
 import jax
 
@@ -13,6 +15,22 @@ def device_description() -> str:
     device = jax.devices()[0]
     kind = getattr(device, "device_kind", device.platform)
     return f"{jax.device_count()} x {kind} ({device.platform}), {platform.machine()}, jax {jax.__version__}"
+
+
+def strict_json(obj: Any) -> Any:
+    """`obj` with every non-finite float replaced by None, so that it is valid (strict) JSON."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: strict_json(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [strict_json(v) for v in obj]
+    return obj
+
+
+def dumps(obj: Any, **kwargs) -> str:
+    """Strict JSON text: NaN and infinities are written as null, never as NaN."""
+    return json.dumps(strict_json(obj), allow_nan=False, **kwargs)
 
 
 def progress_bar(total: int, description: str, enabled: bool = True, initial: int = 0):
@@ -33,7 +51,7 @@ class RunWriter:
         self.out.mkdir(parents=True, exist_ok=True)
         self.metrics_path = self.out / "metrics.jsonl"
         kept = [r for r in self.read_metrics() if r["round"] <= keep_rounds_up_to] if keep_rounds_up_to else []
-        self.metrics_path.write_text("".join(json.dumps(r) + "\n" for r in kept))
+        self.metrics_path.write_text("".join(dumps(r) + "\n" for r in kept))
 
     def read_metrics(self) -> list[dict]:
         if not self.metrics_path.exists():
@@ -41,7 +59,7 @@ class RunWriter:
         return [json.loads(line) for line in self.metrics_path.read_text().splitlines() if line.strip()]
 
     def _json(self, name: str, obj) -> None:
-        (self.out / name).write_text(json.dumps(obj, indent=2) + "\n")
+        (self.out / name).write_text(dumps(obj, indent=2) + "\n")
 
     def write_config(self, config: dict) -> None:
         self._json("config.json", config)
@@ -54,7 +72,7 @@ class RunWriter:
 
     def append_metrics(self, record: dict) -> None:
         with self.metrics_path.open("a") as f:
-            f.write(json.dumps(record) + "\n")
+            f.write(dumps(record) + "\n")
 
     def plot(self, history: list[dict], title: str) -> Path:
         path = self.out / "accuracy.png"

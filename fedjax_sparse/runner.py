@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import signal
 import threading
 import time
@@ -14,84 +15,132 @@ from pathlib import Path
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
-from fedjax_sparse.algorithms import make_algorithm
+from fedjax_sparse.algorithms import ALGORITHM_NAMES, make_algorithm, make_options, option_users, options_dict
 from fedjax_sparse.checkpoint import RunCheckpointer, config_mismatches
+from fedjax_sparse.core.algorithm import BuildContext
 from fedjax_sparse.core.evaluation import global_evaluator, personalized_evaluator
+from fedjax_sparse.core.flops import forward_flops
 from fedjax_sparse.core.local_training import LocalSGD
+from fedjax_sparse.core.options import option, option_fields, validate
 from fedjax_sparse.core.round import build_round, clients_mesh, default_client_chunk
+from fedjax_sparse.core.streams import stream_key, stream_seed
 from fedjax_sparse.data import load_dataset, local_test_split, partition, partition_summary
 from fedjax_sparse.data.federated import federated_split, padded_step_fraction
-from fedjax_sparse.models import get_model
+from fedjax_sparse.models import MODEL_NAMES, get_model
 from fedjax_sparse.reporting import RunWriter, device_description, progress_bar
 
 
 class DivergenceError(RuntimeError):
-    """Training produced a non-finite loss; the run stops instead of going on with NaNs."""
+    """Training produced a non-finite loss or model; the run stops instead of going on with NaNs."""
 
 
 @dataclasses.dataclass(frozen=True)
 class RunConfig:
-    algorithm: str = "fedavg"
-    dataset: str = "digits"
-    model: str = "mlp"
-    num_clients: int = 20
-    clients_per_round: int = 10
-    rounds: int = 30
-    local_epochs: int = 5
-    batch_size: int = 16
-    lr: float = 0.1
-    momentum: float = 0.0
-    weight_decay: float = 0.0
-    partition: str = "dirichlet"
-    alpha: float | None = 0.5
-    labels_per_client: int | None = None
-    min_examples: int = 2
-    local_test_ratio: float = 0.2
-    seed: int = 0
-    eval_every: int = 1
-    mu: float = 0.01
-    server_lr: float = 1.0
-    sparsity_coef: float = 0.002
-    weight_bounds: bool = True
-    threshold_update: bool = True
-    clients_per_layer: int = 4
-    shard_clients: bool = False
-    client_chunk: int | None = None
-    max_train_examples: int | None = None
-    max_test_examples: int | None = None
-    checkpoint_every: int | None = None
-    out: str = "runs/default"
+    """A run: the options every algorithm shares, and the chosen algorithm's own options.
+
+    The shared options are the fields below; each algorithm declares its own
+    beside its math (e.g. `algorithms.fedprox.FedProxOptions`). `options` holds
+    algorithm option values by name; `algorithm_options` turns them into the
+    chosen algorithm's dataclass (defaults for the rest). Build configs with
+    `RunConfig.create(**flat)` / `config.replace(**flat)`, which route every
+    name to its place; `to_dict()` is the flat saved form.
+    """
+
+    algorithm: str = option("fedavg", "the federated algorithm", choices=ALGORITHM_NAMES)
+    dataset: str = option("digits", "digits, cifar10, cifar100, fashion_mnist, emnist or imagefolder:PATH")
+    model: str = option("mlp", "the model", choices=MODEL_NAMES)
+    num_clients: int = option(20, "clients in the federation", low=1)
+    clients_per_round: int = option(10, "clients sampled each round", low=1)
+    rounds: int = option(30, "communication rounds", low=1)
+    local_epochs: int = option(5, "local epochs per round", low=1)
+    batch_size: int = option(16, "local batch size", low=1)
+    lr: float = option(0.1, "local learning rate", low=0.0, low_open=True)
+    lr_decay: float = option(1.0, "multiply the local learning rate by this every round", low=0.0, low_open=True,
+                             high=1.0)
+    momentum: float = option(0.0, "local SGD momentum", low=0.0, high=1.0, high_open=True)
+    weight_decay: float = option(0.0, "local weight decay", low=0.0)
+    partition: str = option("dirichlet", "how data is split over clients", choices=("iid", "dirichlet", "labels"))
+    alpha: float | None = option(0.5, "Dirichlet concentration", low=0.0, low_open=True)
+    labels_per_client: int | None = option(None, "labels each client holds (labels partition)", low=1)
+    min_examples: int = option(2, "fewest training examples a client may hold", low=1)
+    local_test_ratio: float = option(0.2, "size of each client's test split relative to its training data",
+                                     low=0.0, low_open=True, high=1.0)
+    seed: int = option(0, "seed of every random stream of the run", low=0)
+    eval_every: int = option(1, "evaluate every this many rounds", low=1)
+    shard_clients: bool = option(False, "shard the sampled clients over all local devices")
+    client_chunk: int | None = option(None, "train the sampled clients this many at a time (0: all at once, one "
+                                            "vmap); default: all at once on an accelerator, a cache-sized chunk "
+                                            "on a CPU", low=0)
+    max_train_examples: int | None = option(None, "use a random subset of this many training examples", low=1)
+    max_test_examples: int | None = option(None, "use a random subset of this many test examples", low=1)
+    checkpoint_every: int | None = option(None, "save the whole run state every R rounds (and at the end and on "
+                                                "Ctrl-C)", low=1)
+    compilation_cache: bool = option(True, "keep compiled rounds in JAX's persistent cache "
+                                           "($FEDJAX_SPARSE_CACHE or ~/.cache/fedjax_sparse/jax)")
+    out: str = option("runs/default", "directory for config, metrics, summary and plot")
+    options: dict = dataclasses.field(default_factory=dict)
+
+    @classmethod
+    def create(cls, **values) -> "RunConfig":
+        """A config from flat names: shared fields go to their fields, the rest to `options`."""
+        return cls().replace(**values)
+
+    def replace(self, **values) -> "RunConfig":
+        shared = {f.name for f in dataclasses.fields(self)} - {"options"}
+        users = option_users()
+        unknown = sorted(k for k in values if k not in shared and k not in users and k != "options")
+        if unknown:
+            raise ValueError(f"unknown options {unknown}; run options are {sorted(shared)} and algorithm "
+                             f"options are {sorted(users)}")
+        options = {**self.options, **values.get("options", {}),
+                   **{k: v for k, v in values.items() if k in users and k not in shared}}
+        return dataclasses.replace(self, **{k: v for k, v in values.items() if k in shared}, options=options)
+
+    @classmethod
+    def from_dict(cls, values: dict) -> "RunConfig":
+        """From a saved (flat) config; options of algorithms other than its own are dropped, so
+        configs saved before options moved beside their algorithms still load."""
+        values = dict(values)
+        values.pop("options", None)
+        algorithm = values.get("algorithm", cls.algorithm)
+        own = {f.name for f in dataclasses.fields(make_options(algorithm, {}))} if algorithm in ALGORITHM_NAMES \
+            else set()
+        users = option_users()
+        values = {k: (tuple(v) if isinstance(v, list) else v) for k, v in values.items()
+                  if k not in users or k in own}
+        return cls.create(**values)
+
+    @property
+    def algorithm_options(self) -> Any:
+        return make_options(self.algorithm, self.options)
+
+    def to_dict(self) -> dict:
+        shared = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "options"}
+        return {**shared, **options_dict(self.algorithm_options)}
 
     def validate(self) -> None:
         """Checks what can be checked before any data is loaded; one clear line per problem."""
-        positive = {"num_clients": self.num_clients, "clients_per_round": self.clients_per_round,
-                    "rounds": self.rounds, "local_epochs": self.local_epochs,
-                    "batch_size": self.batch_size, "eval_every": self.eval_every}
-        for name, value in positive.items():
-            if value < 1:
-                raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+        validate(self)
+        self.algorithm_options  # validates the algorithm's own options
         if self.clients_per_round > self.num_clients:
             raise ValueError(f"--clients-per-round {self.clients_per_round} exceeds --num-clients "
                              f"{self.num_clients}; valid: 1..{self.num_clients}")
-        if not self.lr > 0:
-            raise ValueError(f"--lr must be > 0, got {self.lr}")
-        if self.partition == "dirichlet" and (self.alpha is None or not self.alpha > 0):
-            raise ValueError(f"--alpha must be > 0 for the dirichlet partition, got {self.alpha}")
-        if self.partition == "labels" and (self.labels_per_client is None or self.labels_per_client < 1):
-            raise ValueError(f"--labels-per-client must be >= 1 for the labels partition, "
-                             f"got {self.labels_per_client}")
-        if self.checkpoint_every is not None and self.checkpoint_every < 1:
-            raise ValueError(f"--checkpoint-every must be >= 1, got {self.checkpoint_every}")
-        if self.client_chunk is not None and not 0 <= self.client_chunk <= self.clients_per_round:
+        if self.partition == "dirichlet" and self.alpha is None:
+            raise ValueError("--alpha must be > 0 for the dirichlet partition, got None")
+        if self.partition == "labels" and self.labels_per_client is None:
+            raise ValueError("--labels-per-client must be >= 1 for the labels partition, got None")
+        if self.client_chunk is not None and self.client_chunk > self.clients_per_round:
             raise ValueError(f"--client-chunk must be in [0, {self.clients_per_round}] (0: all sampled "
                              f"clients at once), got {self.client_chunk}")
         if self.client_chunk and self.shard_clients:
             raise ValueError(f"--client-chunk {self.client_chunk} and --shard-clients do not combine: "
                              f"sharding splits the vmap of all sampled clients over the devices")
-        if not 0 < self.local_test_ratio <= 1:
-            raise ValueError(f"--local-test-ratio must be in (0, 1], got {self.local_test_ratio}")
+
+
+SHARED_OPTIONS = tuple(f.name for f in option_fields(RunConfig))
 
 
 @dataclasses.dataclass
@@ -122,20 +171,22 @@ def build_experiment(config: RunConfig) -> Experiment:
         raise ValueError(f"--labels-per-client {config.labels_per_client} exceeds the "
                          f"{dataset.num_classes} classes of {config.dataset}")
     model = get_model(config.model, dataset.input_shape, dataset.num_classes)
-    client_indices = partition(dataset.y_train, config.num_clients, config.partition, seed=config.seed,
-                               alpha=config.alpha, labels_per_client=config.labels_per_client,
-                               min_examples=config.min_examples)
+    client_indices = partition(dataset.y_train, config.num_clients, config.partition,
+                               seed=stream_seed(config.seed, "partition"), alpha=config.alpha,
+                               labels_per_client=config.labels_per_client, min_examples=config.min_examples)
     test_indices = local_test_split(client_indices, dataset.y_train, dataset.y_test, dataset.num_classes,
-                                    seed=config.seed, ratio=config.local_test_ratio)
+                                    seed=stream_seed(config.seed, "local_test"), ratio=config.local_test_ratio)
     train = federated_split(dataset.x_train, dataset.y_train, client_indices, dataset.mean, dataset.std,
                             augment=dataset.augment)
     local_test = federated_split(dataset.x_test, dataset.y_test, test_indices, dataset.mean, dataset.std)
     local = LocalSGD(model, config.lr, config.local_epochs, config.batch_size, config.momentum,
-                     config.weight_decay)
-    algorithm = make_algorithm(config.algorithm, local, config)
-    key = jax.random.key(config.seed)
-    variables = model.init(jax.random.fold_in(key, 0))
-    server_state, client_states = algorithm.init(jax.random.fold_in(key, 1), variables, config.num_clients)
+                     config.weight_decay, config.lr_decay)
+    context = BuildContext(local=local, num_clients=config.num_clients, clients_per_round=config.clients_per_round,
+                           train=train, num_classes=dataset.num_classes, seed=config.seed)
+    algorithm = make_algorithm(config.algorithm, context, config.algorithm_options)
+    variables = model.init(stream_key(config.seed, "model_init"))
+    server_state, client_states = algorithm.init(stream_key(config.seed, "algorithm_init"), variables,
+                                                 config.num_clients)
     mesh = clients_mesh() if config.shard_clients else None
     chunk = resolve_client_chunk(config, variables)
     round_fn = build_round(algorithm, train, config.clients_per_round, seed=config.seed, mesh=mesh,
@@ -174,6 +225,23 @@ def _to_python(x):
     return x.item() if x.ndim == 0 else x.tolist()
 
 
+@jax.jit
+def _all_finite(tree) -> jax.Array:
+    leaves = [jnp.all(jnp.isfinite(x)) for x in jax.tree_util.tree_leaves(tree)
+              if jnp.issubdtype(x.dtype, jnp.inexact)]
+    return jnp.all(jnp.stack(leaves)) if leaves else jnp.asarray(True)
+
+
+def likely_culprit(config: RunConfig) -> str:
+    """The flag most likely to blame for a diverged run, as advice."""
+    options = config.options
+    if options.get("server_lr", 1.0) > 1.0:
+        return f"try a smaller --server-lr than {options['server_lr']}"
+    if config.momentum >= 0.95:
+        return f"try a smaller --momentum than {config.momentum} or a smaller --lr than {config.lr}"
+    return f"try a smaller --lr than {config.lr}"
+
+
 class Interrupted(RuntimeError):
     """Ctrl-C stopped the run after a round; a checkpoint was saved if checkpointing is on."""
 
@@ -186,6 +254,7 @@ class Counters:
     cumulative_bytes: int = 0
     total_uplink_bytes: int = 0
     total_downlink_bytes: int = 0
+    dense_train_flops_total: int = 0
     padded_step_fractions: list = dataclasses.field(default_factory=list)
 
 
@@ -211,22 +280,48 @@ class _StopOnInterrupt:
             signal.signal(signal.SIGINT, self._previous)
 
 
+def compilation_cache_dir() -> Path:
+    """Where compiled rounds are kept between runs: $FEDJAX_SPARSE_CACHE, else the user's cache folder."""
+    if os.environ.get("FEDJAX_SPARSE_CACHE"):
+        return Path(os.environ["FEDJAX_SPARSE_CACHE"])
+    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    return base / "fedjax_sparse" / "jax"
+
+
+def use_compilation_cache(enabled: bool) -> None:
+    """Turns JAX's persistent compilation cache on (in `compilation_cache_dir()`) or off.
+
+    A run's first round spends seconds compiling; with the cache, a repeated
+    run (same model, algorithm and shapes) loads the compiled round instead.
+    """
+    if enabled:
+        path = compilation_cache_dir()
+        path.mkdir(parents=True, exist_ok=True)
+        jax.config.update("jax_compilation_cache_dir", str(path))
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+    else:
+        jax.config.update("jax_compilation_cache_dir", None)
+
+
 def run_experiment(config: RunConfig, *, progress: bool = True, resume: bool = False) -> dict:
     """Runs `config` and writes config.json, metrics.jsonl, partition.json, summary.json and a plot.
 
     With `config.checkpoint_every` the whole run state is saved every so many
     rounds, at the end and on Ctrl-C; `resume=True` continues the run in
     `config.out` from its latest checkpoint, refusing one made with a config
-    that would change the results.
+    that would change the results. A non-finite loss or model stops the run
+    with `DivergenceError` after writing what was measured so far.
     """
     start = time.perf_counter()
+    use_compilation_cache(config.compilation_cache)
     out = Path(config.out)
     checkpointer = RunCheckpointer(out) if config.checkpoint_every or resume else None
     saved_meta = checkpointer.read_meta() if resume else None
     if resume:
         if saved_meta is None:
             raise FileNotFoundError(f"--resume {out}: no checkpoint under {checkpointer.directory}")
-        mismatches = config_mismatches(saved_meta["config"], dataclasses.asdict(config))
+        # normalized first: a config saved by an older version lacks newer options (at their defaults)
+        mismatches = config_mismatches(RunConfig.from_dict(saved_meta["config"]).to_dict(), config.to_dict())
         if mismatches:
             raise ValueError(f"--resume {out}: the checkpoint was made with another configuration ("
                              + "; ".join(mismatches) + ")")
@@ -237,18 +332,28 @@ def run_experiment(config: RunConfig, *, progress: bool = True, resume: bool = F
         rounds_done, server_state, client_states, meta = checkpointer.restore(server_state, client_states)
         counters = Counters(**meta["counters"])
     writer = RunWriter(out, keep_rounds_up_to=counters.rounds_done if resume else None)
-    writer.write_config(dataclasses.asdict(config))
+    writer.write_config(config.to_dict())
     writer.write_partition(partition_summary(exp.client_indices, exp.dataset.y_train,
                                              exp.dataset.num_classes))
     history = writer.read_metrics()
+    title = f"{config.algorithm} / {config.model} / {config.dataset}"
 
     def save():
         if checkpointer is not None:
             checkpointer.save(counters.rounds_done, server_state, client_states,
-                              {"config": dataclasses.asdict(config), "counters": dataclasses.asdict(counters)})
+                              {"config": config.to_dict(), "counters": dataclasses.asdict(counters)})
+
+    def diverged(message: str) -> DivergenceError:
+        bar.close()
+        totals = _totals(counters)
+        writer.write_summary({**_summary(exp, history, totals, first_round_seconds, time.perf_counter() - start),
+                              "status": "diverged", "error": message})
+        writer.plot(history, title=title)
+        return DivergenceError(message)
 
     counts = np.asarray(exp.train.counts)
-    compile_seconds = None
+    dense_forward = forward_flops(exp.model.structure)
+    first_round_seconds = None
     bar = progress_bar(config.rounds, f"{config.algorithm} on {config.dataset}", enabled=progress,
                        initial=counters.rounds_done)
     with _StopOnInterrupt() as interrupt:
@@ -256,28 +361,38 @@ def run_experiment(config: RunConfig, *, progress: bool = True, resume: bool = F
             t0 = time.perf_counter()
             server_state, client_states, round_out = exp.round_fn(server_state, client_states, r)
             ids = np.asarray(round_out.client_ids)
-            if compile_seconds is None:
-                compile_seconds = time.perf_counter() - t0
+            if first_round_seconds is None:
+                first_round_seconds = time.perf_counter() - t0
             train_loss = float(np.average(np.asarray(round_out.metrics["loss"]), weights=counts[ids]))
             if not math.isfinite(train_loss):
-                bar.close()
-                raise DivergenceError(f"round {r + 1}: training loss is {train_loss}; the run diverged "
-                                      f"(try a smaller --lr than {config.lr})")
+                raise diverged(f"round {r + 1}: the training loss is {train_loss}; the run diverged "
+                               f"({likely_culprit(config)})")
+            if not bool(_all_finite(server_state)):
+                raise diverged(f"round {r + 1}: the server's model is not finite; the run diverged "
+                               f"({likely_culprit(config)})")
             uplink = int(np.asarray(round_out.uplink_bytes, np.int64).sum())
             downlink = int(np.asarray(round_out.downlink_bytes, np.int64).sum())
             counters.rounds_done = r + 1
             counters.cumulative_bytes += uplink + downlink
             counters.total_uplink_bytes += uplink
             counters.total_downlink_bytes += downlink
+            counters.dense_train_flops_total += 3 * dense_forward * config.local_epochs * int(counts[ids].sum())
             counters.padded_step_fractions.append(
                 padded_step_fraction(counts[ids], config.batch_size, exp.client_chunk))
             if (r + 1) % config.eval_every == 0 or r + 1 == config.rounds:
+                if not bool(_all_finite(client_states)):
+                    raise diverged(f"round {r + 1}: a client's model is not finite; the run diverged "
+                                   f"({likely_culprit(config)})")
                 record = {"round": r + 1, "train_loss": train_loss, "uplink_bytes": uplink,
                           "downlink_bytes": downlink, "cumulative_bytes": counters.cumulative_bytes,
+                          "dense_train_flops": counters.dense_train_flops_total / config.num_clients,
                           "padded_step_fraction": counters.padded_step_fractions[-1],
                           **evaluate(exp, server_state, client_states)}
                 writer.append_metrics(record)
                 history.append(record)
+                if record["test_loss"] is not None and not math.isfinite(record["test_loss"]):
+                    raise diverged(f"round {r + 1}: the test loss is {record['test_loss']}; the run diverged "
+                                   f"({likely_culprit(config)})")
                 bar.set_postfix(acc=_fmt(record["test_accuracy"]), pacc=_fmt(record["personalized_accuracy"]),
                                 loss=f"{train_loss:.3f}", MB=f"{counters.cumulative_bytes / 1e6:.1f}")
             bar.update(1)
@@ -291,36 +406,44 @@ def run_experiment(config: RunConfig, *, progress: bool = True, resume: bool = F
                 raise Interrupted(f"interrupted after round {r + 1}; checkpoint saved in "
                                   f"{checkpointer.directory}; continue with --resume {out}")
     bar.close()
-    totals = {"total_uplink_bytes": counters.total_uplink_bytes,
-              "total_downlink_bytes": counters.total_downlink_bytes,
-              "cumulative_bytes": counters.cumulative_bytes,
-              "mean_padded_step_fraction": float(np.mean(counters.padded_step_fractions))}
-    summary = _summary(exp, history, totals, compile_seconds, time.perf_counter() - start)
+    summary = {**_summary(exp, history, _totals(counters), first_round_seconds, time.perf_counter() - start),
+               "status": "completed"}
     writer.write_summary(summary)
-    writer.plot(history, title=f"{config.algorithm} / {config.model} / {config.dataset}")
+    writer.plot(history, title=title)
     return summary
+
+
+def _totals(counters: Counters) -> dict:
+    fractions = counters.padded_step_fractions
+    return {"total_uplink_bytes": counters.total_uplink_bytes,
+            "total_downlink_bytes": counters.total_downlink_bytes,
+            "cumulative_bytes": counters.cumulative_bytes,
+            "dense_train_flops_total": counters.dense_train_flops_total,
+            "mean_padded_step_fraction": float(np.mean(fractions)) if fractions else None}
 
 
 def _fmt(x):
     return "-" if x is None else f"{x:.3f}"
 
 
-def _summary(exp: Experiment, history: list, totals: dict, compile_seconds: float, wall: float) -> dict:
-    final = history[-1]
-    test = [h["test_accuracy"] for h in history if h["test_accuracy"] is not None]
+def _summary(exp: Experiment, history: list, totals: dict, first_round_seconds: float | None, wall: float) -> dict:
+    final = history[-1] if history else {}
+    test = [h["test_accuracy"] for h in history if h.get("test_accuracy") is not None]
+    personal = [h["personalized_accuracy"] for h in history if h.get("personalized_accuracy") is not None]
     return {
         "algorithm": exp.config.algorithm, "model": exp.config.model, "dataset": exp.config.dataset,
         "rounds": exp.config.rounds,
-        "final_test_accuracy": final["test_accuracy"],
+        "has_global_model": exp.algorithm.global_variables is not None,
+        "final_test_accuracy": final.get("test_accuracy"),
         "best_test_accuracy": max(test) if test else None,
-        "final_personalized_accuracy": final["personalized_accuracy"],
-        "best_personalized_accuracy": max(h["personalized_accuracy"] for h in history),
-        "final_train_loss": final["train_loss"],
+        "final_personalized_accuracy": final.get("personalized_accuracy"),
+        "best_personalized_accuracy": max(personal) if personal else None,
+        "final_train_loss": final.get("train_loss"),
         **totals,
         "num_params": exp.num_params,
         "client_chunk": exp.client_chunk,
         "num_train_examples": int(np.asarray(exp.train.counts).sum()),
-        "compile_seconds": compile_seconds,
+        "first_round_seconds": first_round_seconds,
         "wall_seconds": wall,
         "device": device_description(),
     }

@@ -50,7 +50,8 @@ def test_local_run_has_no_global_accuracy_and_no_bytes(tmp_path):
     (["--model", "lenet5_caffe"], "8x8"),
     (["--dataset", "mnist"], "mnist"),
     (["--lr", "-1"], "--lr must be > 0"),
-    (["--client-chunk", "-1"], "--client-chunk must be in [0, "),
+    (["--client-chunk", "-1"], "--client-chunk must be >= 0, got -1"),
+    (["--client-chunk", "11"], "--client-chunk must be in [0, 3]"),
 ])
 def test_bad_arguments_get_a_one_line_error(tmp_path, capsys, args, fragment):
     assert main(["run", *SMALL, *args, "--out", str(tmp_path / "bad")]) == 2

@@ -9,7 +9,7 @@ import pytest
 from fedjax_sparse.algorithms import fedavg, fednova, fedprox, local_only, scaffold
 from fedjax_sparse.core.aggregation import weighted_mean
 from fedjax_sparse.core.local_training import LocalSGD, masked_cross_entropy, run_local_steps
-from fedjax_sparse.core.round import build_round, client_keys, default_client_chunk, sample_clients
+from fedjax_sparse.core.round import build_round, client_keys, default_client_chunk, round_info, sample_clients
 from fedjax_sparse.data.federated import (client_batch, epoch_permutations, federated_split, normalize,
                                           steps_per_epoch)
 from fedjax_sparse.models import get_model
@@ -109,15 +109,16 @@ def _loop_round(algorithm, split, server, clients, round_index, seed, k):
     """One round written as a Python loop over the sampled clients."""
     ids = sample_clients(seed, round_index, split.num_clients, k)
     keys = client_keys(seed, round_index, ids)
+    info = round_info(seed, round_index, ids)
     ups, new_states = [], []
     for cid, key in zip(np.asarray(ids), keys):
         state = tree_map(lambda a: a[cid], clients)
-        down = algorithm.broadcast(server, cid)
-        up, state, _ = jax.jit(algorithm.client_update)(down, state, split.client(cid), key)
+        down = algorithm.broadcast(server, cid, info)
+        up, state, _ = jax.jit(algorithm.client_update)(down, state, split.client(cid), key, info)
         ups.append(up)
         new_states.append(state)
     stacked = tree_map(lambda *xs: jnp.stack(xs), *ups)
-    server = algorithm.server_update(server, stacked, split.counts[ids].astype(jnp.float32))
+    server = algorithm.server_update(server, stacked, split.counts[ids].astype(jnp.float32), info)
     if new_states and jax.tree_util.tree_leaves(new_states[0]):
         stacked_states = tree_map(lambda *xs: jnp.stack(xs), *new_states)
         clients = tree_map(lambda a, n: a.at[ids].set(n), clients, stacked_states)

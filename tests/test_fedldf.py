@@ -16,7 +16,7 @@ from fedjax_sparse.cli import main
 from fedjax_sparse.core.layer_groups import layer_groups, model_layer_groups
 from fedjax_sparse.core.local_training import LocalSGD
 from fedjax_sparse.core.messages import SparseArray, message_bytes
-from fedjax_sparse.core.round import build_round
+from fedjax_sparse.core.round import build_round, round_info
 from fedjax_sparse.models import get_model
 from fedjax_sparse.models.structure import ModelStructure
 
@@ -104,8 +104,9 @@ def test_layers_are_aggregated_over_their_top_n_clients_by_data_size(mlp):
                      [1.0, 3.0, 9.0],
                      [0.5, 4.0, 9.0]])
     weights = jnp.array([10.0, 20.0, 30.0, 40.0])
-    ups = alg.select_uploads({"divergence": div, "variables": stacked}, weights, jax.random.key(0))
-    new = alg.server_update(prev, ups, weights)
+    info = round_info(0, 0, jnp.arange(4))
+    ups = alg.select_uploads({"divergence": div, "variables": stacked}, weights, info)
+    new = alg.server_update(prev, ups, weights, info)
     # fc1: clients 0, 1 -> (10*11 + 20*21) / 30; fc2: clients 2, 3 -> (30*32 + 40*42) / 70;
     # fc3: three-way tie at 9, the earlier clients 1, 2 win -> (20*23 + 30*33) / 50
     expected = {"fc1": 530 / 30, "fc2": 2640 / 70, "fc3": 1450 / 50}
@@ -123,7 +124,7 @@ def test_divergence_is_the_l2_norm_over_each_layer(make_split, mlp):
     split = make_split([12, 20])
     alg = fedldf(local_sgd(mlp), 1, 2)
     down = mlp.init(jax.random.key(3))
-    up, _, _ = jax.jit(alg.client_update)(down, {}, split.client(1), jax.random.key(4))
+    up, _, _ = jax.jit(alg.client_update)(down, {}, split.client(1), jax.random.key(4), round_info(0, 0, jnp.arange(2)))
     trained = up["variables"]["params"]
     for l, name in enumerate(("fc1", "fc2", "fc3")):
         sq = sum(np.sum((np.asarray(trained[name][p], np.float64) - np.asarray(down["params"][name][p])) ** 2)
@@ -164,7 +165,7 @@ def test_bytes_of_a_batchnorm_model_count_its_statistics_with_its_layers():
     shapes = jax.eval_shape(model.init, jax.random.key(0))
     stacked = tree_map(lambda s: jnp.zeros((k, *s.shape), s.dtype), shapes)
     div = jnp.arange(k * 5, dtype=jnp.float32).reshape(k, 5)
-    ups = alg.select_uploads({"divergence": div, "variables": stacked}, jnp.ones(k), jax.random.key(0))
+    ups = alg.select_uploads({"divergence": div, "variables": stacked}, jnp.ones(k), round_info(0, 0, jnp.arange(k)))
     total = int(np.asarray(jax.vmap(message_bytes)(ups)).sum())
     assert total == n * 4 * sum(floats) + k * 5 * 4
 
@@ -226,7 +227,7 @@ def test_experiment_settings_and_uplink_curve():
     from experiments.fedldf import SETTINGS, cumulative_uplink
     for setting in SETTINGS.values():
         assert setting.config.model == "vgg9" and setting.config.clients_per_round == 20
-        assert setting.config.num_clients == 50 and setting.config.clients_per_layer == 4
+        assert setting.config.num_clients == 50 and setting.config.options["clients_per_layer"] == 4
         assert {a.overrides["algorithm"] for a in setting.arms} == {"fedldf", "fedldf_random", "hdfl", "fedavg"}
         setting.config.validate()
     every = [{"round": r, "uplink_bytes": b} for r, b in ((1, 5), (2, 7), (3, 5))]

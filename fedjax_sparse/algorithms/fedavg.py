@@ -1,31 +1,57 @@
-"""FedAvg (McMahan et al., 2017): local SGD from the global model, data-size-weighted mean.
+"""FedAvg (McMahan et al., 2017): local SGD from the global model, then the mean of the clients' models.
 
 The message both ways is the model's variables: weights and, for models with
 BatchNorm, its running statistics, without which the aggregate cannot predict.
+The mean is weighted by the clients' numbers of examples (`data`, McMahan et
+al.) or uniform over the sampled clients (`uniform`, as SpaFL's appendix A.1.1
+runs its FedAvg baseline).
 """
 
 from __future__ import annotations
 
+import dataclasses
+
+import jax.numpy as jnp
+
 from fedjax_sparse.core.aggregation import weighted_mean
-from fedjax_sparse.core.algorithm import FederatedAlgorithm
+from fedjax_sparse.core.algorithm import AlgorithmSpec, BuildContext, FederatedAlgorithm
 from fedjax_sparse.core.local_training import LocalSGD
+from fedjax_sparse.core.options import option
 
 
-def fedavg(local: LocalSGD) -> FederatedAlgorithm:
+@dataclasses.dataclass(frozen=True)
+class FedAvgOptions:
+    aggregation_weights: str = option("data", "weights of the clients' models in the mean: their numbers of "
+                                              "examples (data) or equal (uniform)", choices=("data", "uniform"))
+
+
+def fedavg(local: LocalSGD, aggregation_weights: str = "data") -> FederatedAlgorithm:
+    if aggregation_weights not in ("data", "uniform"):
+        raise ValueError(f"--aggregation-weights must be data or uniform, got {aggregation_weights!r}")
+
     def init(key, variables, num_clients):
         del key, num_clients
         return variables, {}
 
-    def client_update(down, client_state, data, key):
-        variables, stats = local.train(down, data, key)
+    def client_update(down, client_state, data, key, info):
+        variables, stats = local.train(down, data, key, round_index=info.index)
         return variables, client_state, stats
+
+    def server_update(server_state, ups, weights, info):
+        del info
+        return weighted_mean(ups, weights if aggregation_weights == "data" else jnp.ones_like(weights))
 
     return FederatedAlgorithm(
         name="fedavg",
         init=init,
-        broadcast=lambda server_state, client_id: server_state,
+        broadcast=lambda server_state, client_id, info: server_state,
         client_update=client_update,
-        server_update=lambda server_state, ups, weights: weighted_mean(ups, weights),
+        server_update=server_update,
         client_variables=lambda server_state, client_state: server_state,
         global_variables=lambda server_state: server_state,
     )
+
+
+SPEC = AlgorithmSpec("fedavg", FedAvgOptions,
+                     lambda ctx, o: fedavg(ctx.local, o.aggregation_weights),
+                     "FedAvg: local SGD, mean of the clients' models")

@@ -48,12 +48,19 @@ import jax.numpy as jnp
 
 from fedjax_sparse.algorithms.fedavg import fedavg
 from fedjax_sparse.core.aggregation import masked_mean
-from fedjax_sparse.core.algorithm import FederatedAlgorithm
+from fedjax_sparse.core.algorithm import AlgorithmSpec, FederatedAlgorithm
 from fedjax_sparse.core.layer_groups import LayerGroups, model_layer_groups
 from fedjax_sparse.core.local_training import LocalSGD
 from fedjax_sparse.core.messages import SparseArray
+from fedjax_sparse.core.options import option
 
 tree_map = jax.tree_util.tree_map
+
+
+@dataclasses.dataclass(frozen=True)
+class FedLDFOptions:
+    clients_per_layer: int = option(4, "n, the clients that upload each layer (FedLDF's top-n; "
+                                       "fedldf_random's and hdfl's random n); in [1, --clients-per-round]")
 
 
 def check_clients_per_layer(clients_per_layer: int, clients_per_round: int, name: str = "fedldf") -> None:
@@ -108,18 +115,18 @@ def _layer_upload_algorithm(name: str, local: LocalSGD, groups: LayerGroups,
     """
     base = fedavg(local)
 
-    def client_update(down, client_state, data, key):
-        variables, client_state, stats = base.client_update(down, client_state, data, key)
+    def client_update(down, client_state, data, key, info):
+        variables, client_state, stats = base.client_update(down, client_state, data, key, info)
         up = {"divergence": groups.divergence(variables, down), "variables": variables}
         return up, client_state, stats
 
-    def select_uploads(ups, weights, key):
+    def select_uploads(ups, weights, info):
         del weights  # eq. 4 ranks by divergence only; the data sizes enter the mean (eq. 5)
-        selection = choose(ups["divergence"], key)
+        selection = choose(ups["divergence"], info.server_key)
         masks = groups.expand(selection, ups["variables"])
         return {"divergence": ups["divergence"], "variables": _sparsify(ups["variables"], masks)}
 
-    def server_update(server_state, ups, weights):
+    def server_update(server_state, ups, weights, info):
         return _masked_aggregate(server_state, ups["variables"], weights)
 
     return dataclasses.replace(base, name=name, client_update=client_update, server_update=server_update,
@@ -153,12 +160,27 @@ def hdfl(local: LocalSGD, clients_per_layer: int, clients_per_round: int) -> Fed
     check_clients_per_layer(clients_per_layer, clients_per_round, "hdfl")
     n = clients_per_layer
 
-    def select_uploads(ups, weights, key):
+    def select_uploads(ups, weights, info):
         del weights
         k = jax.tree_util.tree_leaves(ups)[0].shape[0]
-        chosen = random_n_clients(key, k, n)
+        chosen = random_n_clients(info.server_key, k, n)
         masks = tree_map(lambda x: jnp.broadcast_to(chosen.reshape((k,) + (1,) * (x.ndim - 1)), x.shape), ups)
         return _sparsify(ups, masks)
 
-    return dataclasses.replace(fedavg(local), name="hdfl", server_update=_masked_aggregate,
+    return dataclasses.replace(fedavg(local), name="hdfl",
+                               server_update=lambda server_state, ups, weights, info: _masked_aggregate(
+                                   server_state, ups, weights),
                                select_uploads=select_uploads)
+
+
+SPECS = (
+    AlgorithmSpec("fedldf", FedLDFOptions,
+                  lambda ctx, o: fedldf(ctx.local, o.clients_per_layer, ctx.clients_per_round),
+                  "FedLDF: per layer, the n clients that moved most upload it"),
+    AlgorithmSpec("fedldf_random", FedLDFOptions,
+                  lambda ctx, o: fedldf_random(ctx.local, o.clients_per_layer, ctx.clients_per_round),
+                  "FedLDF's baseline: n random clients upload each layer"),
+    AlgorithmSpec("hdfl", FedLDFOptions,
+                  lambda ctx, o: hdfl(ctx.local, o.clients_per_layer, ctx.clients_per_round),
+                  "HDFL-style dropping: n random clients upload whole models"),
+)

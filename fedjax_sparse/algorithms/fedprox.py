@@ -8,8 +8,14 @@ import jax
 import jax.numpy as jnp
 
 from fedjax_sparse.algorithms.fedavg import fedavg
-from fedjax_sparse.core.algorithm import FederatedAlgorithm
-from fedjax_sparse.core.local_training import LocalSGD
+from fedjax_sparse.core.algorithm import AlgorithmSpec, FederatedAlgorithm
+from fedjax_sparse.core.local_training import LocalObjective, LocalSGD
+from fedjax_sparse.core.options import option
+
+
+@dataclasses.dataclass(frozen=True)
+class FedProxOptions:
+    mu: float = option(0.01, "FedProx proximal coefficient", low=0.0)
 
 
 def proximal_term(params, anchor, mu: float):
@@ -18,14 +24,18 @@ def proximal_term(params, anchor, mu: float):
 
 
 def fedprox(local: LocalSGD, mu: float) -> FederatedAlgorithm:
-    if mu < 0:
-        raise ValueError(f"FedProx mu must be >= 0, got {mu}")
+    if not mu >= 0:
+        raise ValueError(f"--mu must be >= 0, got {mu}")
     base = fedavg(local)
 
-    def client_update(down, client_state, data, key):
+    def client_update(down, client_state, data, key, info):
         anchor = down["params"]
-        variables, stats = local.train(down, data, key,
-                                       extra_loss=lambda params: proximal_term(params, anchor, mu))
+        objective = LocalObjective(extra_loss=lambda trainable: proximal_term(trainable["params"], anchor, mu))
+        variables, stats = local.train(down, data, key, round_index=info.index, objective=objective)
         return variables, client_state, stats
 
     return dataclasses.replace(base, name="fedprox", client_update=client_update)
+
+
+SPEC = AlgorithmSpec("fedprox", FedProxOptions, lambda ctx, o: fedprox(ctx.local, o.mu),
+                     "FedProx: FedAvg with a proximal term")

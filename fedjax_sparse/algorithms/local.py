@@ -6,7 +6,7 @@ There is no global model, so only personalized accuracy is reported.
 
 from __future__ import annotations
 
-from fedjax_sparse.core.algorithm import FederatedAlgorithm, replicate
+from fedjax_sparse.core.algorithm import AlgorithmSpec, FederatedAlgorithm, NoOptions, replicate
 from fedjax_sparse.core.local_training import LocalSGD
 
 
@@ -15,17 +15,21 @@ def local_only(local: LocalSGD) -> FederatedAlgorithm:
         del key
         return {}, replicate(variables, num_clients)
 
-    def client_update(down, client_state, data, key):
+    def client_update(down, client_state, data, key, info):
         del down
-        variables, stats = local.train(client_state, data, key)
+        variables, stats = local.train(client_state, data, key, round_index=info.index)
         return {}, variables, stats
 
     return FederatedAlgorithm(
         name="local",
         init=init,
-        broadcast=lambda server_state, client_id: {},
+        broadcast=lambda server_state, client_id, info: {},
         client_update=client_update,
-        server_update=lambda server_state, ups, weights: server_state,
+        server_update=lambda server_state, ups, weights, info: server_state,
         client_variables=lambda server_state, client_state: client_state,
         global_variables=None,
     )
+
+
+SPEC = AlgorithmSpec("local", NoOptions, lambda ctx, o: local_only(ctx.local),
+                     "every client trains alone, nothing is sent")

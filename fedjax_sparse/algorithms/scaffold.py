@@ -1,29 +1,49 @@
 """SCAFFOLD (Karimireddy et al., 2020), option II control variates, with a server learning rate.
 
-Local steps follow g - c_i + c. After training, c_i+ = c_i - c + (x - y_i) / (K_i lr)
-with K_i the client's real number of steps. The server moves x by lr_g times the
-mean model delta and c by (1/N) times the sum of control deltas. Both directions
-carry a model-sized tensor twice (model and control variate), which is why its
-bytes per round are double FedAvg's. As in the paper, the sampled clients are
-averaged uniformly. Control variates cover the trainable weights; BatchNorm
-statistics travel with the model and are averaged like it.
+Local steps follow g - c_i + c. After training, c_i+ = c_i - c + (x - y_i) / (a_i lr):
+the paper's option II divides the displacement by K_i lr, the displacement of K_i plain
+SGD steps per unit gradient. Under momentum rho the same K_i steps move the weights about
+1 / (1 - rho) times further, so here a_i is the optimizer's effective number of steps
+(`LocalSGD.effective_steps`, FedNova's ||a||_1; = K_i without momentum), which keeps
+c_i an estimate of the client's mean gradient whatever the momentum.
+The server moves x by lr_g times the mean model delta and c by (1/N) times the sum of
+control deltas. Both directions carry a model-sized tensor twice (model and control
+variate), which is why its bytes per round are double FedAvg's. As in the paper, the
+sampled clients are averaged uniformly. Control variates cover the trainable weights;
+BatchNorm statistics travel with the model and are averaged like it.
 """
 
 from __future__ import annotations
+
+import dataclasses
+import math
 
 import jax
 import jax.numpy as jnp
 
 from fedjax_sparse.core.aggregation import uniform_mean
-from fedjax_sparse.core.algorithm import FederatedAlgorithm, replicate
-from fedjax_sparse.core.local_training import LocalSGD
+from fedjax_sparse.core.algorithm import AlgorithmSpec, FederatedAlgorithm, replicate
+from fedjax_sparse.core.local_training import LocalObjective, LocalSGD
+from fedjax_sparse.core.options import option
 
 tree_map = jax.tree_util.tree_map
 
 
+@dataclasses.dataclass(frozen=True)
+class ScaffoldOptions:
+    server_lr: float = option(1.0, "server learning rate (SCAFFOLD's eta_g, SPATL's eq. 12 step)", low=0.0,
+                              low_open=True)
+
+
+def control_update(local: LocalSGD, client_control, server_control, start, end, num_steps, round_index):
+    """c_i+ = c_i - c + (start - end) / (effective steps x lr): option II, momentum-aware."""
+    scale = 1.0 / (local.effective_steps(num_steps) * local.learning_rate_at(round_index))
+    return tree_map(lambda ci, c, w0, w1: ci - c + (w0 - w1) * scale, client_control, server_control, start, end)
+
+
 def scaffold(local: LocalSGD, num_clients: int, server_lr: float = 1.0) -> FederatedAlgorithm:
-    if not server_lr > 0:
-        raise ValueError(f"SCAFFOLD server learning rate must be > 0, got {server_lr}")
+    if not (server_lr > 0 and math.isfinite(server_lr)):
+        raise ValueError(f"--server-lr must be a finite number > 0, got {server_lr}")
 
     def init(key, variables, n):
         del key
@@ -32,24 +52,24 @@ def scaffold(local: LocalSGD, num_clients: int, server_lr: float = 1.0) -> Feder
         zeros = tree_map(jnp.zeros_like, variables["params"])
         return {"variables": variables, "control": zeros}, replicate(zeros, n)
 
-    def client_update(down, client_control, data, key):
+    def client_update(down, client_control, data, key, info):
         server_control = down["control"]
         x = down["variables"]
 
         def correct(grads):
-            return tree_map(lambda g, c, ci: g + c - ci, grads, server_control, client_control)
+            params = tree_map(lambda g, c, ci: g + c - ci, grads["params"], server_control, client_control)
+            return {**grads, "params": params}
 
-        y, stats = local.train(x, data, key, grad_correction=correct)
-        scale = 1.0 / (stats["num_steps"].astype(jnp.float32) * local.learning_rate)
-        new_control = tree_map(lambda ci, c, w0, w1: ci - c + (w0 - w1) * scale,
-                               client_control, server_control, x["params"], y["params"])
+        y, stats = local.train(x, data, key, round_index=info.index, objective=LocalObjective(grad_correction=correct))
+        new_control = control_update(local, client_control, server_control, x["params"], y["params"],
+                                     stats["num_steps"], info.index)
         up = {"delta": tree_map(jnp.subtract, y["params"], x["params"]),
               "control_delta": tree_map(jnp.subtract, new_control, client_control),
               "batch_stats": y["batch_stats"]}
         return up, new_control, stats
 
-    def server_update(server_state, ups, weights):
-        del weights
+    def server_update(server_state, ups, weights, info):
+        del weights, info
         mean = uniform_mean(ups)
         params = tree_map(lambda w, d: w + server_lr * d, server_state["variables"]["params"], mean["delta"])
         sampled = jax.tree_util.tree_leaves(ups["control_delta"])[0].shape[0]
@@ -60,9 +80,13 @@ def scaffold(local: LocalSGD, num_clients: int, server_lr: float = 1.0) -> Feder
     return FederatedAlgorithm(
         name="scaffold",
         init=init,
-        broadcast=lambda server_state, client_id: server_state,
+        broadcast=lambda server_state, client_id, info: server_state,
         client_update=client_update,
         server_update=server_update,
         client_variables=lambda server_state, client_state: server_state["variables"],
         global_variables=lambda server_state: server_state["variables"],
     )
+
+
+SPEC = AlgorithmSpec("scaffold", ScaffoldOptions, lambda ctx, o: scaffold(ctx.local, ctx.num_clients, o.server_lr),
+                     "SCAFFOLD: control variates correct the client drift")

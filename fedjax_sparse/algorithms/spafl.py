@@ -7,25 +7,27 @@ per output unit (filter / neuron), all initialized to 0.
 Mask (eq. 1). Unit i of a layer, with incoming weights w_i1..w_in (n = the
 layer's `fan_in`; in Flax the unit's kernel slice `kernel[..., i]`), is kept
 when the mean magnitude of those weights exceeds its threshold:
-    mu_i = (1/n) sum_j |w_ij|,   m_i = S(mu_i - tau_i)   (S(x) = 1 if x > 0 else 0),
-and the forward pass uses W~ = w * m: the whole unit goes at once (structured
-sparsity). `core.unit_masks.apply_unit_masks` applies it, which also zeroes
-the unit's bias and normalization scale/bias, so a pruned unit outputs exactly
-zero, as if removed (the SpaFL models have no biases; for models with biases
-or BatchNorm this is what makes "pruned" mean absent from the network; those
-entries take the mask under a stop_gradient, so the mask's gradient is the
-kernel's alone, as eq. 9 states).
+    mu_i = (1/n) sum_j |w_ij|,   m_i = S(mu_i - tau_i)   (S(x) = 1 if x > 0 else 0).
+The whole unit goes at once (structured sparsity). The mask multiplies the
+unit's output after its normalization (`core.unit_masks`, the library's one
+masking mechanism), so a pruned unit outputs exactly zero.
 
 Straight-through estimator (eq. 9). S gets the identity gradient
-(`straight_through_step`, a `jax.custom_vjp`). With g_ij = dL/dW~_ij and
-W~_ij = w_ij m_i the chain rule then gives
-    dL/dm_i     = sum_j g_ij w_ij
-    dL/dtau_i   = dL/dm_i * S'(.) * d(mu_i - tau_i)/dtau_i = - sum_j g_ij w_ij          (eq. 9)
-    dL/dw_ij    = g_ij m_i  +  dL/dm_i * S'(.) * dmu_i/dw_ij
-                = g_ij m_i  +  (sum_k g_ik w_ik) sign(w_ij) / n                        (weight path)
-so the loss reaches the threshold, and through the mean magnitude the weights
-(including those of a pruned unit: g_ij is still defined there, which is how a
-prematurely pruned unit can come back). Nothing else is hand-written: the
+(`straight_through_step`, a `jax.custom_vjp`). With h_i the unit's (normalized)
+output and g_i = dL/d(m_i h_i), the chain rule gives
+    dL/dm_i     = sum over examples and positions of g_i h_i
+    dL/dtau_i   = - dL/dm_i                                                          (eq. 9)
+    dL/dw_ij    = (task path through m_i h_i)  +  dL/dm_i * sign(w_ij) / n           (weight path)
+For a layer with no bias and no normalization, h_i = sum_j w_ij x_j and
+dL/dm_i = sum_j (dL/dw~_ij) w_ij with w~ = w * m: exactly eq. 9 as the paper
+writes it for W~ = w * m. Behind a BatchNorm (the paper's CIFAR-10 CNN) we read
+eq. 9 the same way, at the unit's output: masking the kernel there would give
+the thresholds ~0 task gradient, because BN undoes any scaling of its input,
+and a pruned unit (zero kernel) none at all. At the output both kept and
+pruned units get the signal eq. 9 intends, so thresholds learn from the loss
+and a prematurely pruned unit can come back (section 3.3.2): its output h_i is
+computed though multiplied by 0, so dL/dm_i is defined, and the mean-magnitude
+path carries it to the unit's weights. Nothing else is hand-written: the
 masked forward is differentiated by JAX.
 
 Loss (eq. 5). Task loss + alpha * sum over all thresholds of exp(-tau), so
@@ -66,21 +68,27 @@ so a round moves 2 x K x (number of thresholds) x 4 bytes.
 Client state. Personal variables (all clients start from the same initial
 weights), the client's own thresholds after its last local training (which
 define its personal sparse model), the global thresholds it last received,
-and its cumulative training FLOPs (masked and dense-equivalent).
+and its cumulative training FLOPs.
 
-Evaluation. `client_variables` is the client's weights masked by its own
-thresholds: each client is scored with its personal sparse model.
+Evaluation. `client_variables` is the client's weights with the unit masks of
+its own thresholds: each client is scored with its personal sparse model.
 `global_variables` is None: SpaFL has no global model.
 
-Diagnostics (logged with each evaluation): `density` (overall kept kernel
-weights / all prunable kernel weights, mean over all clients' personal
-models), `density_per_layer` {layer: mean over clients}, `train_flops`
-(cumulative training FLOPs of all clients so far, by `core.flops` eq. 50,
-with the masks of every local step and including 1.5 d per eq. 13 update;
-the last evaluation's value is the paper's Table 2 figure) and
-`train_flops_dense` (the same examples through the dense model with no eq. 13,
-i.e. what FedAvg spends on the same clients), and `mean_threshold` (mean of the
-global thresholds).
+Diagnostics (logged with each evaluation), over all clients' personal models:
+  `weight_density`: kept kernel weights / all prunable kernel weights, mean
+    over clients; `density_per_layer` {layer: mean over clients};
+  `mean_layer_density`: the unweighted mean of the layers' densities, mean over
+    clients: the official code's `get_density`, which the paper's Table 2
+    densities (0.3057 CIFAR-10, 0.3536 FMNIST) come from;
+  `train_flops`: cumulative training FLOPs by appendix A.5 (eq. 50, `core.flops`)
+    with the masks of every local step and 1.5 d per eq. 13 update, divided by
+    the number of clients: the official code reports this per-client average,
+    and it is the figure to set beside the paper's Table 2 (FedAvg's FMNIST
+    1.0345e12 = 500 rounds x 6,000 examples x 5 epochs x 3 x LeNet-5-Caffe's
+    2,293,000 forward FLOPs / 100 clients, to 0.3 %); `train_flops_total` is the
+    sum over clients. The runner logs, for every algorithm, `dense_train_flops`:
+    the same examples through the dense model (what FedAvg spends), per client;
+  `mean_threshold`: mean of the global thresholds.
 
 `spafl_local` is the paper's "Local" row: the same pruning and training, each
 client keeping its own thresholds, and no communication at all.
@@ -88,24 +96,36 @@ client keeping its own thresholds, and no communication at all.
 
 from __future__ import annotations
 
-import math
+import dataclasses
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 
 from fedjax_sparse.core.aggregation import uniform_mean
-from fedjax_sparse.core.algorithm import FederatedAlgorithm, replicate
-from fedjax_sparse.core.flops import training_flops, forward_flops
-from fedjax_sparse.core.local_training import LocalSGD, masked_cross_entropy, run_local_steps
-from fedjax_sparse.core.unit_masks import apply_unit_masks, check_params, density
+from fedjax_sparse.core.algorithm import AlgorithmSpec, FederatedAlgorithm, replicate
+from fedjax_sparse.core.flops import training_flops
+from fedjax_sparse.core.local_training import LocalObjective, LocalSGD
+from fedjax_sparse.core.options import option
+from fedjax_sparse.core.unit_masks import check_params, density, layer_mean_density
 from fedjax_sparse.models.structure import ModelStructure, get_path, set_path
 
 tree_map = jax.tree_util.tree_map
 Thresholds = dict  # {layer_name: [num_units] float32}
 
 RESET_DENSITY = 0.01  # appendix A.1: a layer below 1 % density gets its thresholds reset to zero
+
+
+@dataclasses.dataclass(frozen=True)
+class SpaFLLocalOptions:
+    sparsity_coef: float = option(0.002, "SpaFL: alpha, the weight of sum(exp(-threshold)) in the loss", low=0.0)
+    weight_bounds: bool = option(True, "SpaFL: clip weights to [-1, 1] and thresholds to [0, 1] after each step")
+
+
+@dataclasses.dataclass(frozen=True)
+class SpaFLOptions(SpaFLLocalOptions):
+    threshold_update: bool = option(True, "SpaFL: move the weights by the change of the global thresholds "
+                                          "(eq. 13)")
 
 
 # ------------------------------------------------------------------ the mask and its gradient
@@ -154,11 +174,10 @@ def ste_masks(structure: ModelStructure, params, thresholds: Thresholds) -> dict
 
 
 def masked_variables(structure: ModelStructure, variables: dict, thresholds: Thresholds) -> dict:
-    """The sparse model a client predicts with: its weights times its threshold masks."""
+    """The sparse model a client predicts with: its weights run with its threshold masks."""
     masks = threshold_masks(structure, variables["params"], thresholds)
-    return {"params": apply_unit_masks(structure, variables["params"],
-                                       {k: v.astype(jnp.float32) for k, v in masks.items()}),
-            "batch_stats": variables["batch_stats"]}
+    return {"params": variables["params"], "batch_stats": variables["batch_stats"],
+            "unit_masks": {k: v.astype(jnp.float32) for k, v in masks.items()}}
 
 
 def sparsity_penalty(thresholds: Thresholds, alpha: float) -> jax.Array:
@@ -202,60 +221,32 @@ def global_threshold_update(structure: ModelStructure, params, delta: Thresholds
 
 # ------------------------------------------------------------------ local training
 
-def local_trainer(local: LocalSGD, alpha: float, weight_bounds: bool):
-    """`train(variables, thresholds, data, key) -> (variables, thresholds, stats)`.
+def local_objective(structure: ModelStructure, alpha: float, weight_bounds: bool) -> LocalObjective:
+    """SpaFL's local step on LocalSGD's: weights and thresholds trained together through the
+    straight-through masks, the eq. 5 regularizer, then (after each step) the bounds and the
+    1 % reset. Per-step metrics: `train_flops` (eq. 50 with the step's masks) and
+    `threshold_resets`."""
 
-    One `run_local_steps` scan; each step differentiates the masked forward
-    pass with respect to the weights and the thresholds together, takes one
-    optimizer step, clips (when bounded) and applies the 1 % reset. Its stats
-    add `train_flops` (eq. 50 with each step's masks) and `threshold_resets`.
-    """
-    model = local.model
-    structure = model.structure
-    tx = local.optimizer()
-
-    def project(params, thresholds):
+    def after_step(before, after, batch):
+        used = threshold_masks(structure, before["params"], before["thresholds"])
+        flops = training_flops(structure, batch.mask.sum(), used)
+        params, thresholds = after["params"], after["thresholds"]
         if weight_bounds:
             params, thresholds = clip_kernels(structure, params), clip_thresholds(thresholds)
         thresholds, resets = reset_collapsed_layers(structure, params, thresholds)
-        return params, thresholds, resets
+        return ({"params": params, "thresholds": thresholds},
+                {"train_flops": jnp.asarray(flops, jnp.float32), "threshold_resets": resets})
 
-    def step(carry, batch, key):
-        del key
-        trainable, batch_stats, opt_state, flops, resets = carry
-
-        def loss_fn(trainable):
-            masks = ste_masks(structure, trainable["params"], trainable["thresholds"])
-            params = apply_unit_masks(structure, trainable["params"], masks)
-            logits, new_stats = model.apply({"params": params, "batch_stats": batch_stats}, batch.x,
-                                            train=True, mask=batch.mask)
-            task = masked_cross_entropy(logits, batch.y, batch.mask)
-            return task + sparsity_penalty(trainable["thresholds"], alpha), (task, new_stats)
-
-        grads, (task, new_stats) = jax.grad(loss_fn, has_aux=True)(trainable)
-        used = threshold_masks(structure, trainable["params"], trainable["thresholds"])
-        flops = flops + training_flops(structure, batch.mask.sum(), used)
-        updates, opt_state = tx.update(grads, opt_state, trainable)
-        trainable = optax.apply_updates(trainable, updates)
-        params, thresholds, reset = project(trainable["params"], trainable["thresholds"])
-        carry = ({"params": params, "thresholds": thresholds}, new_stats, opt_state, flops, resets + reset)
-        return carry, task
-
-    def train(variables, thresholds, data, key):
-        trainable = {"params": variables["params"], "thresholds": thresholds}
-        carry = (trainable, variables["batch_stats"], tx.init(trainable), jnp.zeros((), jnp.float32),
-                 jnp.zeros((), jnp.int32))
-        (trainable, batch_stats, _, flops, resets), stats = run_local_steps(
-            step, carry, data, key, epochs=local.epochs, batch_size=local.batch_size)
-        variables = {"params": trainable["params"], "batch_stats": batch_stats}
-        return variables, trainable["thresholds"], {**stats, "train_flops": flops, "threshold_resets": resets}
-
-    return train
+    return LocalObjective(
+        forward=lambda t: {"params": t["params"],
+                           "unit_masks": ste_masks(structure, t["params"], t["thresholds"])},
+        extra_loss=lambda t: sparsity_penalty(t["thresholds"], alpha),
+        after_step=after_step)
 
 
 def _check_alpha(sparsity_coef: float) -> None:
-    if not (math.isfinite(sparsity_coef) and sparsity_coef >= 0):
-        raise ValueError(f"SpaFL --sparsity-coef must be a finite number >= 0, got {sparsity_coef}")
+    if not (np.isfinite(sparsity_coef) and sparsity_coef >= 0):
+        raise ValueError(f"--sparsity-coef must be a finite number >= 0, got {sparsity_coef}")
 
 
 def _diagnostics(structure: ModelStructure):
@@ -263,17 +254,18 @@ def _diagnostics(structure: ModelStructure):
     def densities(client_states):
         def one(state):
             masks = threshold_masks(structure, state["variables"]["params"], state["thresholds"])
-            return density(structure, masks)
+            overall, per_layer = density(structure, masks)
+            return overall, per_layer, layer_mean_density(structure, masks)
 
         return jax.vmap(one)(client_states)
 
     def diagnostics(server_state, client_states):
-        overall, per_layer = densities(client_states)
-        out = {"density": jnp.mean(overall),
+        overall, per_layer, layer_mean = densities(client_states)
+        # float64 sums on the host: totals reach ~1e14
+        flops = np.asarray(client_states["train_flops"], np.float64)
+        out = {"weight_density": jnp.mean(overall), "mean_layer_density": jnp.mean(layer_mean),
                "density_per_layer": {k: jnp.mean(v) for k, v in per_layer.items()},
-               # float64 sums on the host: totals reach ~1e14
-               "train_flops": float(np.asarray(client_states["train_flops"], np.float64).sum()),
-               "train_flops_dense": float(np.asarray(client_states["train_flops_dense"], np.float64).sum())}
+               "train_flops": float(flops.mean()), "train_flops_total": float(flops.sum())}
         if "thresholds" in server_state:
             leaves = jax.tree_util.tree_leaves(server_state["thresholds"])
             out["mean_threshold"] = sum(jnp.sum(t) for t in leaves) / sum(t.size for t in leaves)
@@ -286,20 +278,18 @@ def _builder(local: LocalSGD, sparsity_coef: float, weight_bounds: bool, thresho
              communicate: bool) -> FederatedAlgorithm:
     _check_alpha(sparsity_coef)
     structure = local.model.structure
-    train = local_trainer(local, sparsity_coef, weight_bounds)
-    dense_forward = forward_flops(structure)
+    objective = local_objective(structure, sparsity_coef, weight_bounds)
 
     def init(key, variables, num_clients):
         del key
         check_params(structure, variables["params"])
         zeros = init_thresholds(structure)
-        state = {"variables": variables, "thresholds": zeros,
-                 "train_flops": jnp.zeros((), jnp.float32), "train_flops_dense": jnp.zeros((), jnp.float32)}
+        state = {"variables": variables, "thresholds": zeros, "train_flops": jnp.zeros((), jnp.float32)}
         if communicate:
             state["global_thresholds"] = zeros
         return ({"thresholds": zeros} if communicate else {}), replicate(state, num_clients)
 
-    def client_update(down, state, data, key):
+    def client_update(down, state, data, key, info):
         variables = state["variables"]
         extra_flops = 0.0
         if communicate:
@@ -315,31 +305,31 @@ def _builder(local: LocalSGD, sparsity_coef: float, weight_bounds: bool, thresho
         else:
             thresholds = state["thresholds"]
         thresholds, start_resets = reset_collapsed_layers(structure, variables["params"], thresholds)
-        variables, thresholds, stats = train(variables, thresholds, data, key)
+        trained, stats = local.train(variables, data, key, round_index=info.index,
+                                     extra={"thresholds": thresholds}, objective=objective)
+        thresholds = trained.pop("thresholds")
+        variables = trained
         flops = stats["train_flops"] + extra_flops
-        dense = 3.0 * (local.epochs * data.count).astype(jnp.float32) * dense_forward
-        new_state = {"variables": variables, "thresholds": thresholds,
-                     "train_flops": state["train_flops"] + flops,
-                     "train_flops_dense": state["train_flops_dense"] + dense}
+        new_state = {"variables": variables, "thresholds": thresholds, "train_flops": state["train_flops"] + flops}
         if communicate:
             new_state["global_thresholds"] = down
         masks = threshold_masks(structure, variables["params"], thresholds)
         metrics = {"loss": stats["loss"], "num_steps": stats["num_steps"], "train_flops": flops,
                    "threshold_resets": stats["threshold_resets"] + start_resets,
-                   "density": density(structure, masks)[0]}
+                   "weight_density": density(structure, masks)[0]}
         return (thresholds if communicate else {}), new_state, metrics
 
-    def server_update(server_state, ups, weights):
+    def server_update(server_state, ups, weights, info):
         if not communicate:
             return server_state
-        del weights  # eq. 7: uniform mean over the K sampled clients
+        del weights, info  # eq. 7: uniform mean over the K sampled clients
         return {"thresholds": uniform_mean(ups)}
 
     return FederatedAlgorithm(
         name="spafl" if communicate else "spafl_local",
         init=init,
-        broadcast=(lambda server_state, client_id: server_state["thresholds"]) if communicate
-        else (lambda server_state, client_id: {}),
+        broadcast=(lambda server_state, client_id, info: server_state["thresholds"]) if communicate
+        else (lambda server_state, client_id, info: {}),
         client_update=client_update,
         server_update=server_update,
         client_variables=lambda server_state, state: masked_variables(structure, state["variables"],
@@ -358,3 +348,14 @@ def spafl(local: LocalSGD, sparsity_coef: float, *, weight_bounds: bool = True,
 def spafl_local(local: LocalSGD, sparsity_coef: float, *, weight_bounds: bool = True) -> FederatedAlgorithm:
     """The paper's "Local" row: SpaFL's pruning and training with no communication."""
     return _builder(local, sparsity_coef, weight_bounds, threshold_update=False, communicate=False)
+
+
+SPECS = (
+    AlgorithmSpec("spafl", SpaFLOptions,
+                  lambda ctx, o: spafl(ctx.local, o.sparsity_coef, weight_bounds=o.weight_bounds,
+                                       threshold_update=o.threshold_update),
+                  "SpaFL: trainable unit thresholds, only thresholds travel"),
+    AlgorithmSpec("spafl_local", SpaFLLocalOptions,
+                  lambda ctx, o: spafl_local(ctx.local, o.sparsity_coef, weight_bounds=o.weight_bounds),
+                  "SpaFL's pruning and training with no communication"),
+)

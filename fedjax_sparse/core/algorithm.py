@@ -1,4 +1,4 @@
-"""The algorithm contract: a few pure functions over pytrees.
+"""The algorithm contract: a few pure functions over pytrees, and how an algorithm is built.
 
 Modelled on optax's `(init, update)` pairs and fedjax's `FederatedAlgorithm`.
 The engine (`core.round`) vmaps `broadcast` and `client_update` over the sampled
@@ -10,15 +10,30 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable
 
+import flax.struct
 import jax
 import jax.numpy as jnp
 
-from fedjax_sparse.data.federated import ClientData
+from fedjax_sparse.core.local_training import LocalSGD
+from fedjax_sparse.data.federated import ClientData, FederatedSplit
 
 ServerState = Any
 ClientState = Any
 Message = Any
 Variables = dict
+
+
+@flax.struct.dataclass
+class RoundInfo:
+    """What the engine tells an algorithm about the round it is in (the same for all its clients).
+
+    index: the round (int32 scalar, from 0); client_ids: the sampled clients, sorted ([K]);
+    server_key: the server's randomness for the round (its own stream, see `core.round`).
+    """
+
+    index: jax.Array
+    client_ids: jax.Array
+    server_key: jax.Array
 
 
 @dataclasses.dataclass(frozen=True)
@@ -28,16 +43,17 @@ class FederatedAlgorithm:
     init(key, variables, num_clients) -> (server_state, client_states)
         `variables` are the initial model variables; client states carry a
         leading [num_clients] axis (use `replicate`).
-    broadcast(server_state, client_id) -> down_message
+    broadcast(server_state, client_id, info) -> down_message
         exactly what the server sends to one sampled client.
-    client_update(down_message, client_state, data, key) -> (up_message, client_state, metrics)
+    client_update(down_message, client_state, data, key, info) -> (up_message, client_state, metrics)
         metrics: a dict of scalars, at least 'loss' and 'num_steps'.
-    server_update(server_state, up_messages, weights) -> server_state
-        up_messages stacked on a leading [K] axis; weights: the sampled clients'
-        numbers of training examples.
-    client_variables(server_state, client_state) -> the variables a client predicts with.
+    server_update(server_state, up_messages, weights, info) -> server_state
+        up_messages stacked on a leading [K] axis in the order of info.client_ids;
+        weights: the sampled clients' numbers of training examples.
+    client_variables(server_state, client_state) -> the variables a client predicts with
+        (may hold 'unit_masks': the client's sub-model).
     global_variables(server_state) -> variables, or None when there is no global model.
-    select_uploads(up_messages, weights, key) -> up_messages, optional
+    select_uploads(up_messages, weights, info) -> up_messages, optional
         for methods where the server tells clients what to upload after seeing
         their feedback (FedLDF): returns what is really sent, which is what the
         uplink bytes are counted on and what server_update receives.
@@ -47,13 +63,47 @@ class FederatedAlgorithm:
 
     name: str
     init: Callable[[jax.Array, Variables, int], tuple[ServerState, ClientState]]
-    broadcast: Callable[[ServerState, jax.Array], Message]
-    client_update: Callable[[Message, ClientState, ClientData, jax.Array], tuple[Message, ClientState, dict]]
-    server_update: Callable[[ServerState, Message, jax.Array], ServerState]
+    broadcast: Callable[[ServerState, jax.Array, RoundInfo], Message]
+    client_update: Callable[[Message, ClientState, ClientData, jax.Array, RoundInfo],
+                            tuple[Message, ClientState, dict]]
+    server_update: Callable[[ServerState, Message, jax.Array, RoundInfo], ServerState]
     client_variables: Callable[[ServerState, ClientState], Variables]
     global_variables: Callable[[ServerState], Variables] | None = None
-    select_uploads: Callable[[Message, jax.Array, jax.Array], Message] | None = None
+    select_uploads: Callable[[Message, jax.Array, RoundInfo], Message] | None = None
     diagnostics: Callable[[ServerState, ClientState], dict] | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class BuildContext:
+    """What a run gives an algorithm's builder besides its options.
+
+    local: the local trainer (model, optimizer, epochs, batch size);
+    train: the clients' training data (methods whose server needs facts about
+      the clients' data, e.g. FedGSE's public set and its clients' label answers);
+    seed: the run's seed (for randomness fixed at build time).
+    """
+
+    local: LocalSGD
+    num_clients: int
+    clients_per_round: int
+    train: FederatedSplit
+    num_classes: int
+    seed: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class AlgorithmSpec:
+    """A named algorithm: its options dataclass (declared beside its math) and its builder."""
+
+    name: str
+    options: type
+    build: Callable[[BuildContext, Any], FederatedAlgorithm]
+    summary: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class NoOptions:
+    """For algorithms without options of their own."""
 
 
 def replicate(tree: Any, num_clients: int) -> Any:

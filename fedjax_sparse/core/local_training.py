@@ -8,6 +8,7 @@ client's number of steps and a padded step leaves a client's carry unchanged.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any, Callable
 
 import jax
@@ -59,14 +60,48 @@ def run_local_steps(step_fn: StepFn, carry: Carry, data: ClientData, key: jax.Ar
 
 
 @dataclasses.dataclass(frozen=True)
+class LocalObjective:
+    """How a method's local step differs from plain (momentum) SGD on the cross-entropy.
+
+    Every field is optional; `LocalSGD.train` runs one step for all methods:
+      forward(trainable) -> {'params', 'unit_masks'?}: what the forward pass uses, from the
+        trainable leaves (SpaFL: straight-through threshold masks; sub-models: fixed masks);
+      extra_loss(trainable) -> scalar added to the task loss (FedProx's proximal term,
+        SpaFL's threshold regularizer);
+      label_mask: [num_classes] bool, the classes the cross-entropy ranges over (HeteroFL's
+        label split: logits of other classes are left out of the softmax);
+      grad_correction(grads) -> grads (SCAFFOLD's and SPATL's control variates);
+      update_mask: bools shaped like {'params', 'batch_stats'}: entries allowed to change
+        (a sub-model's weights; every other entry, momentum and weight decay included,
+        stays exactly as it was, and so do the BatchNorm statistics of dropped units);
+      after_step(before, after, batch) -> (trainable, metrics): a projection after each
+        step (SpaFL's clipping and reset) and per-step figures, summed over the real steps.
+    """
+
+    forward: Callable[[dict], dict] | None = None
+    extra_loss: Callable[[dict], jax.Array] | None = None
+    label_mask: jax.Array | None = None
+    grad_correction: Callable[[dict], dict] | None = None
+    update_mask: dict | None = None
+    after_step: Callable[[dict, dict, Batch], tuple[dict, dict]] | None = None
+
+
+def label_masked_cross_entropy(logits: jax.Array, labels: jax.Array, mask: jax.Array,
+                               label_mask: jax.Array | None) -> jax.Array:
+    """Cross-entropy over the classes of `label_mask` only (all classes when None)."""
+    if label_mask is not None:
+        logits = jnp.where(label_mask, logits, -jnp.inf)
+    return masked_cross_entropy(logits, labels, mask)
+
+
+@dataclasses.dataclass(frozen=True)
 class LocalSGD:
     """Local training of a model with (momentum) SGD, the optimizer of all four papers.
 
-    The optimizer state starts fresh every round, as in the papers' code.
-    `train` takes hooks so that algorithms change only their own math:
-      extra_loss(params) is added to the task loss (FedProx's proximal term);
-      grad_correction(grads) edits the gradient (SCAFFOLD's c - c_i);
-      post_update(params) projects after each step (SpaFL's clipping).
+    The optimizer state starts fresh every round, as in the papers' code. The
+    learning rate of round r is `learning_rate * lr_decay ** r` (SpaFL's CIFAR-100
+    schedule decays it by 0.993 per round); a function of the round index, so a
+    resumed run uses exactly the rate the uninterrupted run would have.
     """
 
     model: Model
@@ -75,48 +110,101 @@ class LocalSGD:
     batch_size: int
     momentum: float = 0.0
     weight_decay: float = 0.0
+    lr_decay: float = 1.0
 
     def __post_init__(self):
-        if not self.learning_rate > 0:
-            raise ValueError(f"learning rate must be > 0, got {self.learning_rate}")
+        if not (self.learning_rate > 0 and math.isfinite(self.learning_rate)):
+            raise ValueError(f"--lr must be a finite number > 0, got {self.learning_rate}")
         if self.epochs < 1:
-            raise ValueError(f"local epochs must be >= 1, got {self.epochs}")
+            raise ValueError(f"--local-epochs must be >= 1, got {self.epochs}")
         if self.batch_size < 1:
-            raise ValueError(f"batch size must be >= 1, got {self.batch_size}")
+            raise ValueError(f"--batch-size must be >= 1, got {self.batch_size}")
         if not 0.0 <= self.momentum < 1.0:
-            raise ValueError(f"momentum must be in [0, 1), got {self.momentum}")
+            raise ValueError(f"--momentum must be in [0, 1), got {self.momentum}")
+        if not (self.weight_decay >= 0 and math.isfinite(self.weight_decay)):
+            raise ValueError(f"--weight-decay must be a finite number >= 0, got {self.weight_decay}")
+        if not 0.0 < self.lr_decay <= 1.0:
+            raise ValueError(f"--lr-decay must be in (0, 1], got {self.lr_decay}")
 
-    def optimizer(self) -> optax.GradientTransformation:
+    def learning_rate_at(self, round_index: jax.Array | int) -> jax.Array:
+        if self.lr_decay == 1.0:
+            return jnp.asarray(self.learning_rate, jnp.float32)
+        return self.learning_rate * jnp.asarray(self.lr_decay, jnp.float32) ** jnp.asarray(round_index, jnp.float32)
+
+    def optimizer(self, learning_rate: jax.Array | float | None = None) -> optax.GradientTransformation:
+        lr = self.learning_rate if learning_rate is None else learning_rate
         return optax.chain(optax.add_decayed_weights(self.weight_decay),
-                           optax.sgd(self.learning_rate, momentum=self.momentum or None))
+                           optax.sgd(lr, momentum=self.momentum or None))
 
-    def train(self, variables: dict, data: ClientData, key: jax.Array, *,
-              extra_loss: Callable | None = None, grad_correction: Callable | None = None,
-              post_update: Callable | None = None) -> tuple[dict, dict]:
-        tx = self.optimizer()
+    def effective_steps(self, num_steps: jax.Array) -> jax.Array:
+        """||a||_1 of FedNova: the sum of the weights momentum gives to the gradients of `num_steps` steps.
+
+        With momentum rho, step t's gradient moves the weights by lr (1 - rho^(tau - t)) / (1 - rho)
+        in total by the end of tau steps; summed, [tau - rho (1 - rho^tau) / (1 - rho)] / (1 - rho)
+        (= tau without momentum). Dividing a displacement by this times lr gives the mean gradient,
+        which is what SCAFFOLD's and SPATL's control variates estimate.
+        """
+        tau = jnp.asarray(num_steps).astype(jnp.float32)
+        rho = self.momentum
+        if rho == 0.0:
+            return tau
+        return (tau - rho * (1.0 - rho ** tau) / (1.0 - rho)) / (1.0 - rho)
+
+    def train(self, variables: dict, data: ClientData, key: jax.Array, *, round_index: jax.Array | int = 0,
+              extra: dict | None = None, objective: LocalObjective | None = None) -> tuple[dict, dict]:
+        """Trains `variables` ({'params', 'batch_stats'}) and the `extra` trainable leaves on one client.
+
+        Returns (variables with the extra leaves added under their names, stats): stats are
+        {'loss': mean task loss over all examples seen, 'num_steps': real steps} plus the sums
+        of `objective.after_step`'s metrics.
+        """
+        objective = objective or LocalObjective()
+        tx = self.optimizer(self.learning_rate_at(round_index))
         model = self.model
+        extra = extra or {}
+        if "params" in extra or "batch_stats" in extra:
+            raise ValueError("extra trainable leaves may not be named 'params' or 'batch_stats'")
+        mask = objective.update_mask
+
+        def forward(trainable):
+            if objective.forward is not None:
+                return objective.forward(trainable)
+            return {"params": trainable["params"]}
+
+        def after_step(before, after, batch):
+            if objective.after_step is None:
+                return after, {}
+            return objective.after_step(before, after, batch)
 
         def step(carry, batch: Batch, key):
             del key
-            variables, opt_state = carry
+            trainable, batch_stats, opt_state, sums = carry
 
-            def loss_fn(params):
-                logits, batch_stats = model.apply({"params": params, "batch_stats": variables["batch_stats"]},
-                                                  batch.x, train=True, mask=batch.mask)
-                task = masked_cross_entropy(logits, batch.y, batch.mask)
-                total = task + extra_loss(params) if extra_loss is not None else task
-                return total, (task, batch_stats)
+            def loss_fn(trainable):
+                logits, new_stats = model.apply({**forward(trainable), "batch_stats": batch_stats}, batch.x,
+                                                train=True, mask=batch.mask)
+                task = label_masked_cross_entropy(logits, batch.y, batch.mask, objective.label_mask)
+                total = task + objective.extra_loss(trainable) if objective.extra_loss is not None else task
+                return total, (task, new_stats)
 
-            grads, (task, batch_stats) = jax.grad(loss_fn, has_aux=True)(variables["params"])
-            if grad_correction is not None:
-                grads = grad_correction(grads)
-            updates, opt_state = tx.update(grads, opt_state, variables["params"])
-            params = optax.apply_updates(variables["params"], updates)
-            if post_update is not None:
-                params = post_update(params)
-            return ({"params": params, "batch_stats": batch_stats}, opt_state), task
+            grads, (task, new_stats) = jax.grad(loss_fn, has_aux=True)(trainable)
+            if objective.grad_correction is not None:
+                grads = objective.grad_correction(grads)
+            updates, opt_state = tx.update(grads, opt_state, trainable)
+            if mask is not None:
+                updates = {**updates, "params": jax.tree_util.tree_map(
+                    lambda u, m: jnp.where(m, u, jnp.zeros_like(u)), updates["params"], mask["params"])}
+                new_stats = jax.tree_util.tree_map(jnp.where, mask["batch_stats"], new_stats, batch_stats)
+            new, metrics = after_step(trainable, optax.apply_updates(trainable, updates), batch)
+            sums = jax.tree_util.tree_map(lambda s, m: s + m, sums, metrics)
+            return (new, new_stats, opt_state, sums), task
 
-        carry = (variables, tx.init(variables["params"]))
-        (variables, _), stats = run_local_steps(step, carry, data, key, epochs=self.epochs,
-                                                batch_size=self.batch_size)
-        return variables, stats
+        trainable = {"params": variables["params"], **extra}
+        batch_shape = jax.eval_shape(lambda: client_batch(data, jnp.arange(data.max_count), 0, self.batch_size,
+                                                          key, train=False))
+        metric_shapes = jax.eval_shape(lambda t, b: after_step(t, t, b)[1], trainable, batch_shape)
+        zeros = jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), metric_shapes)
+        carry = (trainable, variables["batch_stats"], tx.init(trainable), zeros)
+        (trainable, batch_stats, _, sums), stats = run_local_steps(step, carry, data, key, epochs=self.epochs,
+                                                                   batch_size=self.batch_size)
+        return {**trainable, "batch_stats": batch_stats}, {**stats, **sums}

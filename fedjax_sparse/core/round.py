@@ -17,8 +17,9 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from fedjax_sparse.core.algorithm import FederatedAlgorithm
+from fedjax_sparse.core.algorithm import FederatedAlgorithm, RoundInfo
 from fedjax_sparse.core.messages import message_bytes
+from fedjax_sparse.core.streams import stream_key
 from fedjax_sparse.data.federated import FederatedSplit
 
 CLIENTS_AXIS = "clients"
@@ -36,19 +37,26 @@ class RoundOutput:
 
 def sample_clients(seed: int, round_index: jax.Array, num_clients: int, clients_per_round: int) -> jax.Array:
     """The clients of a round: a pure function of the seed and the round index."""
-    key = jax.random.fold_in(jax.random.key(seed), round_index)
+    key = jax.random.fold_in(stream_key(seed, "sampling"), round_index)
     return jnp.sort(jax.random.choice(key, num_clients, (clients_per_round,), replace=False))
 
 
 def client_keys(seed: int, round_index: jax.Array, client_ids: jax.Array) -> jax.Array:
     """Each client's randomness for a round, tied to (seed, round, client id)."""
-    base = jax.random.fold_in(jax.random.fold_in(jax.random.key(seed), round_index), 1 << 20)
+    base = jax.random.fold_in(stream_key(seed, "clients"), round_index)
     return jax.vmap(lambda c: jax.random.fold_in(base, c))(client_ids)
 
 
 def server_key(seed: int, round_index: jax.Array) -> jax.Array:
-    """The server's randomness for a round (e.g. random upload selection)."""
-    return jax.random.fold_in(jax.random.fold_in(jax.random.key(seed), round_index), (1 << 20) + 1)
+    """The server's randomness for a round (e.g. random upload selection, sub-model choice)."""
+    return jax.random.fold_in(stream_key(seed, "server"), round_index)
+
+
+def round_info(seed: int, round_index: jax.Array, client_ids: jax.Array) -> RoundInfo:
+    """What the algorithm is told about round `round_index` with these sampled clients."""
+    round_index = jnp.asarray(round_index, jnp.int32)
+    return RoundInfo(index=round_index, client_ids=jnp.asarray(client_ids, jnp.int32),
+                     server_key=server_key(seed, round_index))
 
 
 def clients_mesh(devices=None) -> Mesh:
@@ -88,28 +96,30 @@ def build_round(algorithm: FederatedAlgorithm, train: FederatedSplit, clients_pe
         spec = NamedSharding(mesh, PartitionSpec(CLIENTS_AXIS))
         return jax.tree_util.tree_map(lambda x: jax.lax.with_sharding_constraint(x, spec), tree)
 
-    def one_client(server_state, client_state, client_id, key):
-        down = algorithm.broadcast(server_state, client_id)
-        up, client_state, metrics = algorithm.client_update(down, client_state, train.client(client_id), key)
+    def one_client(server_state, client_state, client_id, key, info):
+        down = algorithm.broadcast(server_state, client_id, info)
+        up, client_state, metrics = algorithm.client_update(down, client_state, train.client(client_id), key, info)
         return up, client_state, metrics, message_bytes(down)
 
-    def all_clients(server_state, sampled, ids, keys):
+    def all_clients(server_state, sampled, ids, keys, info):
         if client_chunk is None:
-            return jax.vmap(one_client, in_axes=(None, 0, 0, 0))(server_state, sampled, ids, keys)
-        return jax.lax.map(lambda args: one_client(server_state, *args), (sampled, ids, keys),
+            return jax.vmap(one_client, in_axes=(None, 0, 0, 0, None))(server_state, sampled, ids, keys, info)
+        return jax.lax.map(lambda args: one_client(server_state, *args, info), (sampled, ids, keys),
                            batch_size=client_chunk)
 
     def round_fn(server_state, client_states, round_index):
+        round_index = jnp.asarray(round_index, jnp.int32)
         ids = sample_clients(seed, round_index, num_clients, clients_per_round)
         keys = client_keys(seed, round_index, ids)
+        info = round_info(seed, round_index, ids)
         sampled = jax.tree_util.tree_map(lambda a: a[ids], client_states)
-        ids, keys, sampled = shard((ids, keys, sampled))
-        ups, new_states, metrics, down_bytes = all_clients(server_state, sampled, ids, keys)
+        ids_sharded, keys, sampled = shard((ids, keys, sampled))
+        ups, new_states, metrics, down_bytes = all_clients(server_state, sampled, ids_sharded, keys, info)
         weights = train.counts[ids].astype(jnp.float32)
         if algorithm.select_uploads is not None:
-            ups = algorithm.select_uploads(ups, weights, server_key(seed, round_index))
+            ups = algorithm.select_uploads(ups, weights, info)
         up_bytes = jax.vmap(message_bytes, axis_size=clients_per_round)(ups)
-        server_state = algorithm.server_update(server_state, ups, weights)
+        server_state = algorithm.server_update(server_state, ups, weights, info)
         client_states = jax.tree_util.tree_map(lambda a, new: a.at[ids].set(new), client_states, new_states)
         return server_state, client_states, RoundOutput(ids, up_bytes, down_bytes, metrics)
 

@@ -1,33 +1,33 @@
-"""Unit masks: structured sparsity as one keep/drop flag per output unit of each prunable layer.
+"""Unit masks: structured sparsity as one keep/drop value per output unit of each prunable layer.
 
 A unit mask is `{layer_name: [num_units]}` (bool, or float in {0, 1}) over the
-layers of a `ModelStructure`. SpaFL's threshold masks, FedGSE/HeteroFL
-sub-models and SPATL's salient channels are all unit masks; this module turns
-them into weight-shaped masks, applies them to a `params` tree, measures the
-density they leave and which input units their consumers still see.
+layers of a `ModelStructure`. SpaFL's threshold masks, FedGSE/HeteroFL/FedRolex/
+Federated Dropout sub-models and SPATL's salient units are all unit masks.
 
-What a unit owns (the convention of every function here):
-  * its kernel slice `kernel[..., i]` -- the unit's incoming weights (Flax puts
-    output units on a kernel's last axis; SpaFL's "row" of W);
-  * its bias entry `bias[i]`, and the `scale[i]` / `bias[i]` of the
-    normalization applied to its outputs (`Layer.norm`).
-A dropped unit therefore outputs exactly zero before its activation (and after
-a ReLU), as if it were removed from the network: its consumers then really see
-fewer input units, which is what the FLOP count of a sub-model assumes
-(`live_input_fraction`). BatchNorm running statistics are left alone (they are
-not parameters and a dropped channel's statistics are never used: its scale is
-zero).
-
-Gradients: the kernel is multiplied by the mask as given, so a differentiable
-(straight-through) float mask passes its gradient on through the kernel product
-only; bias and normalization entries are multiplied by `stop_gradient(mask)`,
-so a mask's gradient is exactly the one its kernel product defines (SpaFL's
-eq. 9). For constant masks (sub-models) this makes no difference.
+One mechanism for every method: a mask multiplies its layer's unit *outputs*,
+after the layer's normalization and before its activation or residual sum
+(`models.layers.unit_output`; a model runs a sub-model when its variables hold
+`'unit_masks'`). So
+  * a dropped unit outputs exactly zero, as if removed from the network; its
+    consumers see fewer live inputs (`input_unit_masks`, `live_input_fraction`);
+  * a float mask gets a gradient, dL/dm_i = sum over examples and positions of
+    g * h_i (h_i the unit's normalized output, g = dL/d(m h)). For a layer with
+    no bias and no normalization h_i = sum_j w_ij x_j, which makes this exactly
+    sum_j (dL/dw~_ij) w_ij, SpaFL's eq. 9. Behind a BatchNorm it is the signal
+    eq. 9 intends; masking the kernel instead would give ~0 there, since BN
+    undoes any scaling of its input (sum_j g_ij w_ij = 0).
+Weights are never multiplied by the mask in the forward pass. Which *weights*
+a sub-model consists of (to freeze the rest during local training, to send
+only them, to aggregate per entry) is `variable_masks`: a kernel entry belongs
+to the sub-model when both its output unit and its input unit do; a bias,
+normalization parameter or statistic when its unit does.
 
 Density (`density`) counts kernel weights of the prunable layers only: a kept
 unit keeps its `fan_in` weights, a dropped one none, following SpaFL's
 ||p||_0 / |W| (a weight whose input unit was dropped upstream still counts as
-kept here, as in the paper; the FLOP count does take that effect into account).
+kept here, as in the paper; the FLOP count can take that into account).
+`layer_mean_density` is the plain mean of the layers' densities, the figure
+SpaFL's official code reports (`get_density`).
 """
 
 from __future__ import annotations
@@ -70,57 +70,77 @@ def _check_masks(structure: ModelStructure, unit_masks: UnitMasks) -> None:
                              f"expected ({layer.num_units},)")
 
 
-def _unit_owned(layer: Layer) -> list[tuple[tuple[str, ...], bool]]:
-    """(path, is_kernel) of every params leaf indexed by this layer's output units."""
-    owned = [(layer.kernel, True)]
-    if layer.bias is not None:
-        owned.append((layer.bias, False))
-    return owned
+def _unit_owned(layer: Layer) -> list[tuple[str, ...]]:
+    """Paths (in params) of the bias indexed by this layer's output units."""
+    return [layer.bias] if layer.bias is not None else []
 
 
-def _norm_leaves(params: Params, layer: Layer) -> list[tuple[str, ...]]:
+def _norm_paths(variables: dict, layer: Layer) -> list[tuple[str, ...]]:
+    """(collection, ...path) of the normalization leaves of this layer's outputs that exist."""
     if layer.norm is None:
         return []
-    try:
-        module = get_path(params, layer.norm)
-    except (KeyError, TypeError):
-        return []  # a norm without parameters (e.g. use_scale=False, use_bias=False)
-    return [layer.norm + (k,) for k in ("scale", "bias") if k in module]
-
-
-def apply_unit_masks(structure: ModelStructure, params: Params, unit_masks: UnitMasks) -> Params:
-    """`params` with every dropped unit's kernel slice, bias and norm scale/bias set to zero.
-
-    Leaves of non-prunable parts are returned unchanged; see the module
-    docstring for how gradients flow through a float mask.
-    """
-    _check_masks(structure, unit_masks)
-    out = params
-    for layer in structure.layers:
-        m = unit_masks[layer.name]
-        for path, is_kernel in _unit_owned(layer):
-            leaf = get_path(params, path)
-            mask = m if is_kernel else jax.lax.stop_gradient(m)
-            out = set_path(out, path, leaf * mask.astype(leaf.dtype))
-        for path in _norm_leaves(params, layer):
-            leaf = get_path(params, path)
-            out = set_path(out, path, leaf * jax.lax.stop_gradient(m).astype(leaf.dtype))
+    out = []
+    for collection, keys in (("params", ("scale", "bias")), ("batch_stats", ("mean", "var"))):
+        try:
+            module = get_path(variables.get(collection, {}), layer.norm)
+        except (KeyError, TypeError):
+            continue  # a norm without parameters or statistics
+        out += [(collection,) + layer.norm + (k,) for k in keys if k in module]
     return out
 
 
-def weight_masks(structure: ModelStructure, params: Params, unit_masks: UnitMasks) -> Params:
-    """A boolean tree shaped like `params`: False on the entries `apply_unit_masks` zeroes.
+def input_unit_masks(structure: ModelStructure, unit_masks: UnitMasks) -> dict[str, jax.Array | None]:
+    """Per layer, [input units] bool: the input units some producer keeps (None: reads the data).
 
-    Leaves outside the prunable layers are all True (e.g. for `masked_mean`).
+    A layer reading several producers (a residual sum) sees a unit while any of
+    them keeps it.
     """
     _check_masks(structure, unit_masks)
-    out = jax.tree_util.tree_map(lambda leaf: jnp.ones(jnp.shape(leaf), bool), params)
+    out = {}
+    for layer in structure.layers:
+        producers = [structure[n] for n in layer.inputs_from if n != "input"]
+        if len(producers) < len(layer.inputs_from) or not producers:
+            out[layer.name] = None
+            continue
+        sizes = {p.num_units for p in producers}
+        if len(sizes) != 1:
+            raise ValueError(f"layer {layer.name!r} sums producers of different widths "
+                             f"{sorted(sizes)}; cannot tell which input units are live")
+        live = jnp.zeros((sizes.pop(),), bool)
+        for p in producers:
+            live = live | jnp.asarray(unit_masks[p.name]).astype(bool)
+        out[layer.name] = live
+    return out
+
+
+def kernel_mask(layer: Layer, kernel_shape: tuple[int, ...], keep: jax.Array,
+                live_inputs: jax.Array | None) -> jax.Array:
+    """[kernel] bool: output unit kept and input unit live. A dense kernel's input axis holds
+    each input unit `input_repeat` times, channel fastest (as Flax flattens NHWC)."""
+    mask = jnp.broadcast_to(keep, kernel_shape)
+    if live_inputs is None:
+        return mask
+    rows = jnp.tile(live_inputs, layer.input_repeat) if layer.kind == "dense" else live_inputs
+    return mask & rows.reshape((1,) * (len(kernel_shape) - 2) + (-1, 1))
+
+
+def variable_masks(structure: ModelStructure, variables: dict, unit_masks: UnitMasks) -> dict:
+    """Bool trees shaped like `variables` ({'params', 'batch_stats'}): True on the sub-model's entries.
+
+    Kernels: output unit kept and input unit live (`kernel_mask`); biases,
+    normalization parameters and statistics: unit kept. Leaves outside the
+    prunable layers are all True.
+    """
+    _check_masks(structure, unit_masks)
+    live = input_unit_masks(structure, unit_masks)
+    out = jax.tree_util.tree_map(lambda leaf: jnp.ones(jnp.shape(leaf), bool), dict(variables))
     for layer in structure.layers:
         keep = jnp.asarray(unit_masks[layer.name]).astype(bool)
-        paths = [p for p, _ in _unit_owned(layer)] + _norm_leaves(params, layer)
+        shape = jnp.shape(get_path(variables["params"], layer.kernel))
+        out = set_path(out, ("params",) + layer.kernel, kernel_mask(layer, shape, keep, live[layer.name]))
+        paths = [("params",) + p for p in _unit_owned(layer)] + _norm_paths(variables, layer)
         for path in paths:
-            shape = jnp.shape(get_path(params, path))
-            out = set_path(out, path, jnp.broadcast_to(keep, shape))
+            out = set_path(out, path, jnp.broadcast_to(keep, jnp.shape(get_path(variables, path))))
     return out
 
 
@@ -137,28 +157,17 @@ def density(structure: ModelStructure, unit_masks: UnitMasks) -> tuple[jax.Array
     return kept / structure.num_prunable_weights, per_layer
 
 
+def layer_mean_density(structure: ModelStructure, unit_masks: UnitMasks) -> jax.Array:
+    """The unweighted mean of the layers' densities (SpaFL's official `get_density`)."""
+    per_layer = layer_density(structure, unit_masks)
+    return sum(per_layer.values()) / len(per_layer)
+
+
 def live_input_fraction(structure: ModelStructure, unit_masks: UnitMasks) -> dict[str, jax.Array]:
     """Per layer, the fraction of its input units that some producer still keeps.
 
-    A layer reading the data ('input') sees all of it. A layer reading several
-    producers (a residual sum) sees a unit while any of them keeps it. Each
-    input unit occupies the same number of input positions (kernel taps or
+    Each input unit occupies the same number of input positions (kernel taps or
     `input_repeat`), so this fraction scales the layer's effective fan-in.
     """
-    _check_masks(structure, unit_masks)
-    out = {}
-    for layer in structure.layers:
-        producers = [structure[n] for n in layer.inputs_from if n != "input"]
-        if len(producers) < len(layer.inputs_from) or not producers:
-            out[layer.name] = jnp.ones((), jnp.float32)
-            continue
-        sizes = {p.num_units for p in producers}
-        if len(sizes) != 1:
-            raise ValueError(f"layer {layer.name!r} sums producers of different widths "
-                             f"{sorted(sizes)}; cannot tell which input units are live")
-        live = jnp.zeros((sizes.pop(),), bool)
-        for p in producers:
-            live = live | jnp.asarray(unit_masks[p.name]).astype(bool)
-        out[layer.name] = jnp.mean(live.astype(jnp.float32))
-    return out
-
+    return {name: jnp.ones((), jnp.float32) if live is None else jnp.mean(live.astype(jnp.float32))
+            for name, live in input_unit_masks(structure, unit_masks).items()}

@@ -11,6 +11,7 @@ from fedjax_sparse.data.partition import (
     partition_summary,
 )
 from fedjax_sparse.data.sources import (
+    DataError,
     load_dataset,
     load_digits,
     load_image_folder,
@@ -18,6 +19,7 @@ from fedjax_sparse.data.sources import (
 )
 
 __all__ = [
+    "DataError",
     "ImageDataset",
     "dirichlet_partition",
     "iid_partition",

@@ -515,6 +515,10 @@ def load_tfds(name: str, data_dir: str | os.PathLike | None = None, *, progress:
 # One entry point
 
 
+class DataError(ValueError):
+    """A data set could not be loaded; the message is one line saying why."""
+
+
 DATASET_SPECS = ("digits", *TFDS_DATASETS, "imagefolder:PATH")
 
 
@@ -530,10 +534,13 @@ def load_dataset(
     `seed` only affects 'digits' (its train/test split); `data_dir` is the tfds
     data directory; `cache_dir` is the image-folder cache base.
     """
-    if spec == "digits":
-        return load_digits(seed=seed)
-    if spec in TFDS_DATASETS:
-        return load_tfds(spec, data_dir=data_dir)
-    if spec.startswith("imagefolder:") and spec[len("imagefolder:") :]:
-        return load_image_folder(spec[len("imagefolder:") :], cache_dir=cache_dir)
-    raise ValueError(f"unknown data set spec {spec!r}; valid forms: {', '.join(DATASET_SPECS)}")
+    try:
+        if spec == "digits":
+            return load_digits(seed=seed)
+        if spec in TFDS_DATASETS:
+            return load_tfds(spec, data_dir=data_dir)
+        if spec.startswith("imagefolder:") and spec[len("imagefolder:") :]:
+            return load_image_folder(spec[len("imagefolder:") :], cache_dir=cache_dir)
+    except (ValueError, OSError, RuntimeError, ImportError) as err:  # OSError: missing or unreadable files
+        raise DataError(f"cannot load data set {spec!r}: {' '.join(str(err).split())}") from err
+    raise DataError(f"unknown data set spec {spec!r}; valid forms: {', '.join(DATASET_SPECS)}")

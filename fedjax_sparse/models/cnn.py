@@ -58,17 +58,19 @@ class SpaFLCNN(nn.Module):
     num_classes: int
 
     @nn.compact
-    def __call__(self, x: jax.Array, train: bool, mask: jax.Array | None = None) -> jax.Array:
+    def __call__(self, x: jax.Array, train: bool, mask: jax.Array | None = None,
+                 unit_masks: dict | None = None) -> jax.Array:
         for i, width in enumerate(SPAFL_CONVS):
             x = L.conv(width, 5, use_bias=False, name=f"conv{i + 1}")(x)
-            x = nn.relu(L.batch_norm(train, f"bn{i + 1}")(x, mask=mask))
-            if i % 2 == 1:
-                x = L.max_pool2(x)
+            x = L.batch_norm(train, f"bn{i + 1}")(x, mask=mask)
+            x = L.unit_output(self, x, unit_masks, f"conv{i + 1}", L.relu_pool2 if i % 2 == 1 else nn.relu)
         x = L.flatten(x)
         for j, width in enumerate(SPAFL_DENSE):
             x = L.dense(width, use_bias=False, name=f"fc{j + 1}")(x)
-            x = nn.relu(L.batch_norm(train, f"bn{len(SPAFL_CONVS) + j + 1}")(x, mask=mask))
-        return L.dense(self.num_classes, use_bias=False, name=f"fc{len(SPAFL_DENSE) + 1}")(x)
+            x = L.batch_norm(train, f"bn{len(SPAFL_CONVS) + j + 1}")(x, mask=mask)
+            x = L.unit_output(self, x, unit_masks, f"fc{j + 1}", nn.relu)
+        last = f"fc{len(SPAFL_DENSE) + 1}"
+        return L.unit_output(self, L.dense(self.num_classes, use_bias=False, name=last)(x), unit_masks, last)
 
 
 def _spafl_sizes(side: int) -> list[int]:
@@ -122,13 +124,14 @@ class CNN4(nn.Module):
     widths: tuple[int, ...] = CNN4_WIDTHS
 
     @nn.compact
-    def __call__(self, x: jax.Array, train: bool, mask: jax.Array | None = None) -> jax.Array:
+    def __call__(self, x: jax.Array, train: bool, mask: jax.Array | None = None,
+                 unit_masks: dict | None = None) -> jax.Array:
         for i, width in enumerate(self.widths):
             x = L.conv(width, 3, padding=1, name=f"conv{i + 1}")(x)
-            x = nn.relu(L.batch_norm(train, f"bn{i + 1}")(x, mask=mask))
-            if i < len(self.widths) - 1:
-                x = L.max_pool2(x)
-        return L.dense(self.num_classes, name="fc")(L.global_avg_pool(x))
+            x = L.batch_norm(train, f"bn{i + 1}")(x, mask=mask)
+            pooled = i < len(self.widths) - 1
+            x = L.unit_output(self, x, unit_masks, f"conv{i + 1}", L.relu_pool2 if pooled else nn.relu)
+        return L.unit_output(self, L.dense(self.num_classes, name="fc")(L.global_avg_pool(x)), unit_masks, "fc")
 
 
 def _cnn4_sizes(side: int) -> list[int]:
@@ -174,12 +177,14 @@ class CNN2(nn.Module):
     num_classes: int
 
     @nn.compact
-    def __call__(self, x: jax.Array, train: bool, mask: jax.Array | None = None) -> jax.Array:
+    def __call__(self, x: jax.Array, train: bool, mask: jax.Array | None = None,
+                 unit_masks: dict | None = None) -> jax.Array:
         del train, mask
         for i, width in enumerate(CNN2_CONVS):
-            x = L.max_pool2(nn.relu(L.conv(width, 5, padding=2, name=f"conv{i + 1}")(x)))
-        x = nn.relu(L.dense(CNN2_HIDDEN, name="fc1")(L.flatten(x)))
-        return L.dense(self.num_classes, name="fc2")(x)
+            x = L.conv(width, 5, padding=2, name=f"conv{i + 1}")(x)
+            x = L.unit_output(self, x, unit_masks, f"conv{i + 1}", L.relu_pool2)
+        x = L.unit_output(self, L.dense(CNN2_HIDDEN, name="fc1")(L.flatten(x)), unit_masks, "fc1", nn.relu)
+        return L.unit_output(self, L.dense(self.num_classes, name="fc2")(x), unit_masks, "fc2")
 
 
 def _cnn2_sizes(side: int) -> list[int]:

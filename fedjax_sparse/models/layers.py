@@ -85,9 +85,65 @@ def dense(features: int, *, name: str, use_bias: bool = True) -> nn.Dense:
     return nn.Dense(features, use_bias=use_bias, name=name)
 
 
+def unit_output(module: nn.Module, x: jax.Array, unit_masks: dict | None, layer: str,
+                activation: Callable[[jax.Array], jax.Array] | None = None) -> jax.Array:
+    """The point where the units of structure layer `layer` deliver their output.
+
+    Every model calls this right after a layer's normalization (or right after
+    the layer itself when it has none), with the activation that follows, if
+    any; a layer that feeds a residual sum is called before the sum. Two things
+    happen there, for every method at once:
+      * a unit mask (`unit_masks[layer]`, one value per output unit) multiplies
+        the output, so a dropped unit outputs exactly zero and the mask, being a
+        factor of the forward pass, receives a gradient (see core.unit_masks);
+      * a Flax perturbation named `<module>_out` (the layer's module name) marks
+        the point, so `Model.unit_output_gradients` can read dL/dh there.
+    Without masks and perturbations it is `activation(x)`.
+
+    Why the mask goes after the activation (and after a max pool that follows,
+    see `relu_pool2`) rather than between normalization and activation: for a {0, 1} mask and ReLU the forward pass is the same
+    (ReLU(m h) = m ReLU(h)), but before the ReLU a dropped unit's output sits
+    at ReLU's kink, where its derivative is 0, so its mask would get exactly no
+    gradient and a dropped unit could never learn to come back. After it, the
+    mask gets dL/dm = sum g ReLU(h): for a kept unit the same value as before
+    the ReLU, for a dropped one what switching it back on would do.
+    """
+    if activation is not None:
+        x = activation(x)
+    x = module.perturb(layer.split(".")[-1] + "_out", x)
+    if unit_masks is None:
+        return x
+    return x * jnp.asarray(unit_masks[layer]).astype(x.dtype)
+
+
+def any_kept(unit_masks: dict | None, layers: Sequence[str]) -> jax.Array | None:
+    """1 where some of `layers` keeps the unit: the live units of a residual stream they all add into.
+
+    Written as 1 - prod(1 - m) so that, for {0, 1} masks, it is the logical OR
+    and a float (straight-through) mask still passes a gradient on.
+    """
+    if unit_masks is None:
+        return None
+    dead = 1.0
+    for name in layers:
+        dead = dead * (1.0 - jnp.asarray(unit_masks[name]).astype(jnp.float32))
+    return 1.0 - dead
+
+
 def max_pool2(x: jax.Array) -> jax.Array:
     """2x2 max pooling, stride 2, floor (PyTorch's MaxPool2d(2))."""
     return nn.max_pool(x, (2, 2), strides=(2, 2), padding="VALID")
+
+
+def relu_pool2(x: jax.Array) -> jax.Array:
+    """ReLU then 2x2 max pooling: the activation of a unit whose map is pooled next.
+
+    Passed to `unit_output` as one activation, so a unit mask acts after the pool:
+    a {0, 1} mask commutes with both (they are positively homogeneous), but a dropped
+    unit's all-zero map would send the pool's gradient to an arbitrary position of
+    each window instead of the one the unit would win if switched back on.
+    """
+    return max_pool2(nn.relu(x))
 
 
 def flatten(x: jax.Array) -> jax.Array:

@@ -30,12 +30,17 @@ class LeNet5Caffe(nn.Module):
     num_classes: int
 
     @nn.compact
-    def __call__(self, x: jax.Array, train: bool, mask: jax.Array | None = None) -> jax.Array:
+    def __call__(self, x: jax.Array, train: bool, mask: jax.Array | None = None,
+                 unit_masks: dict | None = None) -> jax.Array:
         del train, mask
-        x = L.max_pool2(nn.relu(L.conv(20, 5, use_bias=False, name="conv1")(x)))
-        x = L.max_pool2(nn.relu(L.conv(50, 5, use_bias=False, name="conv2")(x)))
-        x = nn.relu(L.dense(500, use_bias=False, name="fc1")(L.flatten(x)))
-        return L.dense(self.num_classes, use_bias=False, name="fc2")(x)
+
+        def out(y, name, activation=None):
+            return L.unit_output(self, y, unit_masks, name, activation)
+
+        x = out(L.conv(20, 5, use_bias=False, name="conv1")(x), "conv1", L.relu_pool2)
+        x = out(L.conv(50, 5, use_bias=False, name="conv2")(x), "conv2", L.relu_pool2)
+        x = out(L.dense(500, use_bias=False, name="fc1")(L.flatten(x)), "fc1", nn.relu)
+        return out(L.dense(self.num_classes, use_bias=False, name="fc2")(x), "fc2")
 
 
 def _sizes(side: int) -> list[int]:

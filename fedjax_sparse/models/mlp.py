@@ -23,12 +23,14 @@ class MLP(nn.Module):
     hidden: tuple[int, ...] = HIDDEN
 
     @nn.compact
-    def __call__(self, x: jax.Array, train: bool, mask: jax.Array | None = None) -> jax.Array:
+    def __call__(self, x: jax.Array, train: bool, mask: jax.Array | None = None,
+                 unit_masks: dict | None = None) -> jax.Array:
         del train, mask  # no normalization
         x = L.flatten(x)
         for i, width in enumerate(self.hidden):
-            x = nn.relu(L.dense(width, name=f"fc{i + 1}")(x))
-        return L.dense(self.num_classes, name=f"fc{len(self.hidden) + 1}")(x)
+            x = L.unit_output(self, L.dense(width, name=f"fc{i + 1}")(x), unit_masks, f"fc{i + 1}", nn.relu)
+        last = f"fc{len(self.hidden) + 1}"
+        return L.unit_output(self, L.dense(self.num_classes, name=last)(x), unit_masks, last)
 
 
 def mlp(input_shape: tuple[int, int, int], num_classes: int) -> Model:

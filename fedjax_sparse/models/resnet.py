@@ -41,6 +41,11 @@
   stage1_block1.bn1). Projection shortcuts share the unit group of their
   stage's conv2s and carry norm=None. Groups: 'stage1'..'stage4' (the stem is
   in 'stage1'); projections cut the stream, so stages are not related.
+  Unit masks (see `layers.unit_output`): a conv whose output goes straight into
+  the residual sum (stem, conv2, projection) is masked on its raw output, and
+  each stream BN's output is masked with the stream's live units (kept by any
+  layer summed into it), so a unit dropped by every producer stays exactly zero
+  through the following BN.
   HeteroFL/FedGSE's `Scaler` and static BN are left to the algorithms.
 """
 
@@ -63,11 +68,13 @@ class BasicBlock(nn.Module):
     stride: int
 
     @nn.compact
-    def __call__(self, x: jax.Array, train: bool, mask: jax.Array | None = None) -> jax.Array:
+    def __call__(self, x: jax.Array, train: bool, mask: jax.Array | None = None,
+                 unit_masks: dict | None = None) -> jax.Array:
         y = L.conv(self.planes, 3, stride=self.stride, padding=1, use_bias=False, name="conv1")(x)
-        y = nn.relu(L.batch_norm(train, "bn1")(y, mask=mask))
+        y = L.batch_norm(train, "bn1")(y, mask=mask)
+        y = L.unit_output(self, y, unit_masks, f"{self.name}.conv1", nn.relu)
         y = L.conv(self.planes, 3, padding=1, use_bias=False, name="conv2")(y)
-        y = L.batch_norm(train, "bn2")(y, mask=mask)
+        y = L.unit_output(self, L.batch_norm(train, "bn2")(y, mask=mask), unit_masks, f"{self.name}.conv2")
         shortcut = x
         if self.stride != 1 or x.shape[-1] != self.planes:
             # Option A: subsample and zero-pad planes // 4 channels on each side.
@@ -85,14 +92,15 @@ class CifarResNet(nn.Module):
     blocks_per_stage: int
 
     @nn.compact
-    def __call__(self, x: jax.Array, train: bool, mask: jax.Array | None = None) -> jax.Array:
+    def __call__(self, x: jax.Array, train: bool, mask: jax.Array | None = None,
+                 unit_masks: dict | None = None) -> jax.Array:
         x = L.conv(CIFAR_WIDTHS[0], 3, padding=1, use_bias=False, name="conv1")(x)
-        x = nn.relu(L.batch_norm(train, "bn1")(x, mask=mask))
+        x = L.unit_output(self, L.batch_norm(train, "bn1")(x, mask=mask), unit_masks, "conv1", nn.relu)
         for s, planes in enumerate(CIFAR_WIDTHS, start=1):
             for b in range(1, self.blocks_per_stage + 1):
                 stride = 2 if s > 1 and b == 1 else 1
-                x = BasicBlock(planes, stride, name=f"stage{s}_block{b}")(x, train, mask)
-        return L.dense(self.num_classes, name="fc")(L.global_avg_pool(x))
+                x = BasicBlock(planes, stride, name=f"stage{s}_block{b}")(x, train, mask, unit_masks)
+        return L.unit_output(self, L.dense(self.num_classes, name="fc")(L.global_avg_pool(x)), unit_masks, "fc")
 
 
 def _cifar_resnet(name: str, n: int, input_shape, num_classes: int) -> Model:
@@ -145,21 +153,32 @@ PRERESNET_WIDTHS = (64, 128, 256, 512)
 PRERESNET_BLOCKS = (2, 2, 2, 2)
 
 
+def _stream_norm(x: jax.Array, bn: nn.Module, mask, unit_masks, stream: tuple[str, ...]) -> jax.Array:
+    """BN-ReLU of a residual stream, then the stream's live units: a normalized dropped channel
+    would otherwise output the BN bias instead of zero."""
+    y = nn.relu(bn(x, mask=mask))
+    live = L.any_kept(unit_masks, stream)
+    return y if live is None else y * live.astype(y.dtype)
+
+
 class PreActBlock(nn.Module):
     planes: int
     stride: int
+    stream: tuple[str, ...]  # the layers summed into this block's input (for its bn1's unit mask)
 
     @nn.compact
-    def __call__(self, x: jax.Array, train: bool, mask: jax.Array | None = None) -> jax.Array:
-        out = nn.relu(L.batch_norm(train, "bn1")(x, mask=mask))
+    def __call__(self, x: jax.Array, train: bool, mask: jax.Array | None = None,
+                 unit_masks: dict | None = None) -> jax.Array:
+        out = _stream_norm(x, L.batch_norm(train, "bn1"), mask, unit_masks, self.stream)
         shortcut = x
         if self.stride != 1 or x.shape[-1] != self.planes:
-            shortcut = L.conv(self.planes, 1, stride=self.stride, use_bias=False,
-                              name="shortcut")(out)
+            shortcut = L.conv(self.planes, 1, stride=self.stride, use_bias=False, name="shortcut")(out)
+            shortcut = L.unit_output(self, shortcut, unit_masks, f"{self.name}.shortcut")
         y = L.conv(self.planes, 3, stride=self.stride, padding=1, use_bias=False, name="conv1")(out)
-        y = nn.relu(L.batch_norm(train, "bn2")(y, mask=mask))
+        y = L.batch_norm(train, "bn2")(y, mask=mask)
+        y = L.unit_output(self, y, unit_masks, f"{self.name}.conv1", nn.relu)
         y = L.conv(self.planes, 3, padding=1, use_bias=False, name="conv2")(y)
-        return y + shortcut
+        return L.unit_output(self, y, unit_masks, f"{self.name}.conv2") + shortcut
 
 
 def _preresnet_blocks() -> list[tuple[str, int, int, int]]:
@@ -175,12 +194,18 @@ class PreActResNet18(nn.Module):
     num_classes: int
 
     @nn.compact
-    def __call__(self, x: jax.Array, train: bool, mask: jax.Array | None = None) -> jax.Array:
+    def __call__(self, x: jax.Array, train: bool, mask: jax.Array | None = None,
+                 unit_masks: dict | None = None) -> jax.Array:
         x = L.conv(PRERESNET_WIDTHS[0], 3, padding=1, use_bias=False, name="conv1")(x)
+        x = L.unit_output(self, x, unit_masks, "conv1")
+        stream, width = ("conv1",), PRERESNET_WIDTHS[0]
         for blk, _, planes, stride in _preresnet_blocks():
-            x = PreActBlock(planes, stride, name=blk)(x, train, mask)
-        x = nn.relu(L.batch_norm(train, "bn_final")(x, mask=mask))
-        return L.dense(self.num_classes, name="fc")(L.global_avg_pool(x))
+            x = PreActBlock(planes, stride, stream, name=blk)(x, train, mask, unit_masks)
+            projected = stride != 1 or width != planes
+            stream = ((f"{blk}.shortcut",) if projected else stream) + (f"{blk}.conv2",)
+            width = planes
+        x = _stream_norm(x, L.batch_norm(train, "bn_final"), mask, unit_masks, stream)
+        return L.unit_output(self, L.dense(self.num_classes, name="fc")(L.global_avg_pool(x)), unit_masks, "fc")
 
 
 def preresnet18(input_shape: tuple[int, int, int], num_classes: int) -> Model:

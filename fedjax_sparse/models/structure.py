@@ -136,6 +136,9 @@ class Model:
     batch_stats)`; `x` is float32 NHWC. BatchNorm statistics are explicit state
     in `variables['batch_stats']` (an empty dict for models without them) and
     `mask` ([B] bool) keeps padded examples out of the batch statistics.
+    `variables` may also hold `'unit_masks'` ({layer: [units]}): the sub-model
+    the forward pass runs, each mask multiplying its layer's unit outputs
+    (`layers.unit_output`, `core.unit_masks`).
     """
 
     name: str
@@ -151,17 +154,28 @@ class Model:
         return {"params": variables["params"], "batch_stats": variables.get("batch_stats", {})}
 
     def apply(self, variables: Variables, x: jax.Array, *, train: bool,
-              mask: jax.Array | None = None) -> tuple[jax.Array, Params]:
+              mask: jax.Array | None = None, perturbations: Any = None) -> tuple[jax.Array, Params]:
         inputs = {"params": variables["params"]}
         has_stats = bool(jax.tree_util.tree_leaves(variables["batch_stats"]))
         if has_stats:
             inputs["batch_stats"] = variables["batch_stats"]
+        if perturbations is not None:
+            inputs["perturbations"] = perturbations
+        kwargs = {"mask": mask, "unit_masks": variables.get("unit_masks")}
         if train and has_stats:
-            logits, updates = self.module.apply(inputs, x, train=True, mask=mask,
-                                                mutable=["batch_stats"])
+            logits, updates = self.module.apply(inputs, x, train=True, mutable=["batch_stats"], **kwargs)
             return logits, updates["batch_stats"]
-        logits = self.module.apply(inputs, x, train=train, mask=mask)
+        logits = self.module.apply(inputs, x, train=train, **kwargs)
         return logits, variables["batch_stats"]
+
+    def unit_output_gradients(self, variables: Variables, x: jax.Array, loss: Callable[[jax.Array], jax.Array],
+                              *, train: bool, mask: jax.Array | None = None) -> dict[str, jax.Array]:
+        """{layer: dL/dh}: the gradient of `loss(logits)` at every layer's unit outputs h
+        (the points `layers.unit_output` marks), each shaped like h ([B, ..., units])."""
+        shapes = jax.eval_shape(lambda: self.module.init(jax.random.key(0), x, train=False))["perturbations"]
+        zeros = jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+        grads = jax.grad(lambda p: loss(self.apply(variables, x, train=train, mask=mask, perturbations=p)[0]))(zeros)
+        return {l.name: get_path(grads, l.kernel[:-2] + (l.kernel[-2] + "_out",)) for l in self.structure.layers}
 
     def num_params(self, variables: Variables) -> int:
         return sum(math.prod(a.shape) for a in jax.tree_util.tree_leaves(variables["params"]))

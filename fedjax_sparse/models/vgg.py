@@ -43,23 +43,25 @@ class VGG(nn.Module):
     config: tuple = CONFIG_A
 
     @nn.compact
-    def __call__(self, x: jax.Array, train: bool, mask: jax.Array | None = None) -> jax.Array:
+    def __call__(self, x: jax.Array, train: bool, mask: jax.Array | None = None,
+                 unit_masks: dict | None = None) -> jax.Array:
         i = 0
-        for item in self.config:
+        for k, item in enumerate(self.config):
             if item == "M":
-                x = L.max_pool2(x)
-                continue
+                continue  # pooled inside the previous conv's unit output
             i += 1
             x = L.conv(item, 3, padding=1, name=f"conv{i}")(x)
             if self.batch_norm:
                 x = L.batch_norm(train, f"bn{i}")(x, mask=mask)
-            x = nn.relu(x)
+            pooled = k + 1 < len(self.config) and self.config[k + 1] == "M"
+            x = L.unit_output(self, x, unit_masks, f"conv{i}", L.relu_pool2 if pooled else nn.relu)
         x = L.flatten(x)
         if not self.hidden:
-            return L.dense(self.num_classes, name="fc")(x)
+            return L.unit_output(self, L.dense(self.num_classes, name="fc")(x), unit_masks, "fc")
         for j, width in enumerate(self.hidden):
-            x = nn.relu(L.dense(width, name=f"fc{j + 1}")(x))
-        return L.dense(self.num_classes, name=f"fc{len(self.hidden) + 1}")(x)
+            x = L.unit_output(self, L.dense(width, name=f"fc{j + 1}")(x), unit_masks, f"fc{j + 1}", nn.relu)
+        last = f"fc{len(self.hidden) + 1}"
+        return L.unit_output(self, L.dense(self.num_classes, name=last)(x), unit_masks, last)
 
 
 def _sizes(side: int) -> list[int]:

@@ -1,0 +1,189 @@
+"""Declared options: a field, its help, its valid range; validation and command-line flags from them.
+
+Every option of a run -- the shared ones (data, model, local training) and
+each algorithm's own, which live beside its math as a small frozen dataclass
+-- is a dataclass field made with `option(...)`. From those declarations come
+  * `validate(obj)`: one line per bad value, naming the flag and what is valid
+    (floats must be finite unless declared otherwise);
+  * `add_flags(parser, cls)`: the `--flag` of every field, with its help and
+    default (bools become `--name` / `--no-name` switches);
+so adding a method adds its dataclass and nothing else to the command line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import typing
+from typing import Any, Sequence
+
+
+@dataclasses.dataclass(frozen=True)
+class OptionSpec:
+    """What an option accepts. `low`/`high` bound numbers (and every element of a tuple)."""
+
+    help: str
+    low: float | None = None
+    high: float | None = None
+    low_open: bool = False
+    high_open: bool = False
+    choices: tuple | None = None
+    finite: bool = True
+
+    def describe(self) -> str:
+        if self.choices is not None:
+            return "one of " + ", ".join(map(str, self.choices))
+        if self.low is not None and self.high is not None:
+            return (f"in {'(' if self.low_open else '['}{_num(self.low)}, "
+                    f"{_num(self.high)}{')' if self.high_open else ']'}")
+        if self.low is not None:
+            return f"{'>' if self.low_open else '>='} {_num(self.low)}"
+        if self.high is not None:
+            return f"{'<' if self.high_open else '<='} {_num(self.high)}"
+        return "a finite number" if self.finite else "a number"
+
+    def accepts(self, value: Any) -> bool:
+        if self.choices is not None:
+            return value in self.choices
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            return True
+        if self.finite and not math.isfinite(value):
+            return False
+        if math.isnan(value):
+            return False
+        if self.low is not None and (value <= self.low if self.low_open else value < self.low):
+            return False
+        if self.high is not None and (value >= self.high if self.high_open else value > self.high):
+            return False
+        return True
+
+
+def _num(x: float) -> str:
+    return f"{x:g}"
+
+
+def option(default: Any = dataclasses.MISSING, help: str = "", *, low: float | None = None,
+           high: float | None = None, low_open: bool = False, high_open: bool = False,
+           choices: Sequence | None = None, finite: bool = True) -> Any:
+    """A dataclass field carrying its `OptionSpec`."""
+    spec = OptionSpec(help, low, high, low_open, high_open, tuple(choices) if choices is not None else None,
+                      finite)
+    return dataclasses.field(default=default, metadata={"option": spec})
+
+
+def flag_name(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def spec_of(field: dataclasses.Field) -> OptionSpec | None:
+    return field.metadata.get("option")
+
+
+def option_fields(cls) -> list[dataclasses.Field]:
+    return [f for f in dataclasses.fields(cls) if spec_of(f) is not None]
+
+
+def validate(obj: Any) -> None:
+    """Raises a one-line ValueError for the first option of `obj` outside its declared range."""
+    for field in option_fields(type(obj)):
+        spec = spec_of(field)
+        value = getattr(obj, field.name)
+        values = value if isinstance(value, tuple) else (value,)
+        for v in values:
+            if v is None:
+                continue
+            if not spec.accepts(v):
+                shown = v if not isinstance(value, tuple) else ",".join(map(str, value))
+                valid = spec.describe()
+                if isinstance(v, float) and spec.finite and not math.isfinite(v) and spec.choices is None \
+                        and not valid.startswith("a finite"):
+                    valid = "a finite number " + valid
+                raise ValueError(f"{flag_name(field.name)} must be {valid}, got {shown}")
+
+
+def _base_type(annotation: Any) -> tuple[Any, bool, bool]:
+    """(element type, is optional, is tuple) of a field annotation."""
+    optional = False
+    args = typing.get_args(annotation)
+    if type(None) in args:
+        optional = True
+        annotation = next(a for a in args if a is not type(None))
+    if typing.get_origin(annotation) is tuple:
+        return typing.get_args(annotation)[0], optional, True
+    return annotation, optional, False
+
+
+def _parser_for(element: type, optional: bool, is_tuple: bool, name: str):
+    def parse_one(text: str):
+        try:
+            return element(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{flag_name(name)}: {text!r} is not a valid {element.__name__}")
+
+    def parse(text: str):
+        if optional and text.lower() == "none":
+            return None
+        if is_tuple:
+            return tuple(parse_one(t) for t in text.split(",") if t.strip())
+        return parse_one(text)
+
+    return parse
+
+
+def add_flags(parser: argparse.ArgumentParser, cls, *, defaults_from: Any = None, used_by: dict | None = None,
+              suppress_defaults: bool = False, seen: set | None = None) -> None:
+    """Adds a `--flag` for every declared field of `cls` not in `seen` (names already added).
+
+    `used_by` maps field names to the algorithms that read them, shown in the help.
+    """
+    hints = typing.get_type_hints(cls)
+    seen = set() if seen is None else seen
+    for field in option_fields(cls):
+        if field.name in seen:
+            continue
+        seen.add(field.name)
+        spec = spec_of(field)
+        default = getattr(defaults_from, field.name) if defaults_from is not None else field.default
+        help_text = spec.help.replace("%", "%%")
+        if used_by and field.name in used_by:
+            help_text += f" [{', '.join(used_by[field.name])}]"
+        if suppress_defaults and not isinstance(default, bool):
+            shown = ",".join(map(str, default)) if isinstance(default, tuple) else default
+            help_text += f" (default: {shown})"
+        element, optional, is_tuple = _base_type(hints[field.name])
+        kwargs = {"dest": field.name}
+        if suppress_defaults:
+            kwargs["default"] = argparse.SUPPRESS
+        if element is bool and not is_tuple:
+            if default:
+                parser.add_argument("--no-" + field.name.replace("_", "-"), action="store_false",
+                                    help=help_text + " (on by default; this turns it off)", **kwargs)
+            else:
+                parser.add_argument(flag_name(field.name), action="store_true", help=help_text, **kwargs)
+            continue
+        if not suppress_defaults:
+            kwargs["default"] = default
+        if spec.choices is not None and not is_tuple:
+            kwargs["choices"] = spec.choices
+        metavar = None
+        if is_tuple:
+            metavar = "A,B,..."
+            help_text += " (comma-separated)"
+        parser.add_argument(flag_name(field.name), type=_parser_for(element, optional, is_tuple, field.name),
+                            help=help_text, metavar=metavar, **kwargs)
+
+
+def from_mapping(cls, values: dict, *, strict: bool = True):
+    """`cls(**values)` for the keys `cls` declares; `strict` refuses any other key."""
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(values) - names)
+    if strict and unknown:
+        raise ValueError(f"unknown options {unknown} for {cls.__name__}")
+    kwargs = {}
+    hints = typing.get_type_hints(cls)
+    for k, v in values.items():
+        if k in names:
+            _, _, is_tuple = _base_type(hints[k])
+            kwargs[k] = tuple(v) if is_tuple and isinstance(v, list) else v
+    return cls(**kwargs)
