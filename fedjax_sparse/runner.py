@@ -182,7 +182,8 @@ def build_experiment(config: RunConfig) -> Experiment:
     local = LocalSGD(model, config.lr, config.local_epochs, config.batch_size, config.momentum,
                      config.weight_decay, config.lr_decay)
     context = BuildContext(local=local, num_clients=config.num_clients, clients_per_round=config.clients_per_round,
-                           train=train, num_classes=dataset.num_classes, seed=config.seed)
+                           train=train, num_classes=dataset.num_classes, seed=config.seed,
+                           labels_per_client=config.labels_per_client if config.partition == "labels" else None)
     algorithm = make_algorithm(config.algorithm, context, config.algorithm_options)
     variables = model.init(stream_key(config.seed, "model_init"))
     server_state, client_states = algorithm.init(stream_key(config.seed, "algorithm_init"), variables,
@@ -209,6 +210,8 @@ def resolve_client_chunk(config: RunConfig, variables) -> int | None:
 
 
 def evaluate(exp: Experiment, server_state, client_states) -> dict:
+    if exp.algorithm.evaluation_state is not None:
+        server_state = exp.algorithm.evaluation_state(server_state)
     out = {"test_accuracy": None, "test_loss": None}
     if exp.evaluate_global is not None:
         scores = exp.evaluate_global(exp.algorithm.global_variables(server_state))

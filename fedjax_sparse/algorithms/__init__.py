@@ -11,12 +11,14 @@ import dataclasses
 from typing import Any
 
 from fedjax_sparse.algorithms import fedavg as _fedavg
+from fedjax_sparse.algorithms import fedgse as _fedgse
 from fedjax_sparse.algorithms import fedldf as _fedldf
 from fedjax_sparse.algorithms import fednova as _fednova
 from fedjax_sparse.algorithms import fedprox as _fedprox
 from fedjax_sparse.algorithms import local as _local
 from fedjax_sparse.algorithms import scaffold as _scaffold
 from fedjax_sparse.algorithms import spafl as _spafl
+from fedjax_sparse.algorithms import submodels as _submodels
 from fedjax_sparse.algorithms.fedavg import fedavg
 from fedjax_sparse.algorithms.fedldf import fedldf, fedldf_random, hdfl
 from fedjax_sparse.algorithms.fednova import fednova
@@ -29,6 +31,7 @@ from fedjax_sparse.core.options import from_mapping, option_fields, validate
 
 ALGORITHMS: dict[str, AlgorithmSpec] = {spec.name: spec for spec in (
     _fedavg.SPEC, _fedprox.SPEC, _scaffold.SPEC, _fednova.SPEC, _local.SPEC, *_spafl.SPECS, *_fedldf.SPECS,
+    *_submodels.SPECS, _fedgse.SPEC,
 )}
 ALGORITHM_NAMES = tuple(ALGORITHMS)
 

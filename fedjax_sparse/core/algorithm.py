@@ -59,6 +59,10 @@ class FederatedAlgorithm:
         uplink bytes are counted on and what server_update receives.
     diagnostics(server_state, client_states) -> dict of scalars, optional
         extra figures logged with each evaluation (density, FLOPs, ...).
+    evaluation_state(server_state) -> server_state, optional
+        what the evaluations read instead of the server state itself (HeteroFL's
+        static BatchNorm recomputes the global model's statistics first); called
+        once per evaluation, never inside a round.
     """
 
     name: str
@@ -71,6 +75,7 @@ class FederatedAlgorithm:
     global_variables: Callable[[ServerState], Variables] | None = None
     select_uploads: Callable[[Message, jax.Array, RoundInfo], Message] | None = None
     diagnostics: Callable[[ServerState, ClientState], dict] | None = None
+    evaluation_state: Callable[[ServerState], ServerState] | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,7 +85,8 @@ class BuildContext:
     local: the local trainer (model, optimizer, epochs, batch size);
     train: the clients' training data (methods whose server needs facts about
       the clients' data, e.g. FedGSE's public set and its clients' label answers);
-    seed: the run's seed (for randomness fixed at build time).
+    seed: the run's seed (for randomness fixed at build time);
+    labels_per_client: the partition's labels per client, when it has one.
     """
 
     local: LocalSGD
@@ -89,6 +95,7 @@ class BuildContext:
     train: FederatedSplit
     num_classes: int
     seed: int = 0
+    labels_per_client: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)

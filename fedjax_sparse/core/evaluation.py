@@ -11,6 +11,7 @@ import numpy as np
 import optax
 
 from fedjax_sparse.data.federated import FederatedSplit, normalize
+from fedjax_sparse.models.layers import BN_MOMENTUM
 from fedjax_sparse.models.structure import Model
 
 
@@ -75,3 +76,34 @@ def personalized_evaluator(model: Model, client_variables: Callable, test: Feder
                            (client_states, test.offsets, test.counts), batch_size=clients_per_chunk)
 
     return evaluate
+
+
+def population_batch_stats(model: Model, variables, split: FederatedSplit, batch_size: int = 500):
+    """BatchNorm statistics of `variables` recomputed over every example of `split` (static BN).
+
+    HeteroFL's "static batch normalization": sub-models train with batch statistics only,
+    so before the global model is evaluated the server recomputes each BN's statistics as
+    the average over the training batches of their batch means and variances (PyTorch's
+    cumulative average, `momentum=None`). Batches are consecutive slices of the split's
+    flat data (all clients' examples); the last, partial batch is weighted by its size.
+    Returns new `batch_stats` ({} for models without BatchNorm).
+    """
+    if not jax.tree_util.tree_leaves(variables["batch_stats"]):
+        return variables["batch_stats"]
+    total = split.x.shape[0]
+    batch_size = min(batch_size, total)
+    n = math.ceil(total / batch_size)
+    zeros = jax.tree_util.tree_map(jnp.zeros_like, variables["batch_stats"])
+    keep = BN_MOMENTUM  # new = keep * old + (1 - keep) * batch, so from zeros: batch = new / (1 - keep)
+
+    def one(i):
+        pos = i * batch_size + jnp.arange(batch_size)
+        mask = pos < total
+        index = jnp.minimum(pos, total - 1)
+        x = normalize(split.x[index], split.mean, split.std)
+        _, stats = model.apply({**variables, "batch_stats": zeros}, x, train=True, mask=mask)
+        count = jnp.sum(mask).astype(jnp.float32)
+        return jax.tree_util.tree_map(lambda s: s / (1.0 - keep) * count, stats), count
+
+    sums, counts = jax.lax.map(one, jnp.arange(n))
+    return jax.tree_util.tree_map(lambda s: jnp.sum(s, axis=0) / jnp.sum(counts), sums)

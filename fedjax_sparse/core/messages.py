@@ -7,8 +7,17 @@ plus the cheaper index encoding: a bitmask (ceil(size / 8) bytes) or an index
 list (nnz times the smallest of 1, 2, 4 bytes that can address `size`). A
 sender picks the cheaper of that and the plain dense encoding, so a leaf sent
 whole costs what a dense leaf costs and a leaf not sent costs nothing (the one
-bit saying which encoding was used is not counted). One function prices every
-message of every algorithm, inside jit.
+bit saying which encoding was used is not counted).
+
+Two more leaf kinds, for what both sides already know:
+  * `KnownMaskArray`: values at entries whose positions the receiver knows
+    without being told (the server chose the client's sub-model; the client
+    trains a smaller dense model and returns it in the same layout): costs
+    nnz x itemsize, no index;
+  * `Known`: a value both sides can compute themselves (a sub-model's unit
+    masks and capacity, which the simulation hands to the client so that it
+    can run the smaller model inside static shapes): costs nothing.
+One function prices every message of every algorithm, inside jit.
 """
 
 from __future__ import annotations
@@ -32,6 +41,28 @@ class SparseArray:
         return jnp.where(self.mask, self.values, jnp.zeros_like(self.values))
 
 
+@flax.struct.dataclass
+class KnownMaskArray:
+    """`values` where `mask` is True, at positions the receiver already knows: only values are paid."""
+
+    values: jax.Array
+    mask: jax.Array
+
+    def dense(self) -> jax.Array:
+        return jnp.where(self.mask, self.values, jnp.zeros_like(self.values))
+
+
+@flax.struct.dataclass
+class Known:
+    """A value both sides already know; it costs nothing to 'send'."""
+
+    value: Any
+
+
+def _is_priced_leaf(x) -> bool:
+    return isinstance(x, (SparseArray, KnownMaskArray, Known))
+
+
 def index_itemsize(size: int) -> int:
     for nbytes in (1, 2, 4):
         if size <= 256 ** nbytes:
@@ -50,10 +81,12 @@ def _sparse_bytes(leaf: SparseArray) -> jax.Array:
 
 def message_bytes(message: Any) -> jax.Array:
     """Bytes of one message (int32 scalar; a single message stays far below 2 GiB)."""
-    leaves = jax.tree_util.tree_leaves(message, is_leaf=lambda x: isinstance(x, SparseArray))
-    dense = sum(int(np.prod(l.shape)) * l.dtype.itemsize for l in leaves if not isinstance(l, SparseArray))
+    leaves = jax.tree_util.tree_leaves(message, is_leaf=_is_priced_leaf)
+    dense = sum(int(np.prod(l.shape)) * l.dtype.itemsize for l in leaves if not _is_priced_leaf(l))
     total = jnp.asarray(dense, jnp.int32)
     for leaf in leaves:
         if isinstance(leaf, SparseArray):
             total = total + _sparse_bytes(leaf)
+        elif isinstance(leaf, KnownMaskArray):
+            total = total + jnp.sum(leaf.mask.astype(jnp.int32)) * leaf.values.dtype.itemsize
     return total

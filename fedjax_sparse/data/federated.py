@@ -86,6 +86,13 @@ def federated_split(x: np.ndarray, y: np.ndarray, client_indices: Sequence[np.nd
         max_count=int(counts.max()), augment=augment)
 
 
+def client_label_counts(data: ClientData, num_classes: int) -> jax.Array:
+    """[num_classes] int32: how many of the client's training examples carry each label."""
+    pos = jnp.arange(data.max_count)
+    labels = data.y[data.offset + jnp.minimum(pos, data.count - 1)]
+    return jnp.zeros((num_classes,), jnp.int32).at[labels].add((pos < data.count).astype(jnp.int32))
+
+
 def steps_per_epoch(count: jax.Array, batch_size: int) -> jax.Array:
     return (count + batch_size - 1) // batch_size
 

@@ -1,0 +1,339 @@
+"""HeteroFL, FedRolex, Federated Dropout and FedGSE against independent truths: FedAvg at capacity 1,
+the papers' parameter counts, hand-computed windows and gradients, frozen entries, SPL's memory."""
+
+import dataclasses
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from fedjax_sparse.algorithms import fedavg, make_algorithm, make_options
+from fedjax_sparse.algorithms.fedgse import (FedGSEOptions, public_set, similar_batch, top_labels,
+                                             unit_gradient_scores)
+from fedjax_sparse.algorithms.submodels import SubmodelOptions, client_capacity
+from fedjax_sparse.cli import main
+from fedjax_sparse.core.algorithm import BuildContext
+from fedjax_sparse.core.evaluation import population_batch_stats
+from fedjax_sparse.core.local_training import LocalSGD
+from fedjax_sparse.core.messages import KnownMaskArray, message_bytes
+from fedjax_sparse.core.round import build_round, round_info
+from fedjax_sparse.core.unit_selection import keep_top_units, rolling_scores
+from fedjax_sparse.data.federated import federated_split, normalize
+from fedjax_sparse.models import get_model
+
+tree_map = jax.tree_util.tree_map
+RULES = ("heterofl", "fedrolex", "feddropout", "fedgse")
+
+
+def assert_trees_close(a, b, atol=1e-5, rtol=1e-5):
+    tree_map(lambda x, y: np.testing.assert_allclose(np.asarray(x), np.asarray(y), atol=atol, rtol=rtol), a, b)
+
+
+def context(model, split, *, lr=0.1, epochs=1, batch_size=8, momentum=0.0, weight_decay=0.0, k=2, s=2):
+    local = LocalSGD(model, lr, epochs, batch_size, momentum, weight_decay)
+    return BuildContext(local=local, num_clients=split.num_clients, clients_per_round=k, train=split,
+                        num_classes=model.num_classes, seed=0, labels_per_client=s)
+
+
+def build(name, ctx, **options):
+    return make_algorithm(name, ctx, make_options(name, options))
+
+
+@pytest.fixture(scope="module")
+def mlp():
+    return get_model("mlp", (8, 8, 1), 10)
+
+
+@pytest.mark.parametrize("name,extra", [("heterofl", {}), ("fedrolex", {}), ("feddropout", {}),
+                                        ("fedgse", {"similar_labels": "csl"}),
+                                        ("fedgse", {"similar_labels": "spl"})])
+def test_every_rule_at_capacity_one_is_fedavg(make_split, mlp, name, extra):
+    """All capacities 1: every unit kept, nothing frozen, the data-weighted mean over holders is
+    FedAvg's mean: the same model after two rounds."""
+    split = make_split([9, 17, 12, 30])
+    ctx = context(mlp, split, momentum=0.5)
+    variables = mlp.init(jax.random.key(0))
+    finals = []
+    for algorithm in (fedavg(ctx.local), build(name, ctx, capacities=(1.0,), **extra)):
+        server, clients = algorithm.init(jax.random.key(1), variables, 4)
+        round_fn = build_round(algorithm, split, 2, seed=3)
+        for r in range(2):
+            server, clients, out = round_fn(server, clients, r)
+        finals.append(algorithm.global_variables(server)["params"])
+    assert_trees_close(finals[0], finals[1])
+
+
+def test_capacity_one_is_fedavg_with_batchnorm_statistics_too(make_split):
+    """cnn4 (BatchNorm) without static BN: running statistics travel and average like FedAvg's."""
+    model = get_model("cnn4", (8, 8, 1), 10)
+    # equal full batches: BatchNorm over a partial batch of 2 (a 1x1 map at conv4) would amplify
+    # float reordering between any two programs to ~1e-4
+    split = make_split([8, 8, 8])
+    variables = model.init(jax.random.key(0))
+    finals = []
+    ctx = context(model, split, batch_size=8)
+    for algorithm in (fedavg(ctx.local), build("heterofl", ctx, capacities=(1.0,), static_bn=False)):
+        server, clients = algorithm.init(jax.random.key(1), variables, 3)
+        server, clients, _ = build_round(algorithm, split, 2, seed=1)(server, clients, 0)
+        finals.append(algorithm.global_variables(server))
+    assert_trees_close(finals[0], finals[1])
+
+
+@pytest.mark.parametrize("name,counts", [
+    ("cnn4", (1_558_026, 391_946, 99_210, 25_418, 6_666)),
+    ("preresnet18", (11_172_170, 2_796_714, 701_018, 176_178, 44_510)),
+])
+def test_submodel_messages_cost_the_papers_parameter_counts(name, counts):
+    """A sub-model message pays its kept values only (float32), at beta = 1, 1/2, ..., 1/16:
+    HeteroFL's and FedGSE's parameter counts on CIFAR-10 (32x32x3, 10 classes)."""
+    model = get_model(name, (32, 32, 3), 10)
+    split = federated_split(np.zeros((4, 32, 32, 3), np.uint8), np.arange(4) % 10, [np.arange(2), np.arange(2, 4)],
+                            [0.5] * 3, [0.25] * 3)
+    variables = model.init(jax.random.key(0))
+    info = round_info(0, 3, jnp.array([0, 1]))
+    for beta, count in zip((1.0, 0.5, 0.25, 0.125, 0.0625), counts):
+        for rule in ("heterofl", "fedrolex") if beta == 0.5 else ("heterofl",):
+            algorithm = build(rule, context(model, split), capacities=(beta,))
+            server, _ = algorithm.init(jax.random.key(1), variables, 2)
+            assert int(message_bytes(algorithm.broadcast(server, 0, info))) == 4 * count, (rule, beta)
+
+
+def test_a_dropped_entry_is_unchanged_by_training_with_momentum_and_weight_decay(make_split):
+    """cnn4 at beta = 1/2 with momentum 0.9 and weight decay: every entry outside the sub-model
+    (kernel entries of dropped output or input units, their biases, BN parameters and running
+    statistics) leaves local training exactly as it came, and is not in the upload; kept ones move."""
+    model = get_model("cnn4", (8, 8, 1), 10)
+    split = make_split([12, 12])
+    ctx = context(model, split, lr=0.05, epochs=2, batch_size=6, momentum=0.9, weight_decay=5e-3)
+    algorithm = build("feddropout", ctx, capacities=(0.5,), static_bn=False)
+    variables = model.init(jax.random.key(0))
+    server, _ = algorithm.init(jax.random.key(1), variables, 2)
+    info = round_info(0, 0, jnp.array([0, 1]))
+    down = algorithm.broadcast(server, 1, info)
+    up, _, _ = jax.jit(algorithm.client_update)(down, {}, split.client(1), jax.random.key(2), info)
+    is_known = lambda x: isinstance(x, KnownMaskArray)  # noqa: E731
+    masks = tree_map(lambda a: np.asarray(a.mask), up["variables"], is_leaf=is_known)
+    after = tree_map(lambda a: np.asarray(a.values), up["variables"], is_leaf=is_known)
+    moved = 0
+    for m, before, new in zip(jax.tree_util.tree_leaves(masks), jax.tree_util.tree_leaves(variables),
+                              jax.tree_util.tree_leaves(after)):
+        np.testing.assert_array_equal(new[~m], np.asarray(before)[~m])
+        moved += int(np.sum(new[m] != np.asarray(before)[m]))
+    assert moved > 0.9 * sum(int(m.sum()) for m in jax.tree_util.tree_leaves(masks["params"]))
+    kernel_mask = masks["params"]["conv2"]["kernel"]
+    assert 0 < kernel_mask.mean() < 0.3  # output and input units both halved: about a quarter kept
+    assert int(message_bytes(up)) == 4 * sum(int(m.sum()) for m in jax.tree_util.tree_leaves(masks))
+
+
+def test_fedrolex_window_by_hand_across_a_wrap_around(mlp):
+    """8 units, beta = 1/2 (4 kept): round r keeps {(j - r) mod 8 : j < 4}."""
+    structure = get_model("mlp", (8, 8, 1), 10).structure
+    from fedjax_sparse.models import Layer, ModelStructure
+    layers = (Layer("a", "dense", ("a", "kernel"), None, None, 8, 2, ("input",)),
+              Layer("out", "dense", ("out", "kernel"), None, None, 3, 8, ("a",)))
+    structure = ModelStructure(layers)
+    expected = {0: [0, 1, 2, 3], 2: [6, 7, 0, 1], 6: [2, 3, 4, 5], 9: [7, 0, 1, 2]}
+    for r, units in expected.items():
+        masks = keep_top_units(structure, rolling_scores(structure, jnp.asarray(r)), 0.5)
+        assert sorted(np.flatnonzero(np.asarray(masks["a"]))) == sorted(units)
+        np.testing.assert_array_equal(masks["out"], 1.0)  # the output layer keeps every class
+
+
+def test_fedgse_scores_are_the_summed_output_gradients_by_hand(mlp):
+    """The MLP written out in jnp: h1 = relu(x W1 + b1), h2 = relu(h1 W2 + b2), logits = h2 W3 + b3;
+    the score of a unit is sum over examples of |dL/dh| (L = mean cross-entropy of the real examples)."""
+    variables = mlp.init(jax.random.key(0))
+    p = variables["params"]
+    x = jax.random.normal(jax.random.key(1), (5, 8, 8, 1))
+    y = jnp.array([1, 3, 3, 7, 0])
+    mask = jnp.array([True, True, True, True, False])
+    flat = x.reshape(5, -1)
+
+    def loss_from(h1=None, h2=None):
+        h1 = jax.nn.relu(flat @ p["fc1"]["kernel"] + p["fc1"]["bias"]) if h1 is None else h1
+        h2 = jax.nn.relu(h1 @ p["fc2"]["kernel"] + p["fc2"]["bias"]) if h2 is None else h2
+        logits = h2 @ p["fc3"]["kernel"] + p["fc3"]["bias"]
+        losses = optax.softmax_cross_entropy_with_integer_labels(logits, y)
+        return jnp.sum(jnp.where(mask, losses, 0.0)) / 4
+
+    h1 = jax.nn.relu(flat @ p["fc1"]["kernel"] + p["fc1"]["bias"])
+    h2 = jax.nn.relu(h1 @ p["fc2"]["kernel"] + p["fc2"]["bias"])
+    expected = {"fc1": jnp.abs(jax.grad(lambda h: loss_from(h1=h))(h1)).sum(0),
+                "fc2": jnp.abs(jax.grad(lambda h: loss_from(h1, h2=h))(h2)).sum(0)}
+    scores = unit_gradient_scores(mlp, variables, x, y, mask)
+    for name, value in expected.items():
+        np.testing.assert_allclose(scores[name], value, rtol=1e-5, atol=1e-7)
+    assert float(expected["fc1"].max()) > 0
+
+
+def test_group_tied_selection_keeps_residual_sums_consistent_on_preresnet18():
+    """Layers summed into one residual stream keep the same units, under FedGSE's gradient scores."""
+    model = get_model("preresnet18", (8, 8, 3), 10)
+    rng = np.random.default_rng(0)
+    split = federated_split(rng.integers(0, 255, (40, 8, 8, 3), dtype=np.uint8), np.arange(40) % 10,
+                            [np.arange(20), np.arange(20, 40)], [0.5] * 3, [0.25] * 3)
+    algorithm = build("fedgse", context(model, split, s=10), capacities=(0.25,), public_fraction=0.5,
+                      similar_examples=16)
+    server, _ = algorithm.init(jax.random.key(1), model.init(jax.random.key(0)), 2)
+    down = jax.jit(algorithm.broadcast)(server, 0, round_info(0, 0, jnp.array([0, 1])))
+    masks = down["unit_masks"].value
+    groups = {}
+    for layer in model.structure.layers:
+        if layer.unit_group:
+            groups.setdefault(layer.unit_group, []).append(np.asarray(masks[layer.name]))
+    assert set(groups) == {"stage1", "stage2", "stage3", "stage4"}
+    for name, members in groups.items():
+        assert len(members) >= 3
+        for m in members[1:]:
+            np.testing.assert_array_equal(m, members[0], err_msg=name)
+        assert m.sum() == np.ceil(0.25 * len(m))
+    # not a prefix: the gradient scores chose other units for some layer
+    assert any(not np.array_equal(np.flatnonzero(m), np.arange(int(m.sum())))
+               for m in (np.asarray(v) for v in masks.values()) if m.sum() < len(m))
+
+
+def test_spl_recovers_the_labels_of_a_client_trained_on_two_classes():
+    """A client holding only digits 3 and 7 trains a full-capacity sub-model; the server scores it
+    on the public set and, asked for that client's s = 2 labels, answers {3, 7}. A client never
+    seen gets random labels."""
+    from fedjax_sparse.data import load_digits
+    data = load_digits()
+    model = get_model("mlp", data.input_shape, 10)
+    y = data.y_train
+    own = np.flatnonzero((y == 3) | (y == 7))
+    rest = np.setdiff1d(np.arange(len(y)), own)
+    split = federated_split(data.x_train, y, [own, rest[: len(rest) // 2], rest[len(rest) // 2:]],
+                            data.mean, data.std)
+    ctx = context(mlp_model := model, split, lr=0.1, epochs=3, batch_size=16, k=1)
+    algorithm = build("fedgse", ctx, capacities=(1.0,), similar_labels="spl", public_fraction=0.3)
+    server, _ = algorithm.init(jax.random.key(1), mlp_model.init(jax.random.key(0)), 3)
+    info = round_info(0, 0, jnp.array([0]))
+    down = algorithm.broadcast(server, 0, info)
+    up, _, _ = jax.jit(algorithm.client_update)(down, {}, split.client(0), jax.random.key(2), info)
+    stacked = tree_map(lambda a: a[None], up)
+    server = algorithm.server_update(server, stacked, jnp.array([float(len(own))]), info)
+    memory = server["memory"]
+    assert bool(memory["seen"][0]) and not bool(memory["seen"][1])
+    assert sorted(np.asarray(top_labels(memory["class_accuracy"][0], 2)).tolist()) == [3, 7]
+
+
+def test_csl_uploads_the_clients_top_labels_and_pays_for_them(make_split, mlp):
+    split = make_split([30, 30])
+    algorithm = build("fedgse", context(mlp, split, s=3), capacities=(0.5,))
+    server, _ = algorithm.init(jax.random.key(1), mlp.init(jax.random.key(0)), 2)
+    info = round_info(0, 0, jnp.array([0, 1]))
+    down = algorithm.broadcast(server, 1, info)
+    up, _, _ = jax.jit(algorithm.client_update)(down, {}, split.client(1), jax.random.key(2), info)
+    labels = np.asarray(split.y)[30:]
+    counts = np.bincount(labels, minlength=10)
+    expected = sorted(np.argsort(-counts, kind="stable")[:3].tolist())
+    assert sorted(np.asarray(up["feedback"]["labels"]).tolist()) == expected
+    assert up["feedback"]["labels"].dtype == jnp.uint8
+    assert int(message_bytes(up)) == int(message_bytes(down)) + 3  # same sub-model both ways, plus s bytes
+
+
+def test_similar_batches_hold_only_the_clients_labels():
+    rng = np.random.default_rng(0)
+    y = np.arange(200) % 10
+    split = federated_split(rng.integers(0, 255, (200, 4, 4, 1), dtype=np.uint8), y,
+                            [np.arange(100), np.arange(100, 200)], [0.5], [0.25])
+    public = public_set(split, 0.1, seed=0)
+    assert public.y.shape == (20,)  # ceil(10 %) of each client's 100 examples
+    x, labels, mask = similar_batch(public, jnp.array([2, 5]), 8, jax.random.key(0))
+    assert x.shape == (8, 4, 4, 1)
+    assert set(np.asarray(labels)[np.asarray(mask)].tolist()) <= {2, 5}
+    assert int(mask.sum()) == int(np.isin(np.asarray(public.y), [2, 5]).sum())  # all 4 eligible, rest masked
+
+
+def test_capacities_are_pure_functions_of_seed_round_and_client():
+    dynamic = SubmodelOptions(capacities=(1.0, 0.5, 0.25))
+    fixed = dataclasses.replace(dynamic, capacity_mode="fixed")
+    draw = jax.jit(lambda opts_index, r, c: None)  # noqa: F841 - the options are static, so call directly
+    a = [float(client_capacity(dynamic, 0, r, 5)) for r in range(12)]
+    b = [float(client_capacity(fixed, 0, r, 5)) for r in range(12)]
+    assert len(set(a)) > 1 and len(set(b)) == 1
+    assert a == [float(client_capacity(dynamic, 0, r, 5)) for r in range(12)]
+    only_full = dataclasses.replace(dynamic, capacities=(1.0, 0.0625), capacity_proportions=(1.0, 0.0))
+    assert {float(client_capacity(only_full, 0, r, c)) for r in range(5) for c in range(5)} == {1.0}
+    levels = [float(client_capacity(dynamic, 1, r, c)) for r in range(40) for c in range(10)]
+    assert all(abs(levels.count(v) / 400 - 1 / 3) < 0.08 for v in (1.0, 0.5, 0.25))
+
+
+def test_static_batchnorm_statistics_are_the_average_of_batch_statistics():
+    """20 examples in batches of 8, 8 and 4: bn1's mean and variance are the size-weighted averages
+    of the per-batch (biased) moments of conv1's outputs, computed here in NumPy."""
+    model = get_model("cnn4", (8, 8, 1), 10)
+    rng = np.random.default_rng(0)
+    split = federated_split(rng.integers(0, 255, (20, 8, 8, 1), dtype=np.uint8), np.arange(20) % 10,
+                            [np.arange(20)], [0.5], [0.25])
+    variables = model.init(jax.random.key(0))
+    stats = population_batch_stats(model, variables, split, batch_size=8)
+    x = normalize(split.x, split.mean, split.std)
+    _, state = model.module.apply({"params": variables["params"], "batch_stats": variables["batch_stats"]}, x,
+                                  train=False, capture_intermediates=True, mutable=["intermediates"])
+    conv1 = np.asarray(state["intermediates"]["conv1"]["__call__"][0])
+    batches = [conv1[:8], conv1[8:16], conv1[16:]]
+    sizes = np.array([8, 8, 4])
+    means = np.array([b.mean(axis=(0, 1, 2)) for b in batches])
+    variances = np.array([b.var(axis=(0, 1, 2)) for b in batches])
+    np.testing.assert_allclose(stats["bn1"]["mean"], (sizes[:, None] * means).sum(0) / 20, rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(stats["bn1"]["var"], (sizes[:, None] * variances).sum(0) / 20, rtol=1e-4, atol=1e-5)
+
+
+def test_heterofl_aggregation_averages_class_rows_over_the_clients_holding_the_label(mlp):
+    """Two full-capacity clients send constant models 1 and 3 (weights 10, 30): masked_mean gives
+    (10 + 90) / 40 = 2.5 everywhere; HeteroFL's plain mean gives 2, except output rows of labels
+    only client 0 holds (-> 1), and rows nobody holds keep the old value 0."""
+    split = federated_split(np.zeros((4, 8, 8, 1), np.uint8), np.array([0, 1, 1, 2]),
+                            [np.arange(2), np.arange(2, 4)], [0.5], [0.25])
+    ctx = context(mlp, split)
+    zeros = tree_map(jnp.zeros_like, mlp.init(jax.random.key(0)))
+    info = round_info(0, 0, jnp.array([0, 1]))
+    results = {}
+    for aggregation in ("masked_mean", "heterofl"):
+        algorithm = build("heterofl", ctx, capacities=(1.0,), submodel_aggregation=aggregation)
+        server, _ = algorithm.init(jax.random.key(1), zeros, 2)
+        ups = []
+        for cid, value in ((0, 1.0), (1, 3.0)):
+            down = algorithm.broadcast(server, cid, info)
+            up = jax.jit(algorithm.client_update)(down, {}, split.client(cid), jax.random.key(cid), info)[0]
+            up = {**up, "variables": tree_map(lambda a: KnownMaskArray(jnp.full_like(a.values, value), a.mask),
+                                              up["variables"], is_leaf=lambda x: isinstance(x, KnownMaskArray))}
+            ups.append(up)
+        stacked = tree_map(lambda *a: jnp.stack(a), *ups)
+        results[aggregation] = algorithm.server_update(server, stacked, jnp.array([10.0, 30.0]), info)["variables"]
+    np.testing.assert_allclose(results["masked_mean"]["params"]["fc3"]["kernel"], 2.5)
+    het = results["heterofl"]["params"]
+    np.testing.assert_allclose(het["fc2"]["kernel"], 2.0)
+    # labels: client 0 holds {0, 1}, client 1 holds {1, 2}
+    np.testing.assert_allclose(het["fc3"]["bias"], [1.0, 2.0, 3.0] + [0.0] * 7)
+    np.testing.assert_allclose(het["fc3"]["kernel"][:, 1], 2.0)
+
+
+def test_bad_capacities_and_fractions_are_one_line_errors(tmp_path, capsys):
+    base = ["run", "--partition", "labels", "--labels-per-client", "2", "--rounds", "1", "--no-progress",
+            "--out", str(tmp_path / "bad")]
+    cases = [(["--algorithm", "heterofl", "--capacities", "0,0.5"], "--capacities must be in (0, 1], got 0.0,0.5"),
+             (["--algorithm", "heterofl", "--capacities", "1.5"], "--capacities must be in (0, 1]"),
+             (["--algorithm", "fedrolex", "--capacity-proportions", "1,2"], "one weight per capacity level (5)"),
+             (["--algorithm", "fedgse", "--public-fraction", "0"], "--public-fraction must be in (0, 1]"),
+             (["--algorithm", "fedgse", "--similar-examples", "0"], "--similar-examples must be >= 1"),
+             (["--algorithm", "fedgse", "--significant-labels", "11"], "--significant-labels must be in [1, 10]")]
+    for args, fragment in cases:
+        assert main([*base, *args]) == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and fragment in err, err
+
+
+def test_cli_runs_fedgse_spl_and_writes_strict_json(tmp_path):
+    out = tmp_path / "gse"
+    assert main(["run", "--algorithm", "fedgse", "--similar-labels", "spl", "--partition", "labels",
+                 "--labels-per-client", "2", "--num-clients", "10", "--clients-per-round", "3", "--rounds", "2",
+                 "--local-epochs", "1", "--lr", "0.05", "--no-progress", "--out", str(out)]) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["status"] == "completed" and summary["final_test_accuracy"] is not None
+    config = json.loads((out / "config.json").read_text())
+    assert config["similar_labels"] == "spl" and config["capacities"] == [1.0, 0.5, 0.25, 0.125, 0.0625]
