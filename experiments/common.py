@@ -91,18 +91,47 @@ def arm_row(setting: Setting, arm: Arm, config: RunConfig, history: list[dict], 
     return row
 
 
+def combine_seeds(rows: list[dict]) -> dict:
+    """One row from the rows of several seeds: numbers averaged, accuracy also as std and per seed."""
+    if len(rows) == 1:
+        return rows[0]
+    out = {}
+    for key in rows[0]:
+        values = [r.get(key) for r in rows]
+        numeric = [v for v in values if isinstance(v, (int, float)) and not isinstance(v, bool)]
+        out[key] = sum(numeric) / len(numeric) if numeric and len(numeric) == len(values) else values[0]
+    finals = [r["final_accuracy"] for r in rows if r["final_accuracy"] is not None]
+    if finals:
+        mean = sum(finals) / len(finals)
+        out["final_accuracy_std"] = (sum((f - mean) ** 2 for f in finals) / len(finals)) ** 0.5
+        out["final_accuracy_per_seed"] = " / ".join(f"{f:.4f}" for f in finals)
+    out["seeds"] = len(rows)
+    return out
+
+
 def run_setting(setting: Setting, out_root: Path, quick: bool, progress: bool = True,
-                command: str = "") -> list[dict]:
+                command: str = "", seeds: Sequence[int] | None = None) -> list[dict]:
+    """Runs every arm (for each of `seeds`, default the setting's own seed) and writes the table and plot.
+
+    With several seeds each arm's runs go to ARM/seed_S and its row averages them
+    (final accuracy also as its standard deviation and per seed); the plot shows the first seed.
+    """
     out = out_root / setting.name
     out.mkdir(parents=True, exist_ok=True)
     rows, histories = [], {}
     for arm in setting.arms:
-        config = setting.arm_config(arm, out, quick)
-        print(f"[{setting.name}] {arm.label}: {config.algorithm} for {config.rounds} rounds", flush=True)
-        summary = run_experiment(config, progress=progress)
-        history = [json.loads(line) for line in (Path(config.out) / "metrics.jsonl").read_text().splitlines()]
-        histories[arm.label] = history
-        rows.append(arm_row(setting, arm, config, history, summary))
+        per_seed = []
+        for seed in seeds or [None]:
+            config = setting.arm_config(arm, out, quick)
+            if seed is not None:
+                config = config.replace(seed=seed, out=str(Path(config.out) / f"seed_{seed}"))
+            print(f"[{setting.name}] {arm.label}: {config.algorithm} for {config.rounds} rounds"
+                  + (f", seed {seed}" if seed is not None else ""), flush=True)
+            summary = run_experiment(config, progress=progress)
+            history = [json.loads(line) for line in (Path(config.out) / "metrics.jsonl").read_text().splitlines()]
+            histories.setdefault(arm.label, history)
+            per_seed.append(arm_row(setting, arm, config, history, summary))
+        rows.append(combine_seeds(per_seed))
     write_table(rows, out, setting, quick, command)
     plot_accuracy(histories, out / "comparison.png", f"{setting.name}{' (quick)' if quick else ''}",
                   metrics=(setting.metric,))
@@ -140,12 +169,14 @@ def main(settings: dict[str, Setting], module: str, argv: Sequence[str] | None =
     parser.add_argument("--setting", choices=sorted(settings), action="append",
                         help="run only these settings (default: all)")
     parser.add_argument("--out", default="runs/experiments", help="root directory of the outputs")
+    parser.add_argument("--seeds", type=lambda t: [int(v) for v in t.split(",")], default=None,
+                        help="run every arm with each of these seeds (comma-separated) and average them")
     parser.add_argument("--no-progress", action="store_true")
     args = parser.parse_args(argv)
     try:
         for name in args.setting or list(settings):
             run_setting(settings[name], Path(args.out), args.quick, progress=not args.no_progress,
-                        command=" ".join(["python -m", module, *argv]))
+                        command=" ".join(["python -m", module, *argv]), seeds=args.seeds)
     except (ValueError, FileNotFoundError, DivergenceError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

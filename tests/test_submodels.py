@@ -337,3 +337,46 @@ def test_cli_runs_fedgse_spl_and_writes_strict_json(tmp_path):
     assert summary["status"] == "completed" and summary["final_test_accuracy"] is not None
     config = json.loads((out / "config.json").read_text())
     assert config["similar_labels"] == "spl" and config["capacities"] == [1.0, 0.5, 0.25, 0.125, 0.0625]
+
+
+def test_experiment_settings_validate_and_quick_means_digits(monkeypatch, tmp_path):
+    import experiments.fedgse as module
+    table2 = {"cifar10_high": (2, 65.82), "cifar10_low": (4, 74.66), "emnist_high": (2, 97.44)}
+    for name, (labels, spl) in table2.items():
+        setting = module.SETTINGS[name]
+        assert setting.config.labels_per_client == labels and setting.config.num_clients == 100
+        assert setting.arms[-1].paper == {"accuracy %": spl}
+        assert (setting.config.lr, setting.config.batch_size, setting.config.local_epochs) == (0.001, 16, 2)
+    for setting in module.SETTINGS.values():
+        for quick in (False, True):
+            for arm in setting.arms:
+                setting.arm_config(arm, tmp_path, quick).validate()
+    seen = []
+    monkeypatch.setattr(module, "main", lambda settings, name, argv: seen.append(argv) or 0)
+    assert module.run(["--quick"]) == 0 and seen[-1] == ["--quick", "--setting", "digits"]
+
+
+def test_experiment_module_runs_every_arm(monkeypatch, tmp_path):
+    """`python -m experiments.fedgse --quick --seeds 3`, shrunk to 2 rounds of 3 of 10 clients."""
+    import csv
+
+    import experiments.fedgse as module
+    tiny = {"rounds": 2, "num_clients": 10, "clients_per_round": 3, "local_epochs": 1}
+    monkeypatch.setitem(module.SETTINGS, "digits", dataclasses.replace(module.SETTINGS["digits"], quick=tiny))
+    assert module.run(["--quick", "--seeds", "3", "--out", str(tmp_path), "--no-progress"]) == 0
+    with (tmp_path / "digits" / "results.csv").open() as f:
+        rows = {r["algorithm"]: r for r in csv.DictReader(f)}
+    assert list(rows) == ["heterofl", "fedrolex", "feddropout", "fedgse_csl", "fedgse_spl", "fedavg_full"]
+    # sub-models move fewer bytes than FedAvg's full model
+    assert float(rows["heterofl"]["total_gbit"]) < float(rows["fedavg_full"]["total_gbit"])
+    assert json.loads((tmp_path / "digits" / "heterofl" / "seed_3" / "config.json").read_text())["seed"] == 3
+
+
+def test_rows_of_several_seeds_are_averaged():
+    from experiments.common import combine_seeds
+    rows = [{"algorithm": "a", "final_accuracy": 0.5, "total_gbit": 2.0, "rounds_to_0.8": None},
+            {"algorithm": "a", "final_accuracy": 0.7, "total_gbit": 4.0, "rounds_to_0.8": 12}]
+    row = combine_seeds(rows)
+    assert row["final_accuracy"] == pytest.approx(0.6) and row["total_gbit"] == pytest.approx(3.0)
+    assert row["final_accuracy_std"] == pytest.approx(0.1) and row["final_accuracy_per_seed"] == "0.5000 / 0.7000"
+    assert row["seeds"] == 2 and row["algorithm"] == "a" and row["rounds_to_0.8"] is None
