@@ -163,9 +163,9 @@ class Experiment:
     client_chunk: int | None
 
 
-def build_experiment(config: RunConfig) -> Experiment:
+def build_experiment(config: RunConfig, progress: bool = True) -> Experiment:
     config.validate()
-    dataset = load_dataset(config.dataset).subset(config.max_train_examples, config.max_test_examples,
+    dataset = load_dataset(config.dataset, progress=progress).subset(config.max_train_examples, config.max_test_examples,
                                                   config.seed)
     if config.partition == "labels" and config.labels_per_client > dataset.num_classes:
         raise ValueError(f"--labels-per-client {config.labels_per_client} exceeds the "
@@ -328,7 +328,7 @@ def run_experiment(config: RunConfig, *, progress: bool = True, resume: bool = F
         if mismatches:
             raise ValueError(f"--resume {out}: the checkpoint was made with another configuration ("
                              + "; ".join(mismatches) + ")")
-    exp = build_experiment(config)
+    exp = build_experiment(config, progress=progress)
     server_state, client_states = exp.server_state, exp.client_states
     counters = Counters()
     if resume:

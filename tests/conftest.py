@@ -1,5 +1,8 @@
+import flax.linen as nn
 import numpy as np
 import pytest
+
+from fedjax_sparse.models import Model, ModelStructure
 
 from fedjax_sparse.data.federated import federated_split
 
@@ -18,3 +21,21 @@ def synthetic_split(counts, seed=0, shape=(8, 8, 1), num_classes=10):
 @pytest.fixture
 def make_split():
     return synthetic_split
+
+
+LINEAR_CLASSES = 3
+
+
+class _Linear(nn.Module):
+    num_classes: int
+
+    @nn.compact
+    def __call__(self, x, train, mask=None, unit_masks=None):
+        del train, mask, unit_masks
+        return nn.Dense(self.num_classes, name="fc")(x.reshape(x.shape[0], -1))
+
+
+def linear_model() -> Model:
+    """A linear softmax model on 2x2x1 inputs with 3 classes, simple enough to differentiate by hand."""
+    return Model(name="linear", module=_Linear(LINEAR_CLASSES), input_shape=(2, 2, 1), num_classes=LINEAR_CLASSES,
+                 structure=ModelStructure(()))

@@ -1,7 +1,6 @@
 """Exact resume: an interrupted and resumed run writes the metrics of the uninterrupted run."""
 
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -58,3 +57,23 @@ def test_checkpoint_of_another_configuration_is_refused(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "lr: checkpoint has 0.1, this run has 0.2" in err and len(err.strip().splitlines()) == 1
     assert main(["run", "--resume", str(tmp_path / "nothing"), "--no-progress"]) == 2
+
+
+def test_lr_decay_is_exact_on_resume_and_really_applied(tmp_path):
+    """4 rounds at lr 0.1 x 0.9^r: stopped after 2 (checkpointed) and resumed, the metrics are those of
+    the uninterrupted run. The first round (0.9^0) equals a run without decay and the second does
+    not, so the decay is really applied, from round index 0."""
+    full, part, plain = tmp_path / "full", tmp_path / "part", tmp_path / "plain"
+    args = [*BASE, "--algorithm", "fedavg"]
+    assert main(["run", *args, "--lr-decay", "0.9", "--rounds", "4", "--out", str(full)]) == 0
+    assert main(["run", *args, "--lr-decay", "0.9", "--rounds", "2", "--checkpoint-every", "2",
+                 "--out", str(part)]) == 0
+    assert len(metrics(part)) == 2
+    assert main(["run", "--resume", str(part), "--rounds", "4", "--no-progress"]) == 0
+    assert json.loads((part / "config.json").read_text())["lr_decay"] == 0.9
+    assert metrics(part) == metrics(full)
+    assert main(["run", *args, "--rounds", "2", "--out", str(plain)]) == 0
+    decayed, undecayed = metrics(full), metrics(plain)
+    assert decayed[0] == undecayed[0]
+    assert decayed[1]["train_loss"] != undecayed[1]["train_loss"]
+    assert decayed[1]["test_loss"] != undecayed[1]["test_loss"]

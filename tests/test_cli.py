@@ -4,42 +4,101 @@ import json
 import subprocess
 import sys
 
+import jax
+import jax.numpy as jnp
+import numpy as np
 import pytest
 
+from fedjax_sparse.checkpoint import RunCheckpointer
 from fedjax_sparse.cli import main
+from fedjax_sparse.reporting import device_description
+from fedjax_sparse.runner import RunConfig, build_experiment
 
 SMALL = ["--num-clients", "6", "--clients-per-round", "3", "--rounds", "3", "--local-epochs", "1",
          "--no-progress"]
 
 
+def saved_final_state(out):
+    """The experiment of run directory `out` and the states of its last checkpoint."""
+    config = RunConfig.from_dict(json.loads((out / "config.json").read_text()))
+    exp = build_experiment(config)
+    rounds_done, server, clients, _ = RunCheckpointer(out).restore(exp.server_state, exp.client_states)
+    assert rounds_done == config.rounds
+    return exp, server, clients
+
+
+def hand_scores(model, variables, x, y, mean, std):
+    """(number of correct predictions, mean cross-entropy) from one forward pass, counted in NumPy."""
+    x = (np.asarray(x, np.float32) / 255 - np.asarray(mean, np.float32)) / np.asarray(std, np.float32)
+    logits = np.asarray(model.apply(variables, jnp.asarray(x), train=False)[0], np.float64)
+    top = logits.max(1)
+    losses = top + np.log(np.exp(logits - top[:, None]).sum(1)) - logits[np.arange(len(y)), y]
+    return int((logits.argmax(1) == np.asarray(y)).sum()), float(losses.mean())
+
+
+def hand_personalized_accuracy(exp, variables_of_client):
+    """Mean over clients of the share of a client's own test examples its model gets right."""
+    test = exp.local_test
+    accuracies = []
+    for i, (a, n) in enumerate(zip(np.asarray(test.offsets), np.asarray(test.counts))):
+        correct, _ = hand_scores(exp.model, variables_of_client(i), np.asarray(test.x)[a:a + n],
+                                 np.asarray(test.y)[a:a + n], test.mean, test.std)
+        accuracies.append(correct / n)
+    return float(np.mean(accuracies))
+
+
 def test_run_writes_config_metrics_summary_partition_and_plot(tmp_path):
     out = tmp_path / "run"
-    assert main(["run", *SMALL, "--eval-every", "2", "--out", str(out)]) == 0
+    assert main(["run", *SMALL, "--eval-every", "2", "--checkpoint-every", "3", "--out", str(out)]) == 0
     config = json.loads((out / "config.json").read_text())
     assert config["num_clients"] == 6 and config["algorithm"] == "fedavg"
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["round"] for r in rows] == [2, 3]
-    for key in ("test_accuracy", "personalized_accuracy", "train_loss", "uplink_bytes", "downlink_bytes",
-                "cumulative_bytes"):
-        assert all(key in r for r in rows), key
-    per_round = 3 * 85002 * 4
-    assert rows[-1]["uplink_bytes"] == rows[-1]["downlink_bytes"] == per_round
-    assert rows[-1]["cumulative_bytes"] == 3 * 2 * per_round
+    per_round = 3 * 85002 * 4  # K = 3 clients, each sent and sending the MLP's 85,002 float32s
+    for r in rows:
+        assert r["uplink_bytes"] == r["downlink_bytes"] == per_round
+        assert r["cumulative_bytes"] == 2 * r["round"] * per_round
     summary = json.loads((out / "summary.json").read_text())
+    assert summary["total_uplink_bytes"] == summary["total_downlink_bytes"] == 3 * per_round
+    assert summary["cumulative_bytes"] == 2 * 3 * 3 * 85002 * 4
     assert summary["num_params"] == 85002
+    assert summary["device"] == device_description()
+    assert summary["status"] == "completed" and summary["rounds"] == 3
     assert summary["final_test_accuracy"] == rows[-1]["test_accuracy"]
-    assert "cpu" in summary["device"].lower() or summary["device"]
+    assert summary["best_test_accuracy"] == max(r["test_accuracy"] for r in rows)
+    assert summary["final_personalized_accuracy"] == rows[-1]["personalized_accuracy"]
+    assert summary["final_train_loss"] == rows[-1]["train_loss"]
+
+    # The final figures are those of the saved final model, counted here by hand.
+    exp, server, _ = saved_final_state(out)
+    data = exp.dataset
+    correct, loss = hand_scores(exp.model, server, data.x_test, data.y_test, data.mean, data.std)
+    assert rows[-1]["test_accuracy"] == pytest.approx(correct / len(data.y_test), abs=1e-6)
+    assert rows[-1]["test_loss"] == pytest.approx(loss, rel=1e-4)
+    assert rows[-1]["personalized_accuracy"] == pytest.approx(
+        hand_personalized_accuracy(exp, lambda i: server), abs=1e-6)
+
     clients = json.loads((out / "partition.json").read_text())
     assert len(clients) == 6 and sum(c["num_examples"] for c in clients) == summary["num_train_examples"]
+    assert summary["num_train_examples"] == len(data.y_train)
     assert (out / "accuracy.png").stat().st_size > 1000
 
 
 def test_local_run_has_no_global_accuracy_and_no_bytes(tmp_path):
     out = tmp_path / "local"
-    assert main(["run", *SMALL, "--algorithm", "local", "--out", str(out)]) == 0
-    last = json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])
-    assert last["test_accuracy"] is None and last["cumulative_bytes"] == 0
-    assert 0.0 <= last["personalized_accuracy"] <= 1.0
+    assert main(["run", *SMALL, "--algorithm", "local", "--checkpoint-every", "3", "--out", str(out)]) == 0
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["round"] for r in rows] == [1, 2, 3]
+    assert all(r["test_accuracy"] is None and r["test_loss"] is None for r in rows)
+    assert all(r["uplink_bytes"] == r["downlink_bytes"] == r["cumulative_bytes"] == 0 for r in rows)
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["has_global_model"] is False and summary["final_test_accuracy"] is None
+    # Every client is scored with its own model, which no other client shares.
+    exp, _, clients = saved_final_state(out)
+    own = lambda i: jax.tree_util.tree_map(lambda a: a[i], clients)
+    assert rows[-1]["personalized_accuracy"] == pytest.approx(hand_personalized_accuracy(exp, own), abs=1e-6)
+    first = np.asarray(jax.tree_util.tree_leaves(own(0))[0])
+    assert all(not np.array_equal(first, np.asarray(jax.tree_util.tree_leaves(own(i))[0])) for i in range(1, 6))
 
 
 @pytest.mark.parametrize("args,fragment", [
@@ -65,5 +124,9 @@ def test_console_entry_point_runs_as_a_module(tmp_path):
                            "--algorithm", "scaffold", "--out", str(out)],
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "done: test accuracy" in proc.stdout
-    assert json.loads((out / "summary.json").read_text())["total_uplink_bytes"] == 3 * 2 * 85002 * 4
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["total_uplink_bytes"] == 3 * 2 * 85002 * 4  # SCAFFOLD: model and control, both ways
+    assert summary["cumulative_bytes"] == 2 * 3 * 2 * 85002 * 4
+    assert (f"done: test accuracy {summary['final_test_accuracy']:.4f}, personalized accuracy "
+            f"{summary['final_personalized_accuracy']:.4f}, {summary['cumulative_bytes']:,} bytes in ") in proc.stdout
+    assert proc.stdout.strip().endswith(f"results in {out}")

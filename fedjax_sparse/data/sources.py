@@ -166,17 +166,20 @@ def _read_image(path: Path, reference: tuple[tuple[int, int], Path]) -> tuple[np
     """
     from PIL import Image
 
-    with Image.open(path) as im:
-        if im.size != reference[0]:
-            raise ValueError(
-                f"image {path} is {im.size[0]}x{im.size[1]} (WxH) but the first image {reference[1]} is "
-                f"{reference[0][0]}x{reference[0][1]}; all images in an image folder must have one size"
-            )
-        gray = im.mode in _GRAY_MODES
-        if gray:
-            arr = np.asarray(im.convert("L"))
-            return np.repeat(arr[..., None], 3, axis=-1), True
-        return np.asarray(im if im.mode == "RGB" else im.convert("RGB")), False
+    try:
+        with Image.open(path) as im:
+            if im.size != reference[0]:
+                raise ValueError(
+                    f"image {path} is {im.size[0]}x{im.size[1]} (WxH) but the first image {reference[1]} is "
+                    f"{reference[0][0]}x{reference[0][1]}; all images in an image folder must have one size"
+                )
+            gray = im.mode in _GRAY_MODES
+            if gray:
+                arr = np.asarray(im.convert("L"))
+                return np.repeat(arr[..., None], 3, axis=-1), True
+            return np.asarray(im if im.mode == "RGB" else im.convert("RGB")), False
+    except OSError as err:  # unreadable or truncated: say which file
+        raise OSError(f"cannot read image {path}: {err}") from err
 
 
 def _decode_chunk(paths: list[Path], reference: tuple[tuple[int, int], Path]) -> tuple[np.ndarray, bool]:
@@ -528,6 +531,7 @@ def load_dataset(
     seed: int = 0,
     data_dir: str | os.PathLike | None = None,
     cache_dir: str | os.PathLike | None = None,
+    progress: bool = True,
 ) -> ImageDataset:
     """Loads a data set by spec: 'digits', 'cifar10', 'cifar100', 'fashion_mnist', 'emnist' or 'imagefolder:PATH'.
 
@@ -538,9 +542,9 @@ def load_dataset(
         if spec == "digits":
             return load_digits(seed=seed)
         if spec in TFDS_DATASETS:
-            return load_tfds(spec, data_dir=data_dir)
+            return load_tfds(spec, data_dir=data_dir, progress=progress)
         if spec.startswith("imagefolder:") and spec[len("imagefolder:") :]:
-            return load_image_folder(spec[len("imagefolder:") :], cache_dir=cache_dir)
+            return load_image_folder(spec[len("imagefolder:") :], cache_dir=cache_dir, progress=progress)
     except (ValueError, OSError, RuntimeError, ImportError) as err:  # OSError: missing or unreadable files
         raise DataError(f"cannot load data set {spec!r}: {' '.join(str(err).split())}") from err
     raise DataError(f"unknown data set spec {spec!r}; valid forms: {', '.join(DATASET_SPECS)}")

@@ -1,0 +1,113 @@
+"""The evaluators against hand counts: correct predictions and mean loss, padding left out."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from fedjax_sparse.core.evaluation import global_evaluator, personalized_evaluator
+from fedjax_sparse.data.federated import federated_split
+from conftest import LINEAR_CLASSES as CLASSES, linear_model
+from fedjax_sparse.models import get_model
+
+FEATURES, MEAN, STD = 4, 0.5, 0.25
+
+
+
+
+def params_of(w, b):
+    return {"fc": {"kernel": jnp.asarray(w, jnp.float32), "bias": jnp.asarray(b, jnp.float32)}}
+
+
+def hand_logits(x_uint8, w, b):
+    features = ((x_uint8.astype(np.float64) / 255 - MEAN) / STD).reshape(len(x_uint8), -1)
+    return features @ w + b
+
+
+def hand_losses(logits, y):
+    top = logits.max(1)
+    return top + np.log(np.exp(logits - top[:, None]).sum(1)) - logits[np.arange(len(y)), y]
+
+
+def random_problem(n, seed):
+    rng = np.random.default_rng(seed)
+    x = rng.integers(0, 256, (n, 2, 2, 1), dtype=np.uint8)
+    y = rng.integers(0, CLASSES, n).astype(np.int32)
+    w = rng.normal(0, 1.0, (FEATURES, CLASSES))
+    b = rng.normal(0, 0.5, CLASSES)
+    return x, y, w, b
+
+
+@pytest.mark.parametrize("batch_size", [4, 3, 10, 500])
+def test_global_evaluator_counts_only_real_examples(batch_size):
+    """10 test examples in batches of 4 or 3 leave padded slots; 10 and 500 leave none."""
+    x, y, w, b = random_problem(10, seed=0)
+    # The padding is a zero image labelled 0; make the model call it 0, so that a padded slot that
+    # counted would add a correct prediction (and a loss) to the totals.
+    pad_logits = hand_logits(np.zeros((1, 2, 2, 1), np.uint8), w, b)[0]
+    b[0] += pad_logits[1:].max() + 1.0 - pad_logits[0]
+    pad_logits = hand_logits(np.zeros((1, 2, 2, 1), np.uint8), w, b)
+    assert pad_logits.argmax() == 0
+    logits = hand_logits(x, w, b)
+    correct = int((logits.argmax(1) == y).sum())
+    assert 0 < correct < 10
+    losses = hand_losses(logits, y)
+
+    scores = global_evaluator(linear_model(), x, y, [MEAN], [STD], batch_size=batch_size)(
+        {"params": params_of(w, b), "batch_stats": {}})
+    assert float(scores["accuracy"]) == pytest.approx(correct / 10, abs=1e-7)
+    assert float(scores["loss"]) == pytest.approx(losses.mean(), rel=1e-5)
+    pads = -(-10 // min(batch_size, 10)) * min(batch_size, 10) - 10
+    if pads:  # what counting the padding would have given is far from the result
+        pad_loss = hand_losses(pad_logits, np.zeros(1, int))[0]
+        assert abs((correct + pads) / 10 - correct / 10) >= 0.1
+        assert abs((losses.sum() + pads * pad_loss) / 10 - losses.mean()) > 1e-2
+
+
+def test_global_evaluator_on_the_digits_mlp_equals_one_unbatched_pass():
+    """37 examples in batches of 8 (3 padded slots) against one forward pass over all 37."""
+    from sklearn.datasets import load_digits
+
+    digits = load_digits()
+    x = np.round(digits.images[:37] * 255 / 16).astype(np.uint8)[..., None]
+    y = digits.target[:37].astype(np.int32)
+    model = get_model("mlp", (8, 8, 1), 10)
+    variables = model.init(jax.random.key(3))
+    mean, std = [0.3], [0.4]
+    logits, _ = model.apply(variables, (jnp.asarray(x, jnp.float32) / 255 - 0.3) / 0.4, train=False)
+    logits = np.asarray(logits, np.float64)
+    scores = global_evaluator(model, x, y, mean, std, batch_size=8)(variables)
+    assert float(scores["accuracy"]) == pytest.approx((logits.argmax(1) == y).sum() / 37, abs=1e-7)
+    assert float(scores["loss"]) == pytest.approx(hand_losses(logits, y).mean(), rel=1e-5)
+
+
+def test_personalized_evaluator_scores_each_client_on_its_own_test_split():
+    """Clients of 5, 1, 9, 3 and 6 test examples, each with its own model (server + client part),
+    in batches of 4 (padded to 12 slots) and chunks of 2 clients (a remainder of 1)."""
+    counts = [5, 1, 9, 3, 6]
+    rng = np.random.default_rng(1)
+    x = rng.integers(0, 256, (sum(counts), 2, 2, 1), dtype=np.uint8)
+    y = rng.integers(0, CLASSES, sum(counts)).astype(np.int32)
+    bounds = np.cumsum([0] + counts)
+    test = federated_split(x, y, [np.arange(a, b) for a, b in zip(bounds, bounds[1:])], [MEAN], [STD])
+    server_w, server_b = rng.normal(0, 1.0, (FEATURES, CLASSES)), rng.normal(0, 0.5, CLASSES)
+    client_w = rng.normal(0, 1.0, (len(counts), FEATURES, CLASSES))
+    client_b = rng.normal(0, 0.5, (len(counts), CLASSES))
+
+    def client_variables(server_state, client_state):
+        params = jax.tree_util.tree_map(jnp.add, server_state, client_state)
+        return {"params": params, "batch_stats": {}}
+
+    evaluate = personalized_evaluator(linear_model(), client_variables, test, batch_size=4, clients_per_chunk=2)
+    accuracies = np.asarray(evaluate(params_of(server_w, server_b), params_of(client_w, client_b)))
+
+    expected, with_padding = [], []
+    for i, (a, b) in enumerate(zip(bounds, bounds[1:])):
+        right = hand_logits(x[a:b], server_w + client_w[i], server_b + client_b[i]).argmax(1) == y[a:b]
+        expected.append(right.sum() / counts[i])
+        # the evaluator's padded slots repeat the client's last example; counted, they would give
+        with_padding.append((right.sum() + (12 - counts[i]) * right[-1]) / 12)
+    assert accuracies.shape == (5,)
+    np.testing.assert_allclose(accuracies, expected, atol=1e-7)
+    assert len(set(np.round(expected, 6))) > 2  # clients really differ
+    assert np.abs(np.asarray(with_padding) - expected).max() > 0.1
