@@ -18,6 +18,7 @@ from fedjax_sparse.algorithms import fedprox as _fedprox
 from fedjax_sparse.algorithms import local as _local
 from fedjax_sparse.algorithms import scaffold as _scaffold
 from fedjax_sparse.algorithms import spafl as _spafl
+from fedjax_sparse.algorithms import spatl as _spatl
 from fedjax_sparse.algorithms import submodels as _submodels
 from fedjax_sparse.algorithms.fedavg import fedavg
 from fedjax_sparse.algorithms.fedldf import fedldf, fedldf_random, hdfl
@@ -31,7 +32,7 @@ from fedjax_sparse.core.options import from_mapping, option_fields, validate
 
 ALGORITHMS: dict[str, AlgorithmSpec] = {spec.name: spec for spec in (
     _fedavg.SPEC, _fedprox.SPEC, _scaffold.SPEC, _fednova.SPEC, _local.SPEC, *_spafl.SPECS, *_fedldf.SPECS,
-    *_submodels.SPECS, _fedgse.SPEC,
+    *_submodels.SPECS, _fedgse.SPEC, _spatl.SPEC,
 )}
 ALGORITHM_NAMES = tuple(ALGORITHMS)
 

@@ -5,7 +5,7 @@ the paper's option II divides the displacement by K_i lr, the displacement of K_
 SGD steps per unit gradient. Under momentum rho the same K_i steps move the weights about
 1 / (1 - rho) times further, so here a_i is the optimizer's effective number of steps
 (`LocalSGD.effective_steps`, FedNova's ||a||_1; = K_i without momentum), which keeps
-c_i an estimate of the client's mean gradient whatever the momentum.
+c_i an estimate of the client's mean gradient whatever the momentum (`core.control_variates`).
 The server moves x by lr_g times the mean model delta and c by (1/N) times the sum of
 control deltas. Both directions carry a model-sized tensor twice (model and control
 variate), which is why its bytes per round are double FedAvg's. As in the paper, the
@@ -23,22 +23,21 @@ import jax.numpy as jnp
 
 from fedjax_sparse.core.aggregation import uniform_mean
 from fedjax_sparse.core.algorithm import AlgorithmSpec, FederatedAlgorithm, replicate
+from fedjax_sparse.core.control_variates import control_update, corrected_gradients
 from fedjax_sparse.core.local_training import LocalObjective, LocalSGD
 from fedjax_sparse.core.options import option
 
 tree_map = jax.tree_util.tree_map
 
 
+def server_lr_option():
+    """The server step size both SCAFFOLD and SPATL take (one flag, declared identically)."""
+    return option(1.0, "server learning rate (SCAFFOLD's eta_g, SPATL's eq. 12 step)", low=0.0, low_open=True)
+
+
 @dataclasses.dataclass(frozen=True)
 class ScaffoldOptions:
-    server_lr: float = option(1.0, "server learning rate (SCAFFOLD's eta_g, SPATL's eq. 12 step)", low=0.0,
-                              low_open=True)
-
-
-def control_update(local: LocalSGD, client_control, server_control, start, end, num_steps, round_index):
-    """c_i+ = c_i - c + (start - end) / (effective steps x lr): option II, momentum-aware."""
-    scale = 1.0 / (local.effective_steps(num_steps) * local.learning_rate_at(round_index))
-    return tree_map(lambda ci, c, w0, w1: ci - c + (w0 - w1) * scale, client_control, server_control, start, end)
+    server_lr: float = server_lr_option()
 
 
 def scaffold(local: LocalSGD, num_clients: int, server_lr: float = 1.0) -> FederatedAlgorithm:
@@ -57,8 +56,7 @@ def scaffold(local: LocalSGD, num_clients: int, server_lr: float = 1.0) -> Feder
         x = down["variables"]
 
         def correct(grads):
-            params = tree_map(lambda g, c, ci: g + c - ci, grads["params"], server_control, client_control)
-            return {**grads, "params": params}
+            return {**grads, "params": corrected_gradients(grads["params"], server_control, client_control)}
 
         y, stats = local.train(x, data, key, round_index=info.index, objective=LocalObjective(grad_correction=correct))
         new_control = control_update(local, client_control, server_control, x["params"], y["params"],

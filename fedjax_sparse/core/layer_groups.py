@@ -165,3 +165,40 @@ def model_layer_groups(model) -> LayerGroups:
     """`layer_groups` of a `Model`, from the shapes of its initial variables (nothing is computed)."""
     shapes = jax.eval_shape(model.init, jax.random.key(0))
     return layer_groups(model.structure, shapes)
+
+
+# ------------------------------------------------------------------ parts of a model (SPATL's split)
+
+def part_labels(model) -> Any:
+    """A tree shaped like the model's variables whose leaves name each leaf's part ('encoder', ...).
+
+    A leaf belongs to the part of the structure layer that owns it (`layer_groups`).
+    """
+    groups = model_layer_groups(model)
+    return jax.tree_util.tree_map(lambda l: model.structure.layers[l].part, groups.index)
+
+
+def take_part(tree: dict, labels: Any, part: str) -> dict:
+    """The sub-tree of `tree` (a nested dict shaped like `labels`) holding only leaves of `part`.
+
+    Dicts left empty are dropped, so the result is a genuine, smaller pytree (a message or
+    server state that holds nothing of the other parts).
+    """
+    out = {}
+    for key, value in tree.items():
+        label = labels[key]
+        if isinstance(value, dict):
+            sub = take_part(value, label, part)
+            if sub:
+                out[key] = sub
+        elif label == part:
+            out[key] = value
+    return out
+
+
+def overlay(base: dict, top: dict) -> dict:
+    """`base` with every leaf that `top` (a sub-tree of the same nesting) holds replaced by top's."""
+    out = dict(base)
+    for key, value in top.items():
+        out[key] = overlay(base[key], value) if isinstance(value, dict) else value
+    return out

@@ -23,24 +23,19 @@ from fedjax_sparse.models.structure import Layer, ModelStructure
 
 
 def selectable_groups(structure: ModelStructure, layers: tuple[str, ...] | None = None) -> list[tuple[Layer, ...]]:
-    """The units' decision groups: members of a unit_group together, other layers alone.
+    """The units' decision groups: the selectable members of a unit_group together, other layers alone.
 
     `layers` restricts the choice to these layer names (default: every layer but the
-    output layer); a group is selectable when all its members are.
+    output layer). A group only partly inside (ResNet-20's stage-1 stream, which the
+    private stem feeds too) ties its selectable members; the others keep every unit, so
+    the stream keeps its channels and only the selected branches drop theirs together.
     """
     names = set(l.name for l in structure.layers[:-1]) if layers is None else set(layers)
     groups: dict[str, list[Layer]] = {}
     for layer in structure.layers:
-        groups.setdefault(layer.unit_group or f"layer:{layer.name}", []).append(layer)
-    out = []
-    for members in groups.values():
-        inside = [m.name in names for m in members]
-        if all(inside):
-            out.append(tuple(members))
-        elif any(inside):
-            raise ValueError(f"unit group {members[0].unit_group!r} is only partly selectable "
-                             f"({[m.name for m in members]}); its layers must keep the same units")
-    return out
+        if layer.name in names:
+            groups.setdefault(layer.unit_group or f"layer:{layer.name}", []).append(layer)
+    return [tuple(members) for members in groups.values()]
 
 
 def kept_units(num_units: int, fraction: jax.Array | float) -> jax.Array:
@@ -57,13 +52,14 @@ def keep_top_units(structure: ModelStructure, scores: dict[str, jax.Array], frac
     """{layer: [units] float32 0/1}: per selectable group, its ceil(fraction x units) highest-scored units.
 
     `scores` maps layer names to [units] scores (a group sums its members'); `fractions`
-    is one fraction for every group or {layer: fraction} (a group takes its first
-    member's). Ties go to the lower unit index. Layers outside the selection keep all.
+    is one fraction for every group or {layer: fraction} (a group takes the mean of its
+    members' fractions). Ties go to the lower unit index. Layers outside the selection keep all.
     """
     masks = {l.name: jnp.ones((l.num_units,), jnp.float32) for l in structure.layers}
     for members in selectable_groups(structure, layers):
         total = sum(jnp.asarray(scores[m.name], jnp.float32) for m in members)
-        fraction = fractions[members[0].name] if isinstance(fractions, dict) else fractions
+        fraction = (sum(jnp.asarray(fractions[m.name], jnp.float32) for m in members) / len(members)
+                    if isinstance(fractions, dict) else fractions)
         count = kept_units(members[0].num_units, fraction)
         order = jnp.argsort(-total, stable=True)
         rank = jnp.argsort(order, stable=True)

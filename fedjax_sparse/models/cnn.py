@@ -18,7 +18,8 @@
   threshold per unit (650). (1,418 - 650 = 768 = 512+128+128, the input widths
   of the three dense layers, which suggests per-input thresholds on the dense
   layers were counted somewhere; this is a guess the paper does not confirm.)
-  Smallest input: 28x28. part='shared' everywhere.
+  Smallest input: 28x28. No paper splits it for SPATL: the hidden layers are
+  the encoder, the output layer the predictor.
 
 `cnn4` -- the "Conv" model of HeteroFL / FedGSE with widths 64, 128, 256, 512:
   [conv 3x3 pad 1 (bias) -> BN -> ReLU -> maxpool 2] x 3, conv 3x3 -> BN -> ReLU
@@ -27,7 +28,7 @@
   (division by the width rate during training) before each norm and use
   "static" BN without running statistics; those are sub-model-training
   choices left to the algorithms: here it is the ordinary masked BatchNorm.
-  part='shared' everywhere.
+  For SPATL (no split in the papers): convs = encoder, dense = predictor.
 
 `cnn2` -- SPATL's 2-layer CNN for FEMNIST, the FedAvg/LEAF CNN:
   conv 32@5x5 pad 2 -> ReLU -> maxpool 2 -> conv 64@5x5 pad 2 -> ReLU ->
@@ -93,7 +94,7 @@ def spafl_cnn(input_shape: tuple[int, int, int], num_classes: int) -> Model:
     for i, width in enumerate(SPAFL_CONVS):
         layer = L.conv_layer((f"conv{i + 1}",), kernel=5, in_units=prev_units, units=width,
                              output_hw=conv_hw[i], inputs_from=(prev,), bias=False,
-                             norm=(f"bn{i + 1}",))
+                             norm=(f"bn{i + 1}",), part="encoder")
         layers.append(layer)
         prev, prev_units = layer.name, width
     repeat = final_hw
@@ -101,7 +102,8 @@ def spafl_cnn(input_shape: tuple[int, int, int], num_classes: int) -> Model:
         last = j == len(SPAFL_DENSE)
         layer = L.dense_layer((f"fc{j + 1}",), in_units=prev_units, units=width,
                               input_repeat=repeat, inputs_from=(prev,), bias=False,
-                              norm=None if last else (f"bn{len(SPAFL_CONVS) + j + 1}",))
+                              norm=None if last else (f"bn{len(SPAFL_CONVS) + j + 1}",),
+                              part="predictor" if last else "encoder")
         layers.append(layer)
         prev, prev_units, repeat = layer.name, width, 1
     return Model(
@@ -154,11 +156,11 @@ def cnn4(input_shape: tuple[int, int, int], num_classes: int) -> Model:
     for i, width in enumerate(CNN4_WIDTHS):
         layer = L.conv_layer((f"conv{i + 1}",), kernel=3, in_units=prev_units, units=width,
                              output_hw=sh[2 * i] * sw[2 * i], inputs_from=(prev,), bias=True,
-                             norm=(f"bn{i + 1}",))
+                             norm=(f"bn{i + 1}",), part="encoder")
         layers.append(layer)
         prev, prev_units = layer.name, width
     layers.append(L.dense_layer(("fc",), in_units=prev_units, units=num_classes,
-                                inputs_from=(prev,), bias=True, norm=None))
+                                inputs_from=(prev,), bias=True, norm=None, part="predictor"))
     return Model(
         name="cnn4", module=CNN4(num_classes=num_classes), input_shape=tuple(input_shape),
         num_classes=num_classes, structure=ModelStructure(tuple(layers)),

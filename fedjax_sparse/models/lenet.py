@@ -14,7 +14,8 @@ exactly SpaFL's stated 430,500 parameters and 580 thresholds (appendix A.1).
 
 The smallest input that keeps a positive map is 16x16 (16 -> 12 -> 6 -> 2 -> 1);
 other sizes only change fc1's fan-in (`input_repeat` = final H*W).
-All layers are part='shared' (SpaFL shares thresholds of every layer).
+SpaFL shares thresholds of every layer; for SPATL (whose paper does not use this
+model) the hidden layers are the encoder and fc2 the predictor.
 """
 
 from __future__ import annotations
@@ -57,13 +58,13 @@ def lenet5_caffe(input_shape: tuple[int, int, int], num_classes: int) -> Model:
     (c1h, _, c2h, ph), (c1w, _, c2w, pw) = _sizes(h), _sizes(w)
     layers = (
         L.conv_layer(("conv1",), kernel=5, in_units=c, units=20, output_hw=c1h * c1w,
-                     inputs_from=("input",), bias=False, norm=None),
+                     inputs_from=("input",), bias=False, norm=None, part="encoder"),
         L.conv_layer(("conv2",), kernel=5, in_units=20, units=50, output_hw=c2h * c2w,
-                     inputs_from=("conv1",), bias=False, norm=None),
+                     inputs_from=("conv1",), bias=False, norm=None, part="encoder"),
         L.dense_layer(("fc1",), in_units=50, units=500, input_repeat=ph * pw,
-                      inputs_from=("conv2",), bias=False, norm=None),
+                      inputs_from=("conv2",), bias=False, norm=None, part="encoder"),
         L.dense_layer(("fc2",), in_units=500, units=num_classes, inputs_from=("fc1",),
-                      bias=False, norm=None),
+                      bias=False, norm=None, part="predictor"),
     )
     return Model(
         name="lenet5_caffe", module=LeNet5Caffe(num_classes=num_classes),

@@ -2,8 +2,9 @@
 
 flatten -> Dense 256 -> ReLU -> Dense 256 -> ReLU -> Dense num_classes, all
 with biases, no normalization. On 8x8x1 digits with 10 classes:
-64*256+256 + 256*256+256 + 256*10+10 = 85,002 parameters. No paper splits it,
-so every layer is part='shared'. The first layer consumes the image channels,
+64*256+256 + 256*256+256 + 256*10+10 = 85,002 parameters. No paper splits it
+into SPATL's encoder and predictor: the hidden layers are the encoder, the
+output layer the predictor. The first layer consumes the image channels,
 each H*W times (`input_repeat`).
 """
 
@@ -40,8 +41,9 @@ def mlp(input_shape: tuple[int, int, int], num_classes: int) -> Model:
     widths = HIDDEN + (num_classes,)
     layers, prev, prev_units, repeat = [], "input", c, h * w
     for i, width in enumerate(widths):
-        layer = L.dense_layer((f"fc{i + 1}",), in_units=prev_units, units=width,
-                              inputs_from=(prev,), input_repeat=repeat, bias=True, norm=None)
+        layer = L.dense_layer((f"fc{i + 1}",), in_units=prev_units, units=width, inputs_from=(prev,),
+                              input_repeat=repeat, bias=True, norm=None,
+                              part="predictor" if i == len(widths) - 1 else "encoder")
         layers.append(layer)
         prev, prev_units, repeat = layer.name, width, 1
     return Model(

@@ -31,7 +31,8 @@
   global average pool, dense num_classes. Block: BN-ReLU, then
   conv3x3-BN-ReLU-conv3x3, added to the shortcut: identity, or a 1x1 conv
   projection (of the pre-activated input) when the stride or width changes.
-  Convs have no bias. part='shared'. On 32x32x3 with 10 classes: 11,172,170
+  Convs have no bias. For SPATL (no split in HeteroFL/FedGSE): every conv is
+  the encoder, the dense layer the predictor. On 32x32x3 with 10 classes: 11,172,170
   parameters ("11.2 M" in HeteroFL's table for CIFAR-10).
   Normalization: in pre-activation nets a BN precedes the conv that reads it.
   Each BN is assigned to the layer whose *output units* it normalizes: a
@@ -218,7 +219,7 @@ def preresnet18(input_shape: tuple[int, int, int], num_classes: int) -> Model:
     layers: list[Layer] = [
         L.conv_layer(("conv1",), kernel=3, in_units=c, units=PRERESNET_WIDTHS[0],
                      output_hw=h * w, inputs_from=("input",), bias=False,
-                     norm=(blocks[0][0], "bn1"), unit_group="stage1")]
+                     norm=(blocks[0][0], "bn1"), unit_group="stage1", part="encoder")]
     stream, units = ["conv1"], PRERESNET_WIDTHS[0]
     for k, (blk, s, planes, stride) in enumerate(blocks):
         h, w = L.conv_out(h, 3, stride, 1), L.conv_out(w, 3, stride, 1)
@@ -226,20 +227,21 @@ def preresnet18(input_shape: tuple[int, int, int], num_classes: int) -> Model:
         if stride != 1 or units != planes:
             shortcut = L.conv_layer((blk, "shortcut"), kernel=1, in_units=units, units=planes,
                                     output_hw=h * w, inputs_from=stream, bias=False, norm=None,
-                                    unit_group=group)
+                                    unit_group=group, part="encoder")
             layers.append(shortcut)
             residual = [shortcut.name]
         else:
             residual = stream
         conv1 = L.conv_layer((blk, "conv1"), kernel=3, in_units=units, units=planes,
-                             output_hw=h * w, inputs_from=stream, bias=False, norm=(blk, "bn2"))
+                             output_hw=h * w, inputs_from=stream, bias=False, norm=(blk, "bn2"),
+                             part="encoder")
         conv2 = L.conv_layer((blk, "conv2"), kernel=3, in_units=planes, units=planes,
                              output_hw=h * w, inputs_from=(conv1.name,), bias=False,
-                             norm=stream_norm[k], unit_group=group)
+                             norm=stream_norm[k], unit_group=group, part="encoder")
         layers += [conv1, conv2]
         stream, units = residual + [conv2.name], planes
     layers.append(L.dense_layer(("fc",), in_units=units, units=num_classes, inputs_from=stream,
-                                bias=True, norm=None))
+                                bias=True, norm=None, part="predictor"))
     return Model(
         name="preresnet18", module=PreActResNet18(num_classes=num_classes),
         input_shape=tuple(input_shape), num_classes=num_classes,

@@ -12,7 +12,7 @@ classifier (512 features on 32x32; larger inputs give `input_repeat` = H*W).
   1); we read "9" as 8 convs + 1 FC with BN after every conv and the five pools
   of configuration A: conv -> BN -> ReLU (-> pool), then dense 512 ->
   num_classes. (This is not FedMA's "VGG-9", which has 6 convs and 3 FCs.)
-  part='shared' everywhere. On 32x32x3 with 10 classes: 9,220,480 conv
+  For SPATL (no split in FedLDF): convs = encoder, dense = predictor. On 32x32x3 with 10 classes: 9,220,480 conv
   weights+biases + 5,504 BN scale/bias + 5,130 dense = 9,231,114 parameters.
 
 `vgg11` -- SPATL: configuration A as the encoder (part='encoder') and a
@@ -110,7 +110,7 @@ _CONFIG_TEXT = "64, M, 128, M, 256, 256, M, 512, 512, M, 512, 512, M (M = maxpoo
 
 def vgg9(input_shape: tuple[int, int, int], num_classes: int) -> Model:
     return _build("vgg9", input_shape, num_classes, batch_norm=True, hidden=(),
-                  conv_part="shared", dense_part="shared",
+                  conv_part="encoder", dense_part="predictor",
                   description=("VGG-9 (FedLDF): 8 conv 3x3 pad 1 (bias) + BN + ReLU, widths "
                                f"{_CONFIG_TEXT}; flatten; dense {num_classes}."))
 

@@ -1,0 +1,298 @@
+"""SPATL (Yu et al., CVPR 2023): a shared encoder, private predictors, gradient control on the encoder,
+and uploads of the encoder's salient units aggregated by eq. 12.
+
+Split (section 3.1). Every model names its encoder and predictor in its
+structure description (`Layer.part`; e.g. ResNet-20/32: the three stages are
+the encoder, the stem and the classifier stay private; models no paper splits:
+hidden layers = encoder, output layer = predictor). A variable belongs to the
+part of the layer that owns it (`core.layer_groups.part_labels`): a layer's
+kernel, bias and normalization, running statistics included. The server holds
+only the encoder and its control variate c_g; a client holds its whole model
+(its private parts and its last local encoder), its control variate c_l
+(encoder-shaped, zeros at start), its last salient unit masks and its
+selection policy's state. Private parts never leave the client.
+
+Client (Algorithm 2). The received encoder replaces the client's own; one
+LocalSGD run trains encoder and predictor together, the encoder's gradient
+corrected by c_g - c_l (eq. 9; `gradient_control=False` drops it, section
+4.6.1's ablation), the predictor's not. Then
+    c_l+ = c_l - c_g + (w_g - w_e) / (a x lr)                                    (eq. 10)
+The paper writes E (local epochs) for a; we read it as SCAFFOLD's option II
+count the equation comes from, the number of local steps, momentum-aware
+(`LocalSGD.effective_steps`, `core.control_variates`): divided by epochs, c_l
+would be the sum of an epoch's gradients rather than their mean, ~steps-per-
+epoch times too large for c to correct a gradient with.
+
+Salient selection. A policy gives a keep ratio per encoder layer; within a
+layer the units with the largest L2 norm of their incoming weights are kept
+(`core.unit_selection.keep_top_units`, a residual unit_group ranked by its
+members' summed norms at the mean of their ratios). Policy `fixed`: one ratio
+for every layer, `salient_keep`, or by default the largest uniform ratio whose
+masks cut the encoder's FLOPs by at least `flops_reduction` (default 0.2, the
+official code's target), counted with the inputs a pruned unit removes from its
+consumers (`core.flops`, count_inputs=True).
+
+Messages. Down: the encoder (weights and BatchNorm statistics) and c_g, dense.
+Up: the kept units' encoder values (their kernel entries from kept inputs,
+biases, normalization parameters and statistics) as a `SparseArray` (the
+server learns the index from the message and pays for it), and the control
+delta Delta c = c_l+ - c_l, dense (Algorithm 2 sends it whole).
+
+Server. Eq. 12 as written, w_g <- w_g + eta (1/|K|) sum_k (w_g[i_k] - w_k),
+moves the global encoder away from the clients; we read the sign that moves it
+toward them (the paper's Fig. 3 and every other method of the family):
+    w_g <- w_g + eta_g (1/|K|) sum_k M_k * (w_k - w_g)        (`eq12`, default; eta_g = --server-lr)
+so an entry sent by few clients moves a fraction of the way. Options:
+`masked_mean` (per entry, w_g + eta_g (mean over the clients that sent it - w_g))
+and `fedavg` (what the official code does: clients send whole encoders, the
+data-weighted mean replaces w_g). Then c_g <- c_g + (1/N) sum_k Delta c_k (eq. 11).
+
+Evaluation (section 4.4). Each client predicts with its salient sub-model: its
+own last encoder run with its salient unit masks, and its own predictor
+(`spatl_evaluation=dense`: the whole encoder). SPATL has no global model.
+Logged each evaluation: `salient_kept_weights` (kept encoder weights / all
+encoder weights, mean over clients: Table 2's "sparsity"), the whole model's
+inference FLOPs reduction per client (`flops_reduction_mean`, `_max`: Table 2)
+and the encoder's (`encoder_flops_reduction_mean`).
+
+Transfer (eq. 4, section 4.5): `fit_predictor` trains a new client's predictor
+(and private parts) on a frozen encoder.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from fedjax_sparse.algorithms.scaffold import server_lr_option
+from fedjax_sparse.core.aggregation import weighted_mean
+from fedjax_sparse.core.algorithm import AlgorithmSpec, BuildContext, FederatedAlgorithm, replicate
+from fedjax_sparse.core.control_variates import control_update, corrected_gradients
+from fedjax_sparse.core.flops import layer_forward_flops
+from fedjax_sparse.core.layer_groups import overlay, part_labels, take_part
+from fedjax_sparse.core.local_training import LocalObjective, LocalSGD
+from fedjax_sparse.core.messages import SparseArray
+from fedjax_sparse.core.options import option
+from fedjax_sparse.core.unit_masks import full_unit_masks, variable_masks
+from fedjax_sparse.core.unit_selection import keep_top_units
+from fedjax_sparse.data.federated import ClientData
+from fedjax_sparse.models.structure import ModelStructure, get_path
+
+tree_map = jax.tree_util.tree_map
+
+
+@dataclasses.dataclass(frozen=True)
+class SPATLOptions:
+    server_lr: float = server_lr_option()
+    salient_policy: str = option("fixed", "SPATL: how each client picks its encoder layers' keep ratios",
+                                 choices=("fixed",))
+    salient_keep: float | None = option(None, "SPATL fixed policy: keep this fraction of every encoder layer's "
+                                              "units (default: the largest that meets --flops-reduction)",
+                                        low=0.0, low_open=True, high=1.0)
+    flops_reduction: float = option(0.2, "SPATL: the salient sub-model must cut the encoder's FLOPs by at "
+                                         "least this fraction", low=0.0, high=1.0, high_open=True)
+    spatl_aggregation: str = option("eq12", "SPATL: eq12 (masked deltas / |K|), masked_mean (per entry over "
+                                            "its senders) or fedavg (whole encoders, data-weighted)",
+                                    choices=("eq12", "masked_mean", "fedavg"))
+    spatl_evaluation: str = option("salient", "SPATL: clients predict with their salient sub-model or their "
+                                              "dense encoder", choices=("salient", "dense"))
+    gradient_control: bool = option(True, "SPATL: correct the encoder's gradients by c_g - c_l (eq. 9)")
+
+
+# ------------------------------------------------------------------ salient units
+
+def encoder_layers(structure: ModelStructure) -> tuple[str, ...]:
+    names = tuple(l.name for l in structure.part("encoder"))
+    if not names:
+        raise ValueError("spatl needs a model whose structure names an encoder (Layer.part == 'encoder'); "
+                         "this model has none")
+    return names
+
+
+def unit_l2_norms(structure: ModelStructure, params, layers: tuple[str, ...]) -> dict[str, jax.Array]:
+    """{layer: [units]} the L2 norm of each unit's incoming weights (its kernel slice)."""
+    out = {}
+    for name in layers:
+        kernel = get_path(params, structure[name].kernel)
+        out[name] = jnp.sqrt(jnp.sum(kernel.reshape(-1, kernel.shape[-1]) ** 2, axis=0))
+    return out
+
+
+def salient_masks(structure: ModelStructure, params, keep_ratios: dict[str, jax.Array],
+                  layers: tuple[str, ...]) -> dict[str, jax.Array]:
+    """Unit masks keeping, per encoder layer, its keep ratio of units with the largest L2 norms."""
+    return keep_top_units(structure, unit_l2_norms(structure, params, layers), keep_ratios, layers=layers)
+
+
+def encoder_flops(structure: ModelStructure, masks: dict, layers: tuple[str, ...]) -> jax.Array:
+    """Forward FLOPs of the encoder layers, counting the inputs pruned producers no longer feed."""
+    per_layer = layer_forward_flops(structure, masks, count_inputs=True)
+    return sum(per_layer[name] for name in layers)
+
+
+def uniform_keep_ratio(structure: ModelStructure, layers: tuple[str, ...], reduction: float) -> float:
+    """The largest keep ratio r whose masks (r of every encoder layer) cut its FLOPs by >= `reduction`.
+
+    FLOPs depend on how many units each layer keeps, not which, so the prefix masks of
+    `keep_top_units` stand for any selection; bisection over r on the host.
+    """
+    dense = float(encoder_flops(structure, full_unit_masks(structure), layers))
+    scores = {l.name: -jnp.arange(l.num_units, dtype=jnp.float32) for l in structure.layers}
+
+    def kept(r):
+        return float(encoder_flops(structure, keep_top_units(structure, scores, r, layers=layers), layers)) / dense
+
+    low, high = 0.0, 1.0
+    if kept(high) <= 1.0 - reduction:
+        return high
+    for _ in range(40):
+        mid = (low + high) / 2
+        low, high = (mid, high) if kept(mid) <= 1.0 - reduction else (low, mid)
+    return low if low > 0 else high
+
+
+@dataclasses.dataclass(frozen=True)
+class SalientPolicy:
+    """How a client picks its encoder layers' keep ratios.
+
+    init(key) -> the policy's per-client state (e.g. a learned agent);
+    select(state, trained_variables, data, key) -> (state, {layer: ratio}, metrics dict of scalars).
+    """
+
+    init: Callable[[jax.Array], Any]
+    select: Callable[[Any, dict, ClientData, jax.Array], tuple[Any, dict, dict]]
+
+
+def fixed_policy(layers: tuple[str, ...], ratio: float) -> SalientPolicy:
+    ratios = {name: jnp.asarray(ratio, jnp.float32) for name in layers}
+    return SalientPolicy(init=lambda key: {}, select=lambda state, variables, data, key: (state, ratios, {}))
+
+
+# ------------------------------------------------------------------ transfer (eq. 4)
+
+def fit_predictor(local: LocalSGD, variables: dict, encoder: dict, data: ClientData, key: jax.Array) -> tuple[dict, dict]:
+    """Eq. 4: a client's predictor (and private parts) trained on its data under a frozen `encoder`.
+
+    `variables` is the client's model (its predictor's starting point); the encoder's weights
+    and BatchNorm statistics stay exactly as given. Returns (variables, local training stats).
+    """
+    labels = part_labels(local.model)
+    variables = overlay(variables, encoder)
+    trainable = tree_map(lambda part: part != "encoder", labels)
+    mask = tree_map(lambda keep, leaf: jnp.full(jnp.shape(leaf), keep), trainable, variables)
+    return local.train(variables, data, key, objective=LocalObjective(update_mask=mask))
+
+
+# ------------------------------------------------------------------ the algorithm
+
+def spatl(context: BuildContext, options: SPATLOptions, policy: SalientPolicy | None = None) -> FederatedAlgorithm:
+    local = context.local
+    model = local.model
+    structure = model.structure
+    layers = encoder_layers(structure)
+    labels = part_labels(model)
+    num_clients = context.num_clients
+    if policy is None:
+        ratio = options.salient_keep if options.salient_keep is not None else \
+            uniform_keep_ratio(structure, layers, options.flops_reduction)
+        policy = fixed_policy(layers, ratio)
+    dense_flops = float(sum(layer_forward_flops(structure).values()))
+    dense_encoder_flops = float(encoder_flops(structure, full_unit_masks(structure), layers))
+    encoder_weights = float(sum(np.prod(s.shape) for s in jax.tree_util.tree_leaves(
+        take_part(jax.eval_shape(model.init, jax.random.key(0)), labels, "encoder")["params"])))
+    is_sparse = lambda x: isinstance(x, SparseArray)  # noqa: E731
+
+    def encoder_of(variables):
+        return take_part(variables, labels, "encoder")
+
+    def init(key, variables, n):
+        if n != num_clients:
+            raise ValueError(f"SPATL was built for {num_clients} clients, init got {n}")
+        encoder = encoder_of(variables)
+        zeros = tree_map(jnp.zeros_like, encoder["params"])
+        keys = jax.random.split(key, n)
+        state = {"variables": replicate(variables, n), "control": replicate(zeros, n),
+                 "salient": replicate(full_unit_masks(structure), n), "policy": jax.vmap(policy.init)(keys)}
+        return {"encoder": encoder, "control": zeros}, state
+
+    def client_update(down, state, data, key, info):
+        variables = overlay(state["variables"], down["encoder"])
+        c_g, c_l = down["control"], state["control"]
+
+        def correct(grads):
+            encoder_grads = take_part(grads["params"], labels["params"], "encoder")
+            return {**grads, "params": overlay(grads["params"], corrected_gradients(encoder_grads, c_g, c_l))}
+
+        # training draws from `key` exactly as every other method does; the policy from a branch of it
+        policy_key = jax.random.fold_in(key, 1)
+        objective = LocalObjective(grad_correction=correct if options.gradient_control else None)
+        trained, stats = local.train(variables, data, key, round_index=info.index, objective=objective)
+        encoder = encoder_of(trained)
+        new_control = control_update(local, c_l, c_g, down["encoder"]["params"], encoder["params"],
+                                     stats["num_steps"], info.index)
+        policy_state, ratios, policy_metrics = policy.select(state["policy"], trained, data, policy_key)
+        masks = salient_masks(structure, trained["params"], ratios, layers)
+        if options.spatl_aggregation == "fedavg":
+            sent = tree_map(lambda leaf: SparseArray(leaf, jnp.ones(jnp.shape(leaf), bool)), encoder)
+        else:
+            sent = tree_map(SparseArray, encoder, encoder_of(variable_masks(structure, trained, masks)))
+        up = {"encoder": sent, "control_delta": tree_map(jnp.subtract, new_control, c_l)}
+        new_state = {"variables": trained, "control": new_control, "salient": masks, "policy": policy_state}
+        return up, new_state, {**stats, **policy_metrics}
+
+    def server_update(server_state, ups, weights, info):
+        del info
+        values = tree_map(lambda s: s.values, ups["encoder"], is_leaf=is_sparse)
+        masks = tree_map(lambda s: s.mask.astype(jnp.float32), ups["encoder"], is_leaf=is_sparse)
+        old = server_state["encoder"]
+        eta = options.server_lr
+        if options.spatl_aggregation == "fedavg":
+            encoder = weighted_mean(values, weights)
+        elif options.spatl_aggregation == "eq12":
+            encoder = tree_map(lambda w, v, m: w + eta * jnp.mean(m * (v - w), axis=0), old, values, masks)
+        else:  # masked_mean
+            encoder = tree_map(lambda w, v, m: w + eta * jnp.sum(m * (v - w), axis=0) / jnp.maximum(m.sum(0), 1.0),
+                               old, values, masks)
+        control = tree_map(lambda c, d: c + jnp.sum(d, axis=0) / num_clients, server_state["control"],
+                           ups["control_delta"])
+        return {"encoder": encoder, "control": control}
+
+    def client_variables(server_state, state):
+        if options.spatl_evaluation == "dense":
+            return state["variables"]
+        return {**state["variables"], "unit_masks": state["salient"]}
+
+    @jax.jit
+    def diagnostics_of(client_states):
+        def one(variables, masks):
+            kept = encoder_of(variable_masks(structure, variables, masks))["params"]
+            per_layer = layer_forward_flops(structure, masks, count_inputs=True)
+            return (sum(jnp.sum(m) for m in jax.tree_util.tree_leaves(kept)) / encoder_weights,
+                    1.0 - sum(per_layer.values()) / dense_flops,
+                    1.0 - sum(per_layer[n] for n in layers) / dense_encoder_flops)
+
+        return jax.vmap(one)(client_states["variables"], client_states["salient"])
+
+    def diagnostics(server_state, client_states):
+        kept, reduction, encoder_reduction = diagnostics_of(client_states)
+        return {"salient_kept_weights": jnp.mean(kept), "flops_reduction_mean": jnp.mean(reduction),
+                "flops_reduction_max": jnp.max(reduction), "encoder_flops_reduction_mean": jnp.mean(encoder_reduction)}
+
+    return FederatedAlgorithm(
+        name="spatl",
+        init=init,
+        broadcast=lambda server_state, client_id, info: server_state,
+        client_update=client_update,
+        server_update=server_update,
+        client_variables=client_variables,
+        global_variables=None,
+        diagnostics=diagnostics,
+    )
+
+
+SPEC = AlgorithmSpec("spatl", SPATLOptions, spatl,
+                     "SPATL: shared encoder, private predictors, encoder gradient control, salient uploads")

@@ -1,0 +1,256 @@
+"""SPATL against independent truths: FedAvg at keep ratio 1 with zero control, eqs. 9-12 by hand,
+top-L2 units with tied groups, the FLOPs target, analytic bytes, nothing private on the wire."""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from fedjax_sparse.algorithms import fedavg, make_algorithm, make_options
+from fedjax_sparse.algorithms.spatl import (encoder_flops, encoder_layers, fit_predictor, salient_masks,
+                                            uniform_keep_ratio, unit_l2_norms)
+from fedjax_sparse.cli import main
+from fedjax_sparse.core.algorithm import BuildContext
+from fedjax_sparse.core.layer_groups import leaf_paths, part_labels, take_part
+from fedjax_sparse.core.local_training import LocalSGD, masked_cross_entropy
+from fedjax_sparse.core.messages import SparseArray, index_itemsize, message_bytes
+from fedjax_sparse.core.round import build_round, round_info
+from fedjax_sparse.core.unit_masks import full_unit_masks
+from fedjax_sparse.data.federated import normalize
+from fedjax_sparse.models import Layer, ModelStructure, get_model
+
+tree_map = jax.tree_util.tree_map
+MLP_ENCODER = 64 * 256 + 256 + 256 * 256 + 256  # fc1 and fc2: 82,432
+
+
+def assert_trees_close(a, b, atol=1e-5, rtol=1e-5):
+    tree_map(lambda x, y: np.testing.assert_allclose(np.asarray(x), np.asarray(y), atol=atol, rtol=rtol), a, b)
+
+
+def build(model, split, *, lr=0.1, epochs=1, batch_size=8, momentum=0.0, **options):
+    local = LocalSGD(model, lr, epochs, batch_size, momentum)
+    ctx = BuildContext(local=local, num_clients=split.num_clients, clients_per_round=split.num_clients,
+                       train=split, num_classes=model.num_classes)
+    return make_algorithm("spatl", ctx, make_options("spatl", options)), local
+
+
+@pytest.fixture(scope="module")
+def mlp():
+    return get_model("mlp", (8, 8, 1), 10)
+
+
+def test_resnet20_encoder_has_the_papers_size():
+    """SPATL's ResNet-20 encoder (three stages, BatchNorm scale/bias included): 268,608 of 269,722."""
+    model = get_model("resnet20", (32, 32, 3), 10)
+    shapes = jax.eval_shape(model.init, jax.random.key(0))
+    encoder = take_part(shapes, part_labels(model), "encoder")
+    assert sum(math.prod(s.shape) for s in jax.tree_util.tree_leaves(encoder["params"])) == 268_608
+    assert set(encoder["params"]) == {f"stage{s}_block{b}" for s in (1, 2, 3) for b in (1, 2, 3)}
+
+
+def test_keep_ratio_one_and_zero_control_is_fedavg_on_the_encoder(make_split, mlp):
+    """Round 1: controls are zero, every unit is sent, eq. 12 with eta = 1 is the uniform mean:
+    the global encoder equals FedAvg's (uniform weights) encoder."""
+    split = make_split([9, 17, 12, 30])
+    spatl, local = build(mlp, split, momentum=0.5, salient_keep=1.0)
+    variables = mlp.init(jax.random.key(0))
+    server, clients = spatl.init(jax.random.key(1), variables, 4)
+    server, clients, out = build_round(spatl, split, 4, seed=3)(server, clients, 0)
+    avg = fedavg(local, "uniform")
+    avg_server, avg_clients = avg.init(jax.random.key(1), variables, 4)
+    avg_server, _, _ = build_round(avg, split, 4, seed=3)(avg_server, avg_clients, 0)
+    assert_trees_close(server["encoder"], take_part(avg_server, part_labels(mlp), "encoder"))
+    # and each client's predictor is its own: they differ between clients
+    assert float(jnp.abs(clients["variables"]["params"]["fc3"]["kernel"][0]
+                         - clients["variables"]["params"]["fc3"]["kernel"][1]).max()) > 1e-4
+
+
+def test_eq12_masked_mean_fedavg_and_eq11_by_hand(make_split, mlp):
+    """Two clients, one layer's entries: w_g = 1; client 0 sends 3 on the first half of every leaf,
+    client 1 sends 5 everywhere. eq12 (eta 0.5): 1 + 0.5 (m0 (3 - 1) + m1 (5 - 1)) / 2 -> 2.5 or 2;
+    masked_mean (eta 0.5): 1 + 0.5 (mean over the senders - 1) -> 2.5 or 3; fedavg (weights 1, 3,
+    whole encoders): (3 + 15) / 4 = 4.5.
+    eq. 11: c_g + (dc_0 + dc_1) / N with N = 2."""
+    split = make_split([8, 8])
+    variables = mlp.init(jax.random.key(0))
+    expected = {"eq12": (2.5, 2.0), "masked_mean": (2.5, 3.0), "fedavg": (4.5, 4.5)}
+    for aggregation, (first_half, second_half) in expected.items():
+        alg, _ = build(mlp, split, server_lr=0.5 if aggregation != "fedavg" else 1.0,
+                       spatl_aggregation=aggregation)
+        server, _ = alg.init(jax.random.key(1), variables, 2)
+        server = {"encoder": tree_map(jnp.ones_like, server["encoder"]),
+                  "control": tree_map(lambda c: jnp.full_like(c, 0.25), server["control"])}
+
+        def upload(value, half):
+            def leaf(w):
+                mask = jnp.ones(w.shape, bool)
+                if half:
+                    mask = jnp.arange(w.shape[-1]) < w.shape[-1] // 2
+                return SparseArray(jnp.full_like(w, value), jnp.broadcast_to(mask, w.shape))
+            return tree_map(leaf, server["encoder"])
+
+        ups = {"encoder": tree_map(lambda a, b: SparseArray(jnp.stack([a.values, b.values]),
+                                                            jnp.stack([a.mask, b.mask])),
+                                   upload(3.0, aggregation != "fedavg"), upload(5.0, False),
+                                   is_leaf=lambda x: isinstance(x, SparseArray)),
+               "control_delta": tree_map(lambda c: jnp.stack([jnp.full_like(c, 1.0), jnp.full_like(c, 3.0)]),
+                                         server["control"])}
+        new = alg.server_update(server, ups, jnp.array([1.0, 3.0]), round_info(0, 0, jnp.arange(2)))
+        kernel = np.asarray(new["encoder"]["params"]["fc2"]["kernel"])
+        np.testing.assert_allclose(kernel[:, :128], first_half)
+        np.testing.assert_allclose(kernel[:, 128:], second_half)
+        np.testing.assert_allclose(new["control"]["fc1"]["bias"], 0.25 + (1.0 + 3.0) / 2)
+
+
+def test_one_local_step_corrects_only_the_encoder_and_eq10_updates_the_control(make_split, mlp):
+    """One full-batch SGD step from (w_g, own predictor) with c_g - c_l = d on the encoder:
+    encoder <- w - lr (g + d), predictor <- w - lr g (g = dL/dw at the start, by jax.grad here);
+    then c_l+ = c_l - c_g + (w_g - w_e) / (1 step x lr) = g_encoder + c_l - c_g + d = g_encoder."""
+    split = make_split([16, 16])
+    lr = 0.05
+    alg, _ = build(mlp, split, lr=lr, batch_size=16, salient_keep=1.0)
+    variables = mlp.init(jax.random.key(0))
+    server, clients = alg.init(jax.random.key(1), variables, 2)
+    labels = part_labels(mlp)
+    c_g = tree_map(lambda c: jnp.full_like(c, 0.3), server["control"])
+    c_l = tree_map(lambda c: jnp.full_like(c, 0.1), server["control"])
+    state = tree_map(lambda a: a[0], clients)
+    state = {**state, "control": c_l}
+    info = round_info(0, 0, jnp.arange(2))
+    down = {"encoder": server["encoder"], "control": c_g}
+    up, new_state, stats = jax.jit(alg.client_update)(down, state, split.client(0), jax.random.key(2), info)
+    assert int(stats["num_steps"]) == 1
+
+    data = split.client(0)
+    x = normalize(data.x[:16], data.mean, data.std)
+
+    def loss(params):
+        logits, _ = mlp.apply({"params": params, "batch_stats": {}}, x, train=True)
+        return masked_cross_entropy(logits, data.y[:16], jnp.ones(16, bool))
+
+    g = jax.grad(loss)(variables["params"])
+    trained = new_state["variables"]["params"]
+    for name in ("fc1", "fc2"):
+        assert_trees_close(trained[name], tree_map(lambda w, gw: w - lr * (gw + 0.2), variables["params"][name],
+                                                   g[name]))
+    assert_trees_close(trained["fc3"], tree_map(lambda w, gw: w - lr * gw, variables["params"]["fc3"], g["fc3"]))
+    assert_trees_close(new_state["control"], take_part(g, labels["params"], "encoder"), atol=1e-4)
+    assert_trees_close(up["control_delta"], tree_map(lambda c, ci: c - ci, new_state["control"], c_l))
+
+
+def test_kept_units_are_the_top_l2_ones_and_groups_agree():
+    """ResNet-20 at keep 1/2: a lone layer keeps the 8 of 16 units of largest incoming-weight norm;
+    a residual group keeps the top units of its members' summed norms, the same in every member."""
+    model = get_model("resnet20", (8, 8, 3), 10)
+    params = model.init(jax.random.key(0))["params"]
+    layers = encoder_layers(model.structure)
+    masks = salient_masks(model.structure, params, {n: 0.5 for n in layers}, layers)
+    norms = unit_l2_norms(model.structure, params, layers)
+    lone = "stage1_block1.conv1"
+    kept = np.flatnonzero(np.asarray(masks[lone]))
+    assert sorted(kept) == sorted(np.argsort(-np.asarray(norms[lone]))[:8])
+    group = [l.name for l in model.structure.layers if l.unit_group == "stage2"]
+    summed = sum(np.asarray(norms[n]) for n in group)
+    for name in group:
+        assert sorted(np.flatnonzero(np.asarray(masks[name]))) == sorted(np.argsort(-summed)[:16])
+    np.testing.assert_array_equal(masks["conv1"], 1.0)  # the private stem is never pruned
+    np.testing.assert_array_equal(masks["fc"], 1.0)
+
+
+@pytest.mark.parametrize("name,shape", [("resnet20", (32, 32, 3)), ("mlp", (8, 8, 1)), ("vgg11", (32, 32, 3))])
+def test_the_fixed_policy_meets_the_flops_target_with_the_largest_uniform_ratio(name, shape):
+    structure = get_model(name, shape, 10).structure
+    layers = encoder_layers(structure)
+    dense = float(encoder_flops(structure, full_unit_masks(structure), layers))
+    scores = {l.name: -jnp.arange(l.num_units, dtype=jnp.float32) for l in structure.layers}
+    from fedjax_sparse.core.unit_selection import keep_top_units
+    for target in (0.2, 0.5):
+        r = uniform_keep_ratio(structure, layers, target)
+        kept = float(encoder_flops(structure, keep_top_units(structure, scores, r, layers=layers), layers))
+        assert kept <= (1 - target) * dense
+        more = keep_top_units(structure, scores, min(1.0, r + 0.02), layers=layers)
+        assert float(encoder_flops(structure, more, layers)) > (1 - target) * dense
+
+
+def _sparse_cost(values, mask):
+    size, nnz = values.size, int(mask.sum())
+    return min(nnz * 4 + min(nnz * index_itemsize(size), (size + 7) // 8), size * 4)
+
+
+def test_bytes_are_the_analytic_count_and_nothing_private_travels(make_split):
+    """ResNet-20 on 8x8: down = encoder weights + statistics + c_g, dense; up = each encoder leaf
+    priced as values + the cheaper index (or dense), plus the dense control delta. No message and
+    no server state holds a leaf of the stem or the classifier."""
+    model = get_model("resnet20", (8, 8, 3), 10)
+    split = make_split([8, 8], shape=(8, 8, 3))
+    alg, _ = build(model, split, salient_keep=0.5)
+    variables = model.init(jax.random.key(0))
+    server, clients = alg.init(jax.random.key(1), variables, 2)
+    labels = part_labels(model)
+    encoder_paths = {p for p, part in zip(leaf_paths(labels), jax.tree_util.tree_leaves(labels)) if part == "encoder"}
+    for path in leaf_paths(server["encoder"]):
+        assert path in encoder_paths
+    info = round_info(0, 0, jnp.arange(2))
+    down = alg.broadcast(server, 0, info)
+    encoder = take_part(variables, labels, "encoder")
+    n_encoder = sum(x.size for x in jax.tree_util.tree_leaves(encoder))
+    n_params = sum(x.size for x in jax.tree_util.tree_leaves(encoder["params"]))
+    assert n_params == 268_608 and int(message_bytes(down)) == 4 * (n_encoder + n_params)
+    up, new_state, _ = jax.jit(alg.client_update)(down, tree_map(lambda a: a[0], clients), split.client(0),
+                                                   jax.random.key(2), info)
+    is_sparse = lambda x: isinstance(x, SparseArray)  # noqa: E731
+    for path in leaf_paths(tree_map(lambda s: s.values, up["encoder"], is_leaf=is_sparse)):
+        assert path in encoder_paths
+    sparse = jax.tree_util.tree_leaves(up["encoder"], is_leaf=is_sparse)
+    expected = sum(_sparse_cost(np.asarray(s.values), np.asarray(s.mask)) for s in sparse) + 4 * n_params
+    assert int(message_bytes(up)) == expected
+    kept = sum(int(np.asarray(s.mask).sum()) for s in sparse)
+    assert 0.2 * n_encoder < kept < 0.4 * n_encoder  # half the units and half their inputs: ~ a quarter
+    np.testing.assert_array_equal(new_state["salient"]["stage3_block1.conv2"],
+                                  new_state["salient"]["stage3_block3.conv2"])
+
+
+def test_fit_predictor_trains_the_predictor_on_a_frozen_encoder(make_split, mlp):
+    split = make_split([24])
+    local = LocalSGD(mlp, 0.1, 2, 8, momentum=0.9)
+    labels = part_labels(mlp)
+    start = mlp.init(jax.random.key(0))
+    encoder = take_part(mlp.init(jax.random.key(5)), labels, "encoder")
+    fitted, stats = jax.jit(lambda v, e, d, k: fit_predictor(local, v, e, d, k))(start, encoder, split.client(0),
+                                                                                 jax.random.key(1))
+    assert_trees_close(take_part(fitted, labels, "encoder"), encoder, atol=0, rtol=0)
+    assert float(jnp.abs(fitted["params"]["fc3"]["kernel"] - start["params"]["fc3"]["kernel"]).max()) > 1e-3
+
+
+def test_a_model_without_a_split_and_bad_flags_are_refused(tmp_path, capsys):
+    plain = ModelStructure((Layer("fc", "dense", ("fc", "kernel"), None, None, 3, 4, ("input",)),))
+    with pytest.raises(ValueError, match="names an encoder"):
+        encoder_layers(plain)
+    base = ["run", "--algorithm", "spatl", "--rounds", "1", "--no-progress", "--out", str(tmp_path / "bad")]
+    for args, fragment in ((["--salient-keep", "0"], "--salient-keep must be in (0, 1], got 0.0"),
+                           (["--salient-keep", "1.5"], "--salient-keep must be in (0, 1], got 1.5"),
+                           (["--flops-reduction", "1"], "--flops-reduction must be in [0, 1), got 1.0"),
+                           (["--spatl-aggregation", "mean"], "invalid choice")):
+        code = main([*base, *args]) if args[0] != "--spatl-aggregation" else None
+        if code is None:
+            with pytest.raises(SystemExit):
+                main([*base, *args])
+            assert fragment in capsys.readouterr().err
+            continue
+        assert code == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and fragment in err, err
+
+
+def test_cli_logs_table2_figures(tmp_path):
+    out = tmp_path / "spatl"
+    assert main(["run", "--algorithm", "spatl", "--num-clients", "4", "--clients-per-round", "4", "--rounds", "2",
+                 "--local-epochs", "1", "--no-progress", "--out", str(out)]) == 0
+    import json
+    last = json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])
+    assert last["test_accuracy"] is None
+    assert last["encoder_flops_reduction_mean"] >= 0.2 - 1e-6  # the default target
+    assert 0 < last["salient_kept_weights"] < 1 and 0 < last["flops_reduction_mean"] <= last["flops_reduction_max"]
+    assert last["downlink_bytes"] == 4 * 4 * 2 * MLP_ENCODER  # encoder and c_g to each of 4 clients
