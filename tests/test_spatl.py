@@ -254,3 +254,32 @@ def test_cli_logs_table2_figures(tmp_path):
     assert last["encoder_flops_reduction_mean"] >= 0.2 - 1e-6  # the default target
     assert 0 < last["salient_kept_weights"] < 1 and 0 < last["flops_reduction_mean"] <= last["flops_reduction_max"]
     assert last["downlink_bytes"] == 4 * 4 * 2 * MLP_ENCODER  # encoder and c_g to each of 4 clients
+
+
+def test_experiment_settings_validate_and_the_module_runs_with_its_transfer(monkeypatch, tmp_path):
+    """`python -m experiments.spatl --quick`, shrunk: every arm runs, Table 1/2 columns, and a new
+    client fits a predictor on SPATL's saved final encoder (transfer.json)."""
+    import csv
+    import dataclasses
+    import json
+
+    import experiments.spatl as module
+    for setting in module.SETTINGS.values():
+        for quick in (False, True):
+            for arm in setting.arms:
+                setting.arm_config(arm, tmp_path, quick).validate()
+    r20 = module.SETTINGS["resnet20"].config
+    assert (r20.num_clients, r20.clients_per_round, r20.rounds, r20.local_epochs, r20.lr, r20.alpha) == \
+        (10, 10, 100, 10, 0.005, 0.1)
+    tiny = {"rounds": 2, "num_clients": 4, "clients_per_round": 4, "local_epochs": 1}
+    monkeypatch.setitem(module.SETTINGS, "digits", dataclasses.replace(module.SETTINGS["digits"], quick=tiny))
+    monkeypatch.setattr(module, "TRANSFER_EPOCHS", 2)
+    assert module.run(["--quick", "--out", str(tmp_path), "--no-progress"]) == 0
+    with (tmp_path / "digits" / "results.csv").open() as f:
+        rows = {r["algorithm"]: r for r in csv.DictReader(f)}
+    assert list(rows) == ["spatl", "fedavg", "fedprox", "fednova", "scaffold"]
+    assert float(rows["spatl"]["flops_reduction_mean"]) >= 0.19
+    assert float(rows["scaffold"]["mb_per_client_round"]) == pytest.approx(2 * float(rows["fedavg"]["mb_per_client_round"]))
+    result = json.loads((tmp_path / "digits" / "transfer.json").read_text())
+    assert 0.2 < result["transfer_accuracy"] <= 1 and result["epochs"] == 2
+    assert result["fit_examples"] + result["validation_examples"] == 359  # the digits test split
