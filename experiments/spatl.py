@@ -1,10 +1,10 @@
 """SPATL against FedAvg, FedProx, FedNova and SCAFFOLD: Fig. 4, Tables 1 and 2, and the transfer of section 4.5.
 
-The paper's setting (SPATL section 4.1): CIFAR-10 (the JPEG image folder), Dirichlet(0.1) label skew, 10 clients all sampled every round, 100 rounds, 10 local epochs, lr 0.005 for ResNet-20/32 and 0.01 for VGG-11, each client's local test split a fifth of its training size with its own label distribution (the paper's 5,000 / 1,000); batch 64, momentum 0.9 and FedProx mu 0.01 are NIID-Bench's defaults (the code base SPATL builds on; the paper gives none). SPATL uses the fixed salient policy (the largest uniform keep ratio that cuts the encoder's FLOPs by 20 %, the official code's target). The metric is personalized accuracy (each client's model on its own test split, averaged), as in the paper. Table 1's columns: rounds to 80 %, MB per round per client (up + down), total; Table 2's: kept encoder weights of the uploads, FLOPs reduction (average and highest over clients). The paper's figures sit beside ours (ResNet-20: SPATL 84.27 %, 52 rounds, 2.1 MB; SCAFFOLD 49 rounds, 4.3 MB; Table 2: 84 % kept, 25.8 % / 31.9 % FLOPs). Transfer (section 4.5): after SPATL's run, a new client fits a predictor on the frozen global encoder (eq. 4) for 50 epochs of batch 64, on 90 % of the CIFAR-10 test images, and is scored on the other 10 % (paper, VGG-11: 87.06 %); written to transfer.md.
+The paper's setting (SPATL section 4.1): CIFAR-10 (the JPEG image folder), Dirichlet(0.1) label skew, 10 clients all sampled every round, 100 rounds, 10 local epochs, lr 0.005 for ResNet-20/32 and 0.01 for VGG-11, each client's local test split a fifth of its training size with its own label distribution (the paper's 5,000 / 1,000); batch 64, momentum 0.9 and FedProx mu 0.01 are NIID-Bench's defaults (the code base SPATL builds on; the paper gives none). SPATL runs twice: with the fixed salient policy (the largest uniform keep ratio that cuts the encoder's FLOPs by 20 %, the official code's target) and with each client's learned GNN-PPO agent (the paper's selection, 5 PPO updates of 20 steps per client and round, learning continually across rounds). The metric is personalized accuracy (each client's model on its own test split, averaged), as in the paper. Table 1's columns: rounds to 80 %, MB per round per client (up + down), total; Table 2's: kept encoder weights of the uploads, FLOPs reduction (average and highest over clients). The paper's figures sit beside ours (ResNet-20: SPATL 84.27 %, 52 rounds, 2.1 MB; SCAFFOLD 49 rounds, 4.3 MB; Table 2: 84 % kept, 25.8 % / 31.9 % FLOPs). Transfer (section 4.5): after SPATL's run, a new client fits a predictor on the frozen global encoder (eq. 4) for 50 epochs of batch 64, on 90 % of the CIFAR-10 test images, and is scored on the other 10 % (paper, VGG-11: 87.06 %); written to transfer.md.
 
 Differences from the paper, known in advance: the JPEG copy of CIFAR-10; eq. 12 is read with the sign that moves the global encoder toward the clients; our messages are priced as sent (SPATL's upload carries the kept values with their index and the control delta, its download the encoder and c_g), which is more than the 2.1 MB per client and round the paper's Table 1 states for SPATL on ResNet-20 (that figure equals FedAvg's model size).
 
-`digits` is the CPU-sized twin and the issue's done criterion: scikit-learn's digits, the MLP, 10 clients all sampled, Dirichlet(0.5), 50 rounds, 5 local epochs, batch 16, lr 0.05, FLOPs reduction 0.2, arms SPATL, FedAvg and SCAFFOLD (plus FedProx and FedNova); `--quick` runs it for 10 rounds.
+`digits` is the CPU-sized twin and the issue's done criterion: scikit-learn's digits, the MLP, 10 clients all sampled, Dirichlet(0.5), 50 rounds, 5 local epochs, batch 16, lr 0.05, FLOPs reduction 0.2, arms SPATL (fixed and agent policies), FedAvg and SCAFFOLD (plus FedProx and FedNova); `--quick` runs it for 10 rounds.
 
     python -m experiments.spatl [--quick] [--setting resnet20|resnet32|vgg11|digits] [--seeds 0,1,2] [--out DIR]
 """
@@ -34,7 +34,7 @@ MODULE = "experiments.spatl"
 DOC = __doc__.split("\n\n")
 DESCRIPTION = DOC[1]
 DEFAULT_OUT = "runs/experiments"
-EXTRA = ("salient_kept_weights", "flops_reduction_mean", "flops_reduction_max")
+EXTRA = ("salient_kept_weights", "flops_reduction_mean", "flops_reduction_max", "client_agent_reward")
 TRANSFER_EPOCHS, TRANSFER_BATCH, TRANSFER_TRAIN_SHARE = 50, 64, 0.9
 
 PAPER = {  # Table 1 (rounds to 80 %, MB per round per client), Fig. 4 final accuracy, Table 2
@@ -55,10 +55,12 @@ FINAL_STATE_ONLY = 10 ** 9  # a checkpoint interval no run reaches: only the fin
 
 
 def _arms(paper: dict) -> tuple[Arm, ...]:
-    """SPATL (which keeps its final state for the transfer) and the four baselines."""
+    """SPATL with the fixed policy (which keeps its final state for the transfer), SPATL with each
+    client's learned GNN-PPO agent (the paper's selection), and the four baselines."""
     spatl = Arm("spatl", {"algorithm": "spatl", "checkpoint_every": FINAL_STATE_ONLY}, paper.get("spatl", {}))
-    return (spatl, *(Arm(name, {"algorithm": name}, paper.get(name, {}))
-                     for name in ("fedavg", "fedprox", "fednova", "scaffold")))
+    agent = Arm("spatl_agent", {"algorithm": "spatl", "salient_policy": "agent"}, paper.get("spatl", {}))
+    return (spatl, agent, *(Arm(name, {"algorithm": name}, paper.get(name, {}))
+                            for name in ("fedavg", "fedprox", "fednova", "scaffold")))
 
 
 def _cifar(model: str, lr: float) -> Setting:

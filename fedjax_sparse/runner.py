@@ -223,6 +223,13 @@ def evaluate(exp: Experiment, server_state, client_states) -> dict:
     return out
 
 
+def client_metrics(metrics: dict) -> dict:
+    """The round's per-client figures beyond loss and steps (an agent's reward, a sub-model's
+    capacity, ...), each as `client_<name>`: the mean over the sampled clients."""
+    return {f"client_{name}": float(np.mean(np.asarray(value, np.float64)))
+            for name, value in metrics.items() if name not in ("loss", "num_steps")}
+
+
 def _to_python(x):
     x = np.asarray(x)
     return x.item() if x.ndim == 0 else x.tolist()
@@ -390,6 +397,7 @@ def run_experiment(config: RunConfig, *, progress: bool = True, resume: bool = F
                           "downlink_bytes": downlink, "cumulative_bytes": counters.cumulative_bytes,
                           "dense_train_flops": counters.dense_train_flops_total / config.num_clients,
                           "padded_step_fraction": counters.padded_step_fractions[-1],
+                          **client_metrics(round_out.metrics),
                           **evaluate(exp, server_state, client_states)}
                 writer.append_metrics(record)
                 history.append(record)

@@ -1,6 +1,7 @@
 """SPATL against independent truths: FedAvg at keep ratio 1 with zero control, eqs. 9-12 by hand,
 top-L2 units with tied groups, the FLOPs target, analytic bytes, nothing private on the wire."""
 
+import dataclasses
 import math
 
 import jax
@@ -272,7 +273,11 @@ def test_experiment_settings_validate_and_the_module_runs_with_its_transfer(monk
     assert (r20.num_clients, r20.clients_per_round, r20.rounds, r20.local_epochs, r20.lr, r20.alpha) == \
         (10, 10, 100, 10, 0.005, 0.1)
     tiny = {"rounds": 2, "num_clients": 4, "clients_per_round": 4, "local_epochs": 1}
-    monkeypatch.setitem(module.SETTINGS, "digits", dataclasses.replace(module.SETTINGS["digits"], quick=tiny))
+    digits = module.SETTINGS["digits"]
+    assert [a.label for a in digits.arms] == ["spatl", "spatl_agent", "fedavg", "fedprox", "fednova", "scaffold"]
+    # the agent arm compiles a whole PPO search into the round (~40 s on 2 cores): tested on its own above
+    arms = tuple(a for a in digits.arms if a.label != "spatl_agent")
+    monkeypatch.setitem(module.SETTINGS, "digits", dataclasses.replace(digits, quick=tiny, arms=arms))
     monkeypatch.setattr(module, "TRANSFER_EPOCHS", 2)
     assert module.run(["--quick", "--out", str(tmp_path), "--no-progress"]) == 0
     with (tmp_path / "digits" / "results.csv").open() as f:
@@ -283,3 +288,54 @@ def test_experiment_settings_validate_and_the_module_runs_with_its_transfer(monk
     result = json.loads((tmp_path / "digits" / "transfer.json").read_text())
     assert 0.2 < result["transfer_accuracy"] <= 1 and result["epochs"] == 2
     assert result["fit_examples"] + result["validation_examples"] == 359  # the digits test split
+
+
+# ------------------------------------------------------------------ the learned policy (GNN + PPO agent)
+
+QUICK_COMPILE = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
+
+
+def test_agent_policy_meets_the_flops_target_and_carries_its_state_over_rounds(make_split, mlp, tmp_path):
+    """A tiny agent on the MLP: its keep ratios' salient masks cut the encoder FLOPs by the target;
+    the state a search returns is what the next search starts from (different from starting
+    afresh), `agent_reset` ignores it, and a saved agent is what every client starts from."""
+    from fedjax_sparse.agent import AgentConfig, GraphTemplate, save_agent
+    from fedjax_sparse.algorithms.spatl import agent_policy, load_agent
+    split = make_split([40])
+    variables = mlp.init(jax.random.key(0))
+    layers = encoder_layers(mlp.structure)
+    config = AgentConfig(updates=2, steps_per_update=6, epochs=2, hidden_size=8, message_passing_steps=1,
+                         flops_target=0.3)
+    options = make_options("spatl", {"salient_policy": "agent", "flops_reduction": 0.3,
+                                     "agent_validation_examples": 16})
+    policy = agent_policy(mlp, layers, options, config)
+    select = jax.jit(policy.select, compiler_options=QUICK_COMPILE)
+    start = policy.init(jax.random.key(1))
+    data, key = split.client(0), jax.random.key(2)
+    first, ratios, metrics = select(start, variables, data, key)
+    masks = salient_masks(mlp.structure, variables["params"], ratios, layers)
+    dense = float(encoder_flops(mlp.structure, full_unit_masks(mlp.structure), layers))
+    assert float(encoder_flops(mlp.structure, masks, layers)) <= 0.7 * dense + 1e-3
+    assert 0 <= float(metrics["agent_reward"]) <= 100
+    second, _, _ = select(first, variables, data, key)
+    again, _, _ = select(start, variables, data, key)
+    leaves = lambda s: jax.tree_util.tree_leaves(s.params)  # noqa: E731
+    assert any(float(jnp.abs(a - b).max()) > 0 for a, b in zip(leaves(first), leaves(start)))
+    assert any(float(jnp.abs(a - b).max()) > 0 for a, b in zip(leaves(second), leaves(again)))
+
+    reset = agent_policy(mlp, layers, dataclasses.replace(options, agent_reset=True), config)
+    select_reset = jax.jit(reset.select, compiler_options=QUICK_COMPILE)
+    from_first, _, _ = select_reset(first, variables, data, key)
+    from_start, _, _ = select_reset(start, variables, data, key)
+    assert_trees_close(from_first.params, from_start.params, atol=0, rtol=0)
+
+    path = tmp_path / "agent.msgpack"
+    save_agent(path, first)
+    loaded = load_agent(path, GraphTemplate.from_structure(mlp.structure, layers), config)
+    assert_trees_close(loaded.params, first.params, atol=0, rtol=0)
+    seeded = agent_policy(mlp, layers, options, config, initial=loaded)
+    assert_trees_close(seeded.init(jax.random.key(9)).params, first.params, atol=0, rtol=0)
+    # the networks are shared over nodes, so an agent moves to another encoder (the paper's transfer
+    # of a pre-trained agent); networks of another width are refused
+    with pytest.raises(ValueError, match="not an agent of this encoder"):
+        load_agent(path, GraphTemplate.from_structure(mlp.structure, layers), dataclasses.replace(config, hidden_size=4))

@@ -68,6 +68,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from fedjax_sparse.agent import (AgentConfig, AgentState, GraphTemplate, PruningEnv, init_agent, load_agent,
+                                 search, unit_norm_statistics)
 from fedjax_sparse.algorithms.scaffold import server_lr_option
 from fedjax_sparse.core.aggregation import weighted_mean
 from fedjax_sparse.core.algorithm import AlgorithmSpec, BuildContext, FederatedAlgorithm, replicate
@@ -79,7 +81,7 @@ from fedjax_sparse.core.messages import SparseArray
 from fedjax_sparse.core.options import option
 from fedjax_sparse.core.unit_masks import full_unit_masks, variable_masks
 from fedjax_sparse.core.unit_selection import keep_top_units
-from fedjax_sparse.data.federated import ClientData
+from fedjax_sparse.data.federated import ClientData, epoch_permutations, normalize
 from fedjax_sparse.models.structure import ModelStructure, get_path
 
 tree_map = jax.tree_util.tree_map
@@ -88,8 +90,9 @@ tree_map = jax.tree_util.tree_map
 @dataclasses.dataclass(frozen=True)
 class SPATLOptions:
     server_lr: float = server_lr_option()
-    salient_policy: str = option("fixed", "SPATL: how each client picks its encoder layers' keep ratios",
-                                 choices=("fixed",))
+    salient_policy: str = option("fixed", "SPATL: how each client picks its encoder layers' keep ratios: one "
+                                          "ratio for all (fixed) or its learned GNN-PPO agent (agent)",
+                                 choices=("fixed", "agent"))
     salient_keep: float | None = option(None, "SPATL fixed policy: keep this fraction of every encoder layer's "
                                               "units (default: the largest that meets --flops-reduction)",
                                         low=0.0, low_open=True, high=1.0)
@@ -101,6 +104,14 @@ class SPATLOptions:
     spatl_evaluation: str = option("salient", "SPATL: clients predict with their salient sub-model or their "
                                               "dense encoder", choices=("salient", "dense"))
     gradient_control: bool = option(True, "SPATL: correct the encoder's gradients by c_g - c_l (eq. 9)")
+    agent_updates: int = option(5, "SPATL agent: PPO updates of each client's agent per round (20 steps each)",
+                                low=1)
+    agent_reset: bool = option(False, "SPATL agent: a fresh agent every round (the official code) instead of "
+                                      "continual learning")
+    agent_init: str | None = option(None, "SPATL agent: start every client from this saved agent "
+                                          "(agent.save_agent's file)")
+    agent_validation_examples: int = option(64, "SPATL agent: training examples of the client that score a "
+                                                "candidate sub-model (the reward)", low=1)
 
 
 # ------------------------------------------------------------------ salient units
@@ -172,6 +183,75 @@ def fixed_policy(layers: tuple[str, ...], ratio: float) -> SalientPolicy:
     return SalientPolicy(init=lambda key: {}, select=lambda state, variables, data, key: (state, ratios, {}))
 
 
+def validation_batch(data: ClientData, size: int, key: jax.Array):
+    """(x, y, mask): `size` random examples of the client's own training data (fewer: masked)."""
+    k = min(size, data.max_count)
+    order = epoch_permutations(key, data.count, data.max_count, 1)[0][:k]
+    mask = jnp.arange(k) < data.count
+    index = data.offset + jnp.minimum(order, data.count - 1)
+    return normalize(data.x[index], data.mean, data.std), data.y[index], mask
+
+
+def agent_config(options: SPATLOptions) -> AgentConfig:
+    """The agent's settings: the paper's PPO defaults, SPATL's updates per round and FLOPs target."""
+    return AgentConfig(updates=options.agent_updates, flops_target=options.flops_reduction)
+
+
+def agent_policy(model, layers: tuple[str, ...], options: SPATLOptions, config: AgentConfig | None = None,
+                 initial: AgentState | None = None) -> SalientPolicy:
+    """Each client's GNN-PPO agent (`fedjax_sparse.agent`) searches its keep ratios every round.
+
+    The environment is the client's trained model: FLOPs from the masks the ratios imply,
+    the unit-norm statistics of its weights, and as reward the accuracy of its salient
+    sub-model (encoder masked, its own predictor) on `agent_validation_examples` of its own
+    training examples, drawn anew each round (never the test data). The agent's state is
+    the client's and carries over between rounds (sec. 4.6.2's continual learning) unless
+    `agent_reset`; `initial` (or `agent_init`) is a trained agent every client starts from.
+    """
+    structure = model.structure
+    config = config or agent_config(options)
+    template = GraphTemplate.from_structure(structure, layers)
+    dense = float(encoder_flops(structure, full_unit_masks(structure), layers))
+    prefix = {l.name: -jnp.arange(l.num_units, dtype=jnp.float32) for l in structure.layers}
+
+    def as_dict(ratios):
+        return {name: ratios[i] for i, name in enumerate(layers)}
+
+    def flops_kept(env_state, ratios):
+        masks = keep_top_units(structure, prefix, as_dict(ratios), layers=layers)  # counts decide FLOPs
+        return encoder_flops(structure, masks, layers) / dense
+
+    def norm_stats(env_state, ratios):
+        return unit_norm_statistics(unit_l2_norms(structure, env_state["variables"]["params"], layers), layers,
+                                    ratios)
+
+    def reward(env_state, ratios):
+        variables = env_state["variables"]
+        masks = salient_masks(structure, variables["params"], as_dict(ratios), layers)
+        x, y, mask = env_state["validation"]
+        logits, _ = model.apply({**variables, "unit_masks": masks}, x, train=False)
+        return jnp.sum((jnp.argmax(logits, -1) == y) & mask) / jnp.maximum(mask.sum(), 1)
+
+    env = PruningEnv(flops_kept=flops_kept, unit_norm_stats=norm_stats, reward=reward)
+
+    def init(key):
+        return initial if initial is not None else init_agent(key, template, config)
+
+    def select(state, variables, data, key):
+        init_key, batch_key, search_key = jax.random.split(key, 3)
+        if options.agent_reset:
+            state = init(init_key)
+        env_state = {"variables": variables,
+                     "validation": validation_batch(data, options.agent_validation_examples, batch_key)}
+        state, result = search(state, env_state, search_key, env=env, template=template, config=config)
+        metrics = {"agent_reward": result.reward, "agent_flops_kept": result.flops_kept,
+                   "agent_met_target": result.agent_met_target.astype(jnp.float32),
+                   "agent_last_update_reward": result.mean_episode_reward[-1]}
+        return state, as_dict(result.keep_ratios), metrics
+
+    return SalientPolicy(init=init, select=select)
+
+
 # ------------------------------------------------------------------ transfer (eq. 4)
 
 def fit_predictor(local: LocalSGD, variables: dict, encoder: dict, data: ClientData, key: jax.Array) -> tuple[dict, dict]:
@@ -196,7 +276,12 @@ def spatl(context: BuildContext, options: SPATLOptions, policy: SalientPolicy | 
     layers = encoder_layers(structure)
     labels = part_labels(model)
     num_clients = context.num_clients
-    if policy is None:
+    if policy is None and options.salient_policy == "agent":
+        config = agent_config(options)
+        initial = (load_agent(options.agent_init, GraphTemplate.from_structure(structure, layers), config)
+                   if options.agent_init else None)
+        policy = agent_policy(model, layers, options, config, initial)
+    elif policy is None:
         ratio = options.salient_keep if options.salient_keep is not None else \
             uniform_keep_ratio(structure, layers, options.flops_reduction)
         policy = fixed_policy(layers, ratio)
