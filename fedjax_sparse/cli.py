@@ -21,17 +21,15 @@ def _run_parser(sub) -> argparse.ArgumentParser:
     from fedjax_sparse.core.options import add_flags
     from fedjax_sparse.runner import RunConfig
 
-    p = sub.add_parser("run", help="run one federated experiment", epilog=_HELP_EPILOG,
-                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    # Every default is suppressed here, so the parsed namespace holds exactly the flags given;
-    # `--help` still shows the defaults (filled in below).
+    p = sub.add_parser("run", help="run one federated experiment", epilog=_HELP_EPILOG)
+    # The parsed namespace holds exactly the flags given (`add_flags` sets no defaults).
     shared = p.add_argument_group("run options")
     seen: set[str] = set()
-    add_flags(shared, RunConfig, suppress_defaults=True, seen=seen)
+    add_flags(shared, RunConfig, seen=seen)
     algo = p.add_argument_group("algorithm options")
     users = option_users()
     for spec in ALGORITHMS.values():
-        add_flags(algo, spec.options, used_by=users, suppress_defaults=True, seen=seen)
+        add_flags(algo, spec.options, used_by=users, seen=seen)
     p.add_argument("--resume", metavar="DIR", default=None,
                    help="continue the run in DIR from its latest checkpoint; its config.json is the "
                         "default for every flag, and flags that would change the results are refused")

@@ -219,8 +219,24 @@ def test_bad_n_from_the_cli_is_a_one_line_error(tmp_path, capsys, n):
     assert not (tmp_path / "bad" / "metrics.jsonl").exists()
 
 
-def test_registry_has_the_three_algorithms():
-    assert {"fedldf", "fedldf_random", "hdfl"} <= set(ALGORITHMS)
+def test_the_registry_builds_every_algorithm_with_its_options(make_split, mlp):
+    """Each name builds the algorithm of that name; FedLDF's n from its options reaches the upload
+    choice (exactly n of the K = 4 clients upload each layer)."""
+    from fedjax_sparse.algorithms import make_algorithm, make_options
+    from fedjax_sparse.core.algorithm import BuildContext
+    split = make_split([8, 8, 8, 8])
+    context = BuildContext(local=local_sgd(mlp), num_clients=4, clients_per_round=4, train=split, num_classes=10,
+                           labels_per_client=2)
+    for name in ALGORITHMS:
+        assert make_algorithm(name, context, make_options(name, {})).name == name
+    for name in ("fedldf", "fedldf_random"):
+        algorithm = make_algorithm(name, context, make_options(name, {"clients_per_layer": 3}))
+        like = tree_map(lambda s: jnp.zeros((4, *s.shape)), jax.eval_shape(mlp.init, jax.random.key(0)))
+        divergence = jnp.arange(12.0).reshape(4, 3)
+        ups = algorithm.select_uploads({"divergence": divergence, "variables": like}, jnp.ones(4),
+                                       round_info(0, 0, jnp.arange(4)))
+        sent = np.asarray(ups["variables"]["params"]["fc2"]["bias"].mask)[:, 0]
+        assert sent.sum() == 3
 
 
 def test_experiment_settings_and_uplink_curve():

@@ -482,14 +482,21 @@ def test_cli_spafl_on_digits_logs_density_flops_and_threshold_bytes(tmp_path, ca
 
 def test_experiment_settings_are_valid_and_quick_means_digits(monkeypatch, tmp_path):
     import experiments.spafl as module
-    from fedjax_sparse.algorithms import ALGORITHM_NAMES
+    expected = {"fedavg": ("fedavg", "uniform"), "local": ("spafl_local", None), "spafl": ("spafl", True),
+                "spafl_no_eq13": ("spafl", False)}
     for setting in module.SETTINGS.values():
-        assert [a.label for a in setting.arms] == ["fedavg", "local", "spafl", "spafl_no_eq13"]
+        assert [a.label for a in setting.arms] == list(expected)
         for quick in (False, True):
             for arm in setting.arms:
                 config = setting.arm_config(arm, tmp_path, quick)
                 config.validate()
-                assert config.algorithm in ALGORITHM_NAMES
+                algorithm, option = expected[arm.label]
+                assert config.algorithm == algorithm
+                options = config.algorithm_options
+                if algorithm == "fedavg":  # appendix A.1.1: FedAvg's clients weigh equally
+                    assert options.aggregation_weights == option
+                elif algorithm == "spafl":
+                    assert options.threshold_update is option
     done = module.SETTINGS["digits"].config  # the done criterion
     assert (done.model, done.num_clients, done.clients_per_round, done.rounds, done.local_epochs,
             done.batch_size, done.lr, done.alpha) == ("mlp", 20, 10, 50, 5, 16, 0.1, 0.5)

@@ -131,11 +131,12 @@ def _parser_for(element: type, optional: bool, is_tuple: bool, name: str):
     return parse
 
 
-def add_flags(parser: argparse.ArgumentParser, cls, *, defaults_from: Any = None, used_by: dict | None = None,
-              suppress_defaults: bool = False, seen: set | None = None) -> None:
+def add_flags(parser, cls, *, used_by: dict | None = None, seen: set | None = None) -> None:
     """Adds a `--flag` for every declared field of `cls` not in `seen` (names already added).
 
-    `used_by` maps field names to the algorithms that read them, shown in the help.
+    Defaults are shown in the help but not set: the parsed namespace holds exactly the flags
+    given, so a caller can tell a given flag from a default (and refuse one its algorithm does
+    not read). `used_by` maps field names to the algorithms that read them, shown in the help.
     """
     hints = typing.get_type_hints(cls)
     seen = set() if seen is None else seen
@@ -144,17 +145,12 @@ def add_flags(parser: argparse.ArgumentParser, cls, *, defaults_from: Any = None
             continue
         seen.add(field.name)
         spec = spec_of(field)
-        default = getattr(defaults_from, field.name) if defaults_from is not None else field.default
+        default = field.default
         help_text = spec.help.replace("%", "%%")
         if used_by and field.name in used_by:
             help_text += f" [{', '.join(used_by[field.name])}]"
-        if suppress_defaults and not isinstance(default, bool):
-            shown = ",".join(map(str, default)) if isinstance(default, tuple) else default
-            help_text += f" (default: {shown})"
         element, optional, is_tuple = _base_type(hints[field.name])
-        kwargs = {"dest": field.name}
-        if suppress_defaults:
-            kwargs["default"] = argparse.SUPPRESS
+        kwargs = {"dest": field.name, "default": argparse.SUPPRESS}
         if element is bool and not is_tuple:
             if default:
                 parser.add_argument("--no-" + field.name.replace("_", "-"), action="store_false",
@@ -162,16 +158,13 @@ def add_flags(parser: argparse.ArgumentParser, cls, *, defaults_from: Any = None
             else:
                 parser.add_argument(flag_name(field.name), action="store_true", help=help_text, **kwargs)
             continue
-        if not suppress_defaults:
-            kwargs["default"] = default
+        shown = ",".join(map(str, default)) if isinstance(default, tuple) else default
+        help_text += f" (default: {shown})"
         if spec.choices is not None and not is_tuple:
             kwargs["choices"] = spec.choices
-        metavar = None
-        if is_tuple:
-            metavar = "A,B,..."
-            help_text += " (comma-separated)"
         parser.add_argument(flag_name(field.name), type=_parser_for(element, optional, is_tuple, field.name),
-                            help=help_text, metavar=metavar, **kwargs)
+                            help=help_text + (" (comma-separated)" if is_tuple else ""),
+                            metavar="A,B,..." if is_tuple else None, **kwargs)
 
 
 def from_mapping(cls, values: dict, *, strict: bool = True):
