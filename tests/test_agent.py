@@ -18,12 +18,9 @@ from fedjax_sparse.core.unit_selection import kept_units
 from fedjax_sparse.models import get_model
 
 tree_map = jax.tree_util.tree_map
-# These tests check what the search computes, not how fast: XLA's cheapest compilation about halves
-# the compile times that dominate this file on a CPU.
-QUICK_COMPILE = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
 STATIC = ("env", "template", "config")
-search_jit = jax.jit(search, static_argnames=STATIC, compiler_options=QUICK_COMPILE)
-search_clients_jit = jax.jit(search_clients, static_argnames=STATIC, compiler_options=QUICK_COMPILE)
+search_jit = jax.jit(search, static_argnames=STATIC)  # compiled cheaply: see conftest.py
+search_clients_jit = jax.jit(search_clients, static_argnames=STATIC)
 
 
 def assert_trees_close(a, b, atol=1e-5, rtol=1e-5):

@@ -292,9 +292,6 @@ def test_experiment_settings_validate_and_the_module_runs_with_its_transfer(monk
 
 # ------------------------------------------------------------------ the learned policy (GNN + PPO agent)
 
-QUICK_COMPILE = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
-
-
 def test_agent_policy_meets_the_flops_target_and_carries_its_state_over_rounds(make_split, mlp, tmp_path):
     """A tiny agent on the MLP: its keep ratios' salient masks cut the encoder FLOPs by the target;
     the state a search returns is what the next search starts from (different from starting
@@ -309,7 +306,7 @@ def test_agent_policy_meets_the_flops_target_and_carries_its_state_over_rounds(m
     options = make_options("spatl", {"salient_policy": "agent", "flops_reduction": 0.3,
                                      "agent_validation_examples": 16})
     policy = agent_policy(mlp, layers, options, config)
-    select = jax.jit(policy.select, compiler_options=QUICK_COMPILE)
+    select = jax.jit(policy.select)
     start = policy.init(jax.random.key(1))
     data, key = split.client(0), jax.random.key(2)
     first, ratios, metrics = select(start, variables, data, key)
@@ -324,7 +321,7 @@ def test_agent_policy_meets_the_flops_target_and_carries_its_state_over_rounds(m
     assert any(float(jnp.abs(a - b).max()) > 0 for a, b in zip(leaves(second), leaves(again)))
 
     reset = agent_policy(mlp, layers, dataclasses.replace(options, agent_reset=True), config)
-    select_reset = jax.jit(reset.select, compiler_options=QUICK_COMPILE)
+    select_reset = jax.jit(reset.select)
     from_first, _, _ = select_reset(first, variables, data, key)
     from_start, _, _ = select_reset(start, variables, data, key)
     assert_trees_close(from_first.params, from_start.params, atol=0, rtol=0)
