@@ -160,8 +160,13 @@ def write_table(rows: list[dict], out: Path, setting: Setting, quick: bool, comm
     print("\n".join(lines[-len(rows) - 2:]))
 
 
-def main(settings: dict[str, Setting], module: str, argv: Sequence[str] | None = None) -> int:
-    """Command line of an experiment module `module` (e.g. 'experiments.baselines_digits')."""
+def main(settings: dict[str, Setting], module: str, argv: Sequence[str] | None = None, *,
+         quick_setting: str | None = None) -> int:
+    """Command line of an experiment module `module` (e.g. 'experiments.baselines_digits').
+
+    `quick_setting`: the setting `--quick` alone runs (a module's CPU-sized twin); without it,
+    or with `--setting`, the named (default: all) settings run.
+    """
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = argparse.ArgumentParser(prog=f"python -m {module}",
                                      description="Runs a paper's setting and tabulates it.")
@@ -174,7 +179,8 @@ def main(settings: dict[str, Setting], module: str, argv: Sequence[str] | None =
     parser.add_argument("--no-progress", action="store_true")
     args = parser.parse_args(argv)
     try:
-        for name in args.setting or list(settings):
+        default = [quick_setting] if args.quick and quick_setting else list(settings)
+        for name in args.setting or default:
             run_setting(settings[name], Path(args.out), args.quick, progress=not args.no_progress,
                         command=" ".join(["python -m", module, *argv]), seeds=args.seeds)
     except (ValueError, FileNotFoundError, DivergenceError) as e:

@@ -11,7 +11,6 @@ Differences from the paper, known in advance: the CIFAR-10 data is the JPEG copy
 
 from __future__ import annotations
 
-import sys
 from typing import Sequence
 
 from experiments.common import Arm, Setting, cifar10_folder, main
@@ -85,10 +84,7 @@ SETTINGS = {
 
 def run(argv: Sequence[str] | None = None) -> int:
     """`main` of experiments.common, with `--quick` meaning the digits setting unless --setting is given."""
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if "--quick" in argv and "--setting" not in argv:
-        argv += ["--setting", "digits"]
-    return main(SETTINGS, MODULE, argv)
+    return main(SETTINGS, MODULE, argv, quick_setting="digits")
 
 
 if __name__ == "__main__":

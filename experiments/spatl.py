@@ -119,18 +119,16 @@ def transfer(config: RunConfig, run_dir: Path, *, epochs: int | None = None, bat
 def run(argv: Sequence[str] | None = None) -> int:
     """`main` of experiments.common (with `--quick` meaning digits), then the transfer of SPATL's encoder."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    if "--quick" in argv and "--setting" not in argv:
-        argv += ["--setting", "digits"]
     parser = argparse.ArgumentParser(add_help=False)  # the flags of experiments.common.main we need
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--setting", action="append")
     parser.add_argument("--out", default=DEFAULT_OUT)
     parser.add_argument("--seeds", default=None)
     args, _ = parser.parse_known_args(argv)
-    code = main(SETTINGS, MODULE, argv)
+    code = main(SETTINGS, MODULE, argv, quick_setting="digits")
     if code:
         return code
-    names = args.setting or list(SETTINGS)
+    names = args.setting or (["digits"] if args.quick else list(SETTINGS))
     for name in names:
         setting = SETTINGS[name]
         arm = next(a for a in setting.arms if a.label == "spatl")

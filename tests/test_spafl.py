@@ -500,10 +500,11 @@ def test_experiment_settings_are_valid_and_quick_means_digits(monkeypatch, tmp_p
     done = module.SETTINGS["digits"].config  # the done criterion
     assert (done.model, done.num_clients, done.clients_per_round, done.rounds, done.local_epochs,
             done.batch_size, done.lr, done.alpha) == ("mlp", 20, 10, 50, 5, 16, 0.1, 0.5)
+    import experiments.common as common
     seen = []
-    monkeypatch.setattr(module, "main", lambda settings, name, argv: seen.append(argv) or 0)
-    assert module.run(["--quick"]) == 0 and seen[-1] == ["--quick", "--setting", "digits"]
-    assert module.run(["--quick", "--setting", "cifar10"]) == 0 and seen[-1] == ["--quick", "--setting", "cifar10"]
+    monkeypatch.setattr(common, "run_setting", lambda setting, *args, **kwargs: seen.append(setting.name))
+    assert module.run(["--quick"]) == 0 and seen == ["digits"]
+    assert module.run(["--quick", "--setting", "cifar10"]) == 0 and seen == ["digits", "cifar10"]
 
 
 def test_experiment_module_runs_and_tabulates_every_arm(monkeypatch, tmp_path):

@@ -351,9 +351,10 @@ def test_experiment_settings_validate_and_quick_means_digits(monkeypatch, tmp_pa
         for quick in (False, True):
             for arm in setting.arms:
                 setting.arm_config(arm, tmp_path, quick).validate()
+    import experiments.common as common
     seen = []
-    monkeypatch.setattr(module, "main", lambda settings, name, argv: seen.append(argv) or 0)
-    assert module.run(["--quick"]) == 0 and seen[-1] == ["--quick", "--setting", "digits"]
+    monkeypatch.setattr(common, "run_setting", lambda setting, *args, **kwargs: seen.append(setting.name))
+    assert module.run(["--quick"]) == 0 and seen == ["digits"]
 
 
 def test_experiment_module_runs_every_arm(monkeypatch, tmp_path):
