@@ -86,7 +86,7 @@ def test_ste_gradients_on_a_no_bias_no_norm_model_are_eq9_as_the_paper_writes_it
     tau = median_thresholds(model.structure, params)
     x = jax.random.normal(jax.random.key(1), (6, 16, 16, 1))
     y = jnp.arange(6) % 10
-    g_params, g_tau = jax.grad(ste_loss(model, x, y), argnums=(0, 1))(params, tau, {})
+    g_params, g_tau = jax.jit(jax.grad(ste_loss(model, x, y), argnums=(0, 1)))(params, tau, {})
 
     masks = threshold_masks(model.structure, params, tau)
 
@@ -96,7 +96,7 @@ def test_ste_gradients_on_a_no_bias_no_norm_model_are_eq9_as_the_paper_writes_it
         return optax_ce(logits, y)
 
     w_tilde = {k: {"kernel": v["kernel"] * masks[k]} for k, v in params.items()}
-    g = jax.grad(kernel_masked)(w_tilde)
+    g = jax.jit(jax.grad(kernel_masked))(w_tilde)
     base = float(kernel_masked(w_tilde))
     for layer in model.structure.layers:
         w = np.asarray(params[layer.name]["kernel"]).reshape(-1, layer.num_units)
@@ -123,7 +123,7 @@ def _threshold_task_gradients(model, variables, key):
     tau = median_thresholds(model.structure, params)
     x = jax.random.normal(key, (16, *model.input_shape))
     y = jnp.arange(16) % model.num_classes
-    g_tau = jax.grad(ste_loss(model, x, y), argnums=1)(params, tau, variables["batch_stats"])
+    g_tau = jax.jit(jax.grad(ste_loss(model, x, y), argnums=1))(params, tau, variables["batch_stats"])
     masks = threshold_masks(model.structure, params, tau)
     hidden = [l.name for l in model.structure.layers[:-1]]
     kept = np.concatenate([np.abs(g_tau[n])[np.asarray(masks[n])] for n in hidden])
