@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import chex
 import jax
 
 from fedjax_sparse.core.local_training import LocalSGD
@@ -23,11 +24,13 @@ tree_map = jax.tree_util.tree_map
 
 def corrected_gradients(grads: Any, server_control: Any, client_control: Any) -> Any:
     """g + c - c_i, leaf by leaf."""
+    chex.assert_trees_all_equal_shapes(grads, server_control, client_control)
     return tree_map(lambda g, c, ci: g + c - ci, grads, server_control, client_control)
 
 
 def control_update(local: LocalSGD, client_control: Any, server_control: Any, start: Any, end: Any,
                    num_steps: jax.Array, round_index: jax.Array) -> Any:
     """c_i+ = c_i - c + (start - end) / (effective steps x the round's learning rate)."""
+    chex.assert_trees_all_equal_shapes(client_control, server_control, start, end)
     scale = 1.0 / (local.effective_steps(num_steps) * local.learning_rate_at(round_index))
     return tree_map(lambda ci, c, w0, w1: ci - c + (w0 - w1) * scale, client_control, server_control, start, end)

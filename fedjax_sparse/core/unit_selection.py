@@ -16,6 +16,7 @@ always keeps every unit.
 
 from __future__ import annotations
 
+import chex
 import jax
 import jax.numpy as jnp
 
@@ -57,6 +58,8 @@ def keep_top_units(structure: ModelStructure, scores: dict[str, jax.Array], frac
     """
     masks = {l.name: jnp.ones((l.num_units,), jnp.float32) for l in structure.layers}
     for members in selectable_groups(structure, layers):
+        for m in members:
+            chex.assert_shape(scores[m.name], (m.num_units,))
         total = sum(jnp.asarray(scores[m.name], jnp.float32) for m in members)
         fraction = (sum(jnp.asarray(fractions[m.name], jnp.float32) for m in members) / len(members)
                     if isinstance(fractions, dict) else fractions)
