@@ -77,3 +77,25 @@ def test_lr_decay_is_exact_on_resume_and_really_applied(tmp_path):
     assert decayed[0] == undecayed[0]
     assert decayed[1]["train_loss"] != undecayed[1]["train_loss"]
     assert decayed[1]["test_loss"] != undecayed[1]["test_loss"]
+
+
+def test_a_config_saved_before_options_moved_beside_their_algorithms_still_loads():
+    """The flat config.json of the earlier layout held every algorithm's flags; loading keeps the run's
+    own algorithm's options, drops the others', fills options added since with their defaults, and
+    resuming against it reports no mismatch."""
+    from fedjax_sparse.checkpoint import config_mismatches
+    from fedjax_sparse.runner import RunConfig
+    old = {"algorithm": "fedldf", "dataset": "digits", "model": "mlp", "num_clients": 20, "clients_per_round": 10,
+           "rounds": 30, "local_epochs": 5, "batch_size": 16, "lr": 0.1, "momentum": 0.0, "weight_decay": 0.0,
+           "partition": "dirichlet", "alpha": 0.5, "labels_per_client": None, "min_examples": 2,
+           "local_test_ratio": 0.2, "seed": 0, "eval_every": 1, "mu": 0.01, "server_lr": 1.0, "sparsity_coef": 0.002,
+           "weight_bounds": True, "threshold_update": True, "clients_per_layer": 3, "shard_clients": False,
+           "client_chunk": None, "max_train_examples": None, "max_test_examples": None, "checkpoint_every": 5,
+           "out": "runs/old"}
+    config = RunConfig.from_dict(old)
+    assert config.algorithm_options.clients_per_layer == 3
+    flat = config.to_dict()
+    assert "mu" not in flat and "sparsity_coef" not in flat and flat["lr_decay"] == 1.0
+    assert config_mismatches(RunConfig.from_dict(old).to_dict(), RunConfig.create(**{
+        k: v for k, v in old.items() if k not in ("mu", "server_lr", "sparsity_coef", "weight_bounds",
+                                                 "threshold_update")}).to_dict()) == []
