@@ -305,6 +305,7 @@ def test_agent_policy_meets_the_flops_target_and_carries_its_state_over_rounds(m
                          flops_target=0.3)
     options = make_options("spatl", {"salient_policy": "agent", "flops_reduction": 0.3,
                                      "agent_validation_examples": 16})
+    assert agent_policy(mlp, layers, options, config).holdout == 0.1
     policy = agent_policy(mlp, layers, options, config)
     select = jax.jit(policy.select)
     start = policy.init(jax.random.key(1))
@@ -336,3 +337,15 @@ def test_agent_policy_meets_the_flops_target_and_carries_its_state_over_rounds(m
     # of a pre-trained agent); networks of another width are refused
     with pytest.raises(ValueError, match="not an agent of this encoder"):
         load_agent(path, GraphTemplate.from_structure(mlp.structure, layers), dataclasses.replace(config, hidden_size=4))
+
+
+def test_the_agent_scores_on_examples_held_out_of_local_training(make_split):
+    """A client of 20 examples with 10 % held out trains on its first 18 and is scored on the last 2."""
+    from fedjax_sparse.algorithms.spatl import split_holdout
+    split = make_split([7, 20])
+    training, held = split_holdout(split.client(1), 0.1)
+    assert (int(training.offset), int(training.count), int(held.offset), int(held.count)) == (7, 18, 25, 2)
+    training, held = split_holdout(split.client(0), 0.1)  # ceil(0.7) = 1 of 7
+    assert (int(training.count), int(held.offset), int(held.count)) == (6, 6, 1)
+    same, _ = split_holdout(split.client(1), 0.0)
+    assert int(same.count) == 20

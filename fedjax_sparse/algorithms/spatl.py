@@ -30,7 +30,10 @@ members' summed norms at the mean of their ratios). Policy `fixed`: one ratio
 for every layer, `salient_keep`, or by default the largest uniform ratio whose
 masks cut the encoder's FLOPs by at least `flops_reduction` (default 0.2, the
 official code's target), counted with the inputs a pruned unit removes from its
-consumers (`core.flops`, count_inputs=True).
+consumers (`core.flops`, count_inputs=True). Policy `agent`: each client's GNN-PPO
+agent (`fedjax_sparse.agent`, `agent_policy`), rewarded by the accuracy of the
+candidate sub-model on a held-out share of the client's own data (the paper's
+"validation dataset"; `agent_validation_fraction`, kept out of local training).
 
 Messages. Down: the encoder (weights and BatchNorm statistics) and c_g, dense.
 Up: the kept units' encoder values (their kernel entries from kept inputs,
@@ -110,8 +113,11 @@ class SPATLOptions:
                                       "continual learning")
     agent_init: str | None = option(None, "SPATL agent: start every client from this saved agent "
                                           "(agent.save_agent's file)")
-    agent_validation_examples: int = option(64, "SPATL agent: training examples of the client that score a "
-                                                "candidate sub-model (the reward)", low=1)
+    agent_validation_fraction: float = option(0.1, "SPATL agent: share of each client's data held out of local "
+                                                   "training to score candidate sub-models (the reward)",
+                                              low=0.0, low_open=True, high=1.0, high_open=True)
+    agent_validation_examples: int = option(64, "SPATL agent: at most this many held-out examples score a "
+                                                "candidate sub-model each round", low=1)
 
 
 # ------------------------------------------------------------------ salient units
@@ -171,11 +177,14 @@ class SalientPolicy:
     """How a client picks its encoder layers' keep ratios.
 
     init(key) -> the policy's per-client state (e.g. a learned agent);
-    select(state, trained_variables, data, key) -> (state, {layer: ratio}, metrics dict of scalars).
+    select(state, trained_variables, validation, key) -> (state, {layer: ratio}, metrics dict of scalars),
+      `validation` the client's held-out examples (a `ClientData` window);
+    holdout: the share of each client's data held out of local training for `validation` (0: none).
     """
 
     init: Callable[[jax.Array], Any]
     select: Callable[[Any, dict, ClientData, jax.Array], tuple[Any, dict, dict]]
+    holdout: float = 0.0
 
 
 def fixed_policy(layers: tuple[str, ...], ratio: float) -> SalientPolicy:
@@ -183,8 +192,19 @@ def fixed_policy(layers: tuple[str, ...], ratio: float) -> SalientPolicy:
     return SalientPolicy(init=lambda key: {}, select=lambda state, variables, data, key: (state, ratios, {}))
 
 
+def split_holdout(data: ClientData, fraction: float) -> tuple[ClientData, ClientData]:
+    """(training, held-out): the last ceil(fraction x n) of a client's n examples are held out
+    (at least one, and at least one left to train on; none when fraction is 0)."""
+    if fraction == 0.0:
+        return data, data
+    held = jnp.clip(jnp.ceil(fraction * data.count).astype(data.count.dtype), 1, jnp.maximum(data.count - 1, 1))
+    held = jnp.where(data.count > 1, held, 0)
+    training = dataclasses.replace(data, count=data.count - held)
+    return training, dataclasses.replace(data, offset=data.offset + data.count - held, count=jnp.maximum(held, 1))
+
+
 def validation_batch(data: ClientData, size: int, key: jax.Array):
-    """(x, y, mask): `size` random examples of the client's own training data (fewer: masked)."""
+    """(x, y, mask): `size` random examples of a client's data window (fewer: masked)."""
     k = min(size, data.max_count)
     order = epoch_permutations(key, data.count, data.max_count, 1)[0][:k]
     mask = jnp.arange(k) < data.count
@@ -203,8 +223,10 @@ def agent_policy(model, layers: tuple[str, ...], options: SPATLOptions, config: 
 
     The environment is the client's trained model: FLOPs from the masks the ratios imply,
     the unit-norm statistics of its weights, and as reward the accuracy of its salient
-    sub-model (encoder masked, its own predictor) on `agent_validation_examples` of its own
-    training examples, drawn anew each round (never the test data). The agent's state is
+    sub-model (encoder masked, its own predictor) on up to `agent_validation_examples` of its
+    validation examples: the `agent_validation_fraction` of its own data held out of local
+    training (never the test data; examples it trained on would score ~100 % for any
+    sub-model and leave the agent nothing to learn from). The agent's state is
     the client's and carries over between rounds (sec. 4.6.2's continual learning) unless
     `agent_reset`; `initial` (or `agent_init`) is a trained agent every client starts from.
     """
@@ -249,7 +271,7 @@ def agent_policy(model, layers: tuple[str, ...], options: SPATLOptions, config: 
                    "agent_last_update_reward": result.mean_episode_reward[-1]}
         return state, as_dict(result.keep_ratios), metrics
 
-    return SalientPolicy(init=init, select=select)
+    return SalientPolicy(init=init, select=select, holdout=options.agent_validation_fraction)
 
 
 # ------------------------------------------------------------------ transfer (eq. 4)
@@ -315,11 +337,12 @@ def spatl(context: BuildContext, options: SPATLOptions, policy: SalientPolicy | 
         # training draws from `key` exactly as every other method does; the policy from a branch of it
         policy_key = jax.random.fold_in(key, 1)
         objective = LocalObjective(grad_correction=correct if options.gradient_control else None)
-        trained, stats = local.train(variables, data, key, round_index=info.index, objective=objective)
+        training, validation = split_holdout(data, policy.holdout)
+        trained, stats = local.train(variables, training, key, round_index=info.index, objective=objective)
         encoder = encoder_of(trained)
         new_control = control_update(local, c_l, c_g, down["encoder"]["params"], encoder["params"],
                                      stats["num_steps"], info.index)
-        policy_state, ratios, policy_metrics = policy.select(state["policy"], trained, data, policy_key)
+        policy_state, ratios, policy_metrics = policy.select(state["policy"], trained, validation, policy_key)
         masks = salient_masks(structure, trained["params"], ratios, layers)
         if options.spatl_aggregation == "fedavg":
             sent = tree_map(lambda leaf: SparseArray(leaf, jnp.ones(jnp.shape(leaf), bool)), encoder)
