@@ -23,7 +23,7 @@ import jax.numpy as jnp
 
 from fedjax_sparse.core.aggregation import uniform_mean
 from fedjax_sparse.core.algorithm import AlgorithmSpec, FederatedAlgorithm, replicate
-from fedjax_sparse.core.control_variates import control_update, corrected_gradients
+from fedjax_sparse.core.control_variates import control_update, corrected_gradients, server_control_update
 from fedjax_sparse.core.local_training import LocalObjective, LocalSGD
 from fedjax_sparse.core.options import option
 
@@ -70,9 +70,7 @@ def scaffold(local: LocalSGD, num_clients: int, server_lr: float = 1.0) -> Feder
         del weights, info
         mean = uniform_mean(ups)
         params = tree_map(lambda w, d: w + server_lr * d, server_state["variables"]["params"], mean["delta"])
-        sampled = jax.tree_util.tree_leaves(ups["control_delta"])[0].shape[0]
-        control = tree_map(lambda c, d: c + (sampled / num_clients) * d,
-                           server_state["control"], mean["control_delta"])
+        control = server_control_update(server_state["control"], ups["control_delta"], num_clients)
         return {"variables": {"params": params, "batch_stats": mean["batch_stats"]}, "control": control}
 
     return FederatedAlgorithm(

@@ -74,16 +74,16 @@ import numpy as np
 from fedjax_sparse.agent import (AgentConfig, AgentState, GraphTemplate, PruningEnv, init_agent, load_agent,
                                  search, unit_norm_statistics)
 from fedjax_sparse.algorithms.scaffold import server_lr_option
-from fedjax_sparse.core.aggregation import weighted_mean
+from fedjax_sparse.core.aggregation import masked_mean, weighted_mean
 from fedjax_sparse.core.algorithm import AlgorithmSpec, BuildContext, FederatedAlgorithm, replicate
-from fedjax_sparse.core.control_variates import control_update, corrected_gradients
+from fedjax_sparse.core.control_variates import control_update, corrected_gradients, server_control_update
 from fedjax_sparse.core.flops import layer_forward_flops
 from fedjax_sparse.core.layer_groups import overlay, part_labels, take_part
 from fedjax_sparse.core.local_training import LocalObjective, LocalSGD
 from fedjax_sparse.core.messages import SparseArray
 from fedjax_sparse.core.options import option
 from fedjax_sparse.core.unit_masks import full_unit_masks, variable_masks
-from fedjax_sparse.core.unit_selection import keep_top_units
+from fedjax_sparse.core.unit_selection import keep_top_units, prefix_scores
 from fedjax_sparse.data.federated import ClientData, epoch_permutations, normalize
 from fedjax_sparse.models.structure import ModelStructure, get_path
 
@@ -151,17 +151,22 @@ def encoder_flops(structure: ModelStructure, masks: dict, layers: tuple[str, ...
     return sum(per_layer[name] for name in layers)
 
 
-def uniform_keep_ratio(structure: ModelStructure, layers: tuple[str, ...], reduction: float) -> float:
-    """The largest keep ratio r whose masks (r of every encoder layer) cut its FLOPs by >= `reduction`.
+def encoder_flops_at(structure: ModelStructure, layers: tuple[str, ...],
+                     keep_ratios: dict[str, jax.Array] | jax.Array | float) -> jax.Array:
+    """The encoder's forward FLOPs when its layers keep these ratios of their units (one ratio for
+    all or {layer: ratio}). FLOPs depend on how many units each layer keeps, not which, so
+    HeteroFL's prefix masks stand for any selection."""
+    masks = keep_top_units(structure, prefix_scores(structure), keep_ratios, layers=layers)
+    return encoder_flops(structure, masks, layers)
 
-    FLOPs depend on how many units each layer keeps, not which, so the prefix masks of
-    `keep_top_units` stand for any selection; bisection over r on the host.
-    """
+
+def uniform_keep_ratio(structure: ModelStructure, layers: tuple[str, ...], reduction: float) -> float:
+    """The largest keep ratio r whose masks (r of every encoder layer) cut its FLOPs by >= `reduction`;
+    bisection over r on the host."""
     dense = float(encoder_flops(structure, full_unit_masks(structure), layers))
-    scores = {l.name: -jnp.arange(l.num_units, dtype=jnp.float32) for l in structure.layers}
 
     def kept(r):
-        return float(encoder_flops(structure, keep_top_units(structure, scores, r, layers=layers), layers)) / dense
+        return float(encoder_flops_at(structure, layers, r)) / dense
 
     low, high = 0.0, 1.0
     if kept(high) <= 1.0 - reduction:
@@ -234,14 +239,12 @@ def agent_policy(model, layers: tuple[str, ...], options: SPATLOptions, config: 
     config = config or agent_config(options)
     template = GraphTemplate.from_structure(structure, layers)
     dense = float(encoder_flops(structure, full_unit_masks(structure), layers))
-    prefix = {l.name: -jnp.arange(l.num_units, dtype=jnp.float32) for l in structure.layers}
 
     def as_dict(ratios):
         return {name: ratios[i] for i, name in enumerate(layers)}
 
     def flops_kept(env_state, ratios):
-        masks = keep_top_units(structure, prefix, as_dict(ratios), layers=layers)  # counts decide FLOPs
-        return encoder_flops(structure, masks, layers) / dense
+        return encoder_flops_at(structure, layers, as_dict(ratios)) / dense
 
     def norm_stats(env_state, ratios):
         return unit_norm_statistics(unit_l2_norms(structure, env_state["variables"]["params"], layers), layers,
@@ -362,11 +365,10 @@ def spatl(context: BuildContext, options: SPATLOptions, policy: SalientPolicy | 
             encoder = weighted_mean(values, weights)
         elif options.spatl_aggregation == "eq12":
             encoder = tree_map(lambda w, v, m: w + eta * jnp.mean(m * (v - w), axis=0), old, values, masks)
-        else:  # masked_mean
-            encoder = tree_map(lambda w, v, m: w + eta * jnp.sum(m * (v - w), axis=0) / jnp.maximum(m.sum(0), 1.0),
-                               old, values, masks)
-        control = tree_map(lambda c, d: c + jnp.sum(d, axis=0) / num_clients, server_state["control"],
-                           ups["control_delta"])
+        else:  # masked_mean: a step of eta toward each entry's mean over the clients that sent it
+            senders_mean = masked_mean(values, masks, jnp.ones_like(weights), old)
+            encoder = tree_map(lambda w, m: w + eta * (m - w), old, senders_mean)
+        control = server_control_update(server_state["control"], ups["control_delta"], num_clients)
         return {"encoder": encoder, "control": control}
 
     def client_variables(server_state, state):

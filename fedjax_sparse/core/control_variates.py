@@ -7,7 +7,8 @@ with x the model it started from, y the one it ended with and a the
 optimizer's effective number of steps (`LocalSGD.effective_steps`: K plain SGD
 steps, or FedNova's ||a||_1 under momentum, which moves the weights about
 1 / (1 - momentum) times further per gradient). Both work on any pytree (the
-whole model for SCAFFOLD, the encoder for SPATL).
+whole model for SCAFFOLD, the encoder for SPATL). The server then moves c by
+the sum of the round's control deltas over N, the number of all clients.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from typing import Any
 
 import chex
 import jax
+import jax.numpy as jnp
 
 from fedjax_sparse.core.local_training import LocalSGD
 
@@ -34,3 +36,9 @@ def control_update(local: LocalSGD, client_control: Any, server_control: Any, st
     chex.assert_trees_all_equal_shapes(client_control, server_control, start, end)
     scale = 1.0 / (local.effective_steps(num_steps) * local.learning_rate_at(round_index))
     return tree_map(lambda ci, c, w0, w1: ci - c + (w0 - w1) * scale, client_control, server_control, start, end)
+
+
+def server_control_update(server_control: Any, control_deltas: Any, num_clients: int) -> Any:
+    """c <- c + (1/N) sum over the round's clients of their control deltas (leading client axis)."""
+    chex.assert_trees_all_equal_shapes(server_control, tree_map(lambda d: d[0], control_deltas))
+    return tree_map(lambda c, d: c + jnp.sum(d, axis=0) / num_clients, server_control, control_deltas)
