@@ -29,7 +29,7 @@ Choices where the paper is silent:
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable
 
 import chex
 import flax.struct
@@ -38,8 +38,7 @@ import jax.numpy as jnp
 import optax
 from jax.flatten_util import ravel_pytree
 
-if TYPE_CHECKING:
-    from fedjax_sparse.agent.search import AgentConfig
+from fedjax_sparse.agent.config import AgentConfig
 
 PolicyFn = Callable[[Any, Any], tuple[jax.Array, jax.Array]]
 
