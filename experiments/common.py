@@ -15,7 +15,7 @@ import json
 import os
 import sys
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from fedjax_sparse.reporting import device_description, plot_accuracy
 from fedjax_sparse.runner import DivergenceError, RunConfig, run_experiment
@@ -47,6 +47,7 @@ class Setting:
     metric: 'test_accuracy' (global model) or 'personalized_accuracy'.
     quick: overrides that make a CPU-sized version of the setting.
     extra_columns: metrics.jsonl/summary keys to report too (e.g. 'density').
+    arm_columns: columns computed from each arm's config (e.g. the aggregation it ran with).
     """
 
     name: str
@@ -57,6 +58,7 @@ class Setting:
     metric: str = "test_accuracy"
     quick: dict = dataclasses.field(default_factory=dict)
     extra_columns: tuple[str, ...] = ()
+    arm_columns: Callable[[RunConfig], dict] | None = None
 
     def arm_config(self, arm: Arm, out: Path, quick: bool) -> RunConfig:
         fields = {**(self.quick if quick else {}), **arm.overrides, "out": str(out / arm.label)}
@@ -82,6 +84,7 @@ def arm_row(setting: Setting, arm: Arm, config: RunConfig, history: list[dict], 
         "total_gbit": summary["cumulative_bytes"] * 8 / 1e9,
         "uplink_gbit": summary["total_uplink_bytes"] * 8 / 1e9,
         "mb_per_client_round": per_client_round / 1e6,
+        **(setting.arm_columns(config) if setting.arm_columns is not None else {}),
     }
     for key in setting.extra_columns:
         last = next((h[key] for h in reversed(history) if key in h), summary.get(key))

@@ -2,8 +2,9 @@
 
 The flags are built from the option declarations: the run's shared options
 (`runner.RunConfig`) and each algorithm's own dataclass. A flag is refused
-when the chosen algorithm does not read it, so a mistyped setting never
-passes silently.
+when the chosen algorithm does not read it, or when its other options make it
+ignore it (`core.options.refuse_ignored`), so a mistyped setting never passes
+silently.
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ def _parser() -> argparse.ArgumentParser:
 def _config(args: argparse.Namespace):
     """The run's config: the flags given, or for --resume the saved config updated with them."""
     from fedjax_sparse.algorithms import get_spec, option_users
-    from fedjax_sparse.core.options import flag_name
+    from fedjax_sparse.core.options import flag_name, refuse_ignored
     from fedjax_sparse.runner import SHARED_OPTIONS, RunConfig
 
     given = {k: v for k, v in vars(args).items() if k not in ("command", "resume", "no_progress")}
@@ -66,6 +67,7 @@ def _config(args: argparse.Namespace):
         if name not in SHARED_OPTIONS and name not in own:
             raise ValueError(f"{flag_name(name)} is an option of {', '.join(users[name])}; --algorithm "
                              f"{config.algorithm} does not read it")
+    refuse_ignored(config.algorithm_options, given)
     get_spec(config.algorithm)
     return config
 

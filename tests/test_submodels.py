@@ -2,6 +2,7 @@
 the papers' parameter counts, hand-computed windows and gradients, frozen entries, SPL's memory."""
 
 import dataclasses
+import functools
 import json
 
 import jax
@@ -169,15 +170,23 @@ def test_fedgse_scores_are_the_summed_output_gradients_by_hand(mlp):
     assert float(expected["fc1"].max()) > 0
 
 
+@functools.cache
+def small_model(name):
+    """(model, variables) on 8x8x3 images, initialized once per module (jitted: Flax's eager
+    initialization of preresnet18 takes seconds)."""
+    model = get_model(name, (8, 8, 3), 10)
+    return model, jax.jit(model.init)(jax.random.key(0))
+
+
 def test_group_tied_selection_keeps_residual_sums_consistent_on_preresnet18():
     """Layers summed into one residual stream keep the same units, under FedGSE's gradient scores."""
-    model = get_model("preresnet18", (8, 8, 3), 10)
+    model, variables = small_model("preresnet18")
     rng = np.random.default_rng(0)
     split = federated_split(rng.integers(0, 255, (40, 8, 8, 3), dtype=np.uint8), np.arange(40) % 10,
                             [np.arange(20), np.arange(20, 40)], [0.5] * 3, [0.25] * 3)
     algorithm = build("fedgse", context(model, split, s=10), capacities=(0.25,), public_fraction=0.5,
                       similar_examples=16)
-    server, _ = algorithm.init(jax.random.key(1), model.init(jax.random.key(0)), 2)
+    server, _ = algorithm.init(jax.random.key(1), variables, 2)
     down = jax.jit(algorithm.broadcast)(server, 0, round_info(0, 0, jnp.array([0, 1])))
     masks = down["unit_masks"].value
     groups = {}
@@ -321,7 +330,10 @@ def test_bad_capacities_and_fractions_are_one_line_errors(tmp_path, capsys):
              (["--algorithm", "fedrolex", "--capacity-proportions", "1,2"], "one weight per capacity level (5)"),
              (["--algorithm", "fedgse", "--public-fraction", "0"], "--public-fraction must be in (0, 1]"),
              (["--algorithm", "fedgse", "--similar-examples", "0"], "--similar-examples must be >= 1"),
-             (["--algorithm", "fedgse", "--significant-labels", "11"], "--significant-labels must be in [1, 10]")]
+             (["--algorithm", "fedgse", "--significant-labels", "11"], "--significant-labels must be in [1, 10]"),
+             (["--algorithm", "heterofl", "--capacities", ""], "--capacities needs at least one value (in (0, 1]"),
+             (["--algorithm", "fedrolex", "--label-mask-fill", "exclude"], "--label-mask-fill is read only with "
+                                                                         "--label-mask")]
     for args, fragment in cases:
         assert main([*base, *args]) == 2
         err = capsys.readouterr().err.strip()
@@ -368,6 +380,10 @@ def test_experiment_module_runs_every_arm(monkeypatch, tmp_path):
     with (tmp_path / "digits" / "results.csv").open() as f:
         rows = {r["algorithm"]: r for r in csv.DictReader(f)}
     assert list(rows) == ["heterofl", "fedrolex", "feddropout", "fedgse_csl", "fedgse_spl", "fedavg_full"]
+    # HeteroFL and FedRolex run their code's aggregation and label-masked loss, and the table says so
+    assert [(rows[a]["aggregation"], rows[a]["label mask"]) for a in rows] == \
+        [("heterofl", "zero fill")] * 2 + [("masked_mean", "off")] * 3 + [("fedavg", "off")]
+    assert json.loads((tmp_path / "digits" / "fedrolex" / "seed_3" / "config.json").read_text())["label_mask"]
     # sub-models move fewer bytes than FedAvg's full model
     assert float(rows["heterofl"]["total_gbit"]) < float(rows["fedavg_full"]["total_gbit"])
     assert json.loads((tmp_path / "digits" / "heterofl" / "seed_3" / "config.json").read_text())["seed"] == 3
@@ -381,3 +397,186 @@ def test_rows_of_several_seeds_are_averaged():
     assert row["final_accuracy"] == pytest.approx(0.6) and row["total_gbit"] == pytest.approx(3.0)
     assert row["final_accuracy_std"] == pytest.approx(0.1) and row["final_accuracy_per_seed"] == "0.5000 / 0.7000"
     assert row["seeds"] == 2 and row["algorithm"] == "a" and row["rounds_to_0.8"] is None
+
+
+# ------------------------------------------------------------------ issue 16: the Scaler, label masks, the rules
+
+@pytest.mark.parametrize("name", ["preresnet18", "cnn4"])
+def test_the_scaler_leaves_the_batch_statistics_forward_pass_of_batchnorm_models_unchanged(name):
+    """HeteroFL's and FedRolex's Scaler sits right before a norm (which batch statistics cancel) and
+    never on a shortcut: at beta = 1/16 the training forward pass of preresnet18 (whose projection
+    shortcuts have no norm of their own) and cnn4 is exactly the unscaled one."""
+    from fedjax_sparse.algorithms.submodels import training_unit_masks
+    from fedjax_sparse.core.unit_selection import random_scores
+    model, variables = small_model(name)
+
+    @jax.jit
+    def scaled_and_plain(key):
+        masks = keep_top_units(model.structure, random_scores(model.structure, key), 1 / 16)
+        scaled = training_unit_masks(model.structure, masks, jnp.float32(1 / 16), scaler=True)
+        x = jax.random.normal(jax.random.fold_in(key, 1), (6, 8, 8, 3))
+        return tuple(model.apply({**variables, "unit_masks": m}, x, train=True)[0] for m in (scaled, masks))
+
+    scaled, plain = scaled_and_plain(jax.random.key(1))
+    np.testing.assert_array_equal(scaled, plain)
+
+
+def test_the_scaler_divides_the_hidden_units_of_a_norm_free_model(mlp):
+    """In a model without norms (their code's norm='none') the Scaler sits before each hidden
+    activation: the MLP's hidden units are divided by beta, the output layer is not."""
+    from fedjax_sparse.algorithms.submodels import scaled_layers, training_unit_masks
+    masks = {name: jnp.ones(n) for name, n in (("fc1", 256), ("fc2", 256), ("fc3", 10))}
+    scaled = training_unit_masks(mlp.structure, masks, jnp.float32(0.25), scaler=True)
+    np.testing.assert_array_equal(scaled["fc1"], 4.0)
+    np.testing.assert_array_equal(scaled["fc2"], 4.0)
+    np.testing.assert_array_equal(scaled["fc3"], 1.0)
+    assert training_unit_masks(mlp.structure, masks, jnp.float32(0.25), scaler=False) == masks
+    assert scaled_layers(get_model("preresnet18", (8, 8, 3), 10).structure) == frozenset()
+
+
+@pytest.mark.parametrize("fill", ["zero", "exclude"])
+def test_the_label_mask_fills_other_logits_as_chosen(mlp, fill):
+    """A client holding labels 1 and 3 takes one full-batch SGD step: the loss is the cross-entropy of
+    the logits with every other class's logit set to 0 (HeteroFL's and FedRolex's masked_fill) or to
+    -inf (left out of the softmax), written out here with jax.nn.log_softmax."""
+    rng = np.random.default_rng(0)
+    y = np.array([1, 3] * 8)
+    split = federated_split(rng.integers(0, 255, (16, 8, 8, 1), dtype=np.uint8), y, [np.arange(16)],
+                            [0.5], [0.25])
+    lr = 0.1
+    algorithm = build("heterofl", context(mlp, split, lr=lr, batch_size=16), capacities=(1.0,), label_mask=True,
+                      label_mask_fill=fill)
+    variables = mlp.init(jax.random.key(0))
+    server, _ = algorithm.init(jax.random.key(1), variables, 1)
+    info = round_info(0, 0, jnp.array([0]))
+    up, _, _ = jax.jit(algorithm.client_update)(algorithm.broadcast(server, 0, info), {}, split.client(0),
+                                                 jax.random.key(2), info)
+    held = jnp.isin(jnp.arange(10), jnp.array([1, 3]))
+    x = normalize(split.x, split.mean, split.std)
+
+    def loss(params):
+        logits, _ = mlp.apply({"params": params, "batch_stats": {}}, x, train=True)
+        logits = jnp.where(held, logits, 0.0 if fill == "zero" else -jnp.inf)
+        return -jnp.mean(jax.nn.log_softmax(logits)[jnp.arange(16), split.y])
+
+    grads = jax.grad(loss)(variables["params"])
+    expected = tree_map(lambda w, g: w - lr * g, variables["params"], grads)
+    trained = tree_map(lambda a: a.values, up["variables"]["params"], is_leaf=lambda a: isinstance(a, KnownMaskArray))
+    assert_trees_close(trained, expected)
+    np.testing.assert_array_equal(trained["fc3"]["bias"][~np.asarray(held)], 0.0)  # no gradient to other rows
+
+
+def _public_scores(model, variables, public, labels):
+    """{layer: scores} on every public example whose label is in `labels` (the similar batch when it
+    is larger than the public set), with the score function tested by hand above."""
+    mask = jnp.isin(public.y, jnp.asarray(labels))
+    return unit_gradient_scores(model, variables, normalize(public.x, public.mean, public.std), public.y, mask)
+
+
+def _top_masks(structure, scores, capacity):
+    """By NumPy: per hidden layer the ceil(beta N) highest scores (ties to the lower index); the output keeps all."""
+    out = {}
+    for layer in structure.layers:
+        s = np.asarray(scores[layer.name]) if layer is not structure.layers[-1] else np.zeros(layer.num_units)
+        k = layer.num_units if layer is structure.layers[-1] else int(np.ceil(capacity * layer.num_units))
+        keep = np.zeros(layer.num_units)
+        keep[np.argsort(-s, kind="stable")[:k]] = 1.0
+        out[layer.name] = keep
+    return out
+
+
+@pytest.fixture(scope="module")
+def four_classes():
+    """A 4-class MLP, 3 clients of 40 random examples, half of them in the public set (20 per client)."""
+    from conftest import synthetic_split
+    model = get_model("mlp", (8, 8, 1), 4)
+    split = synthetic_split([40, 40, 40], seed=3, num_classes=4)
+    return model, split, model.init(jax.random.key(0))
+
+
+def test_fedgse_keeps_the_top_gradient_units_of_the_clients_own_labels(four_classes):
+    """CSL with s = 2 of 4 classes: the broadcast's unit masks are exactly the top ceil(beta N) units of
+    the gradient scores on the public examples of the client's two most frequent labels, which are
+    not the top units on all labels."""
+    model, split, variables = four_classes
+    algorithm = build("fedgse", context(model, split, s=2), capacities=(0.25,), public_fraction=0.5,
+                      similar_examples=256)
+    server, _ = algorithm.init(jax.random.key(1), variables, 3)
+    broadcast = jax.jit(algorithm.broadcast)
+    public = public_set(split, 0.5, seed=0)
+    for client in range(3):
+        y = np.asarray(split.y)[40 * client:40 * (client + 1)]
+        labels = np.argsort(-np.bincount(y, minlength=4), kind="stable")[:2]
+        down = broadcast(server, client, round_info(0, 0, jnp.arange(3)))
+        masks = {k: np.asarray(v) for k, v in down["unit_masks"].value.items()}
+        expected = _top_masks(model.structure, _public_scores(model, variables, public, labels), 0.25)
+        for name in expected:
+            np.testing.assert_array_equal(masks[name], expected[name], err_msg=f"client {client} {name}")
+        everything = _top_masks(model.structure, _public_scores(model, variables, public, np.arange(4)), 0.25)
+        assert any(not np.array_equal(masks[n], everything[n]) for n in ("fc1", "fc2"))
+
+
+def test_spl_broadcasts_the_units_of_its_predicted_labels_and_of_random_ones_for_new_clients(four_classes):
+    """SPL, s = 2: a client whose stored class accuracies rank labels 3 and 1 first gets the top units
+    of the scores on labels {1, 3}; a client never seen gets the top units of some random pair of
+    labels (matched here against all 6 pairs), not always the same pair."""
+    import itertools
+    model, split, variables = four_classes
+    algorithm = build("fedgse", context(model, split, s=2), capacities=(0.25,), similar_labels="spl",
+                      public_fraction=0.5, similar_examples=256)
+    server, _ = algorithm.init(jax.random.key(1), variables, 3)
+    server = {**server, "memory": {"class_accuracy": jnp.array([[0.2, 0.7, 0.1, 0.9]] + [[0.0] * 4] * 2),
+                                   "seen": jnp.array([True, False, False])}}
+    broadcast = jax.jit(algorithm.broadcast)
+    public = public_set(split, 0.5, seed=0)
+    pairs = list(itertools.combinations(range(4), 2))
+    candidates = {p: _top_masks(model.structure, _public_scores(model, variables, public, p), 0.25) for p in pairs}
+
+    def matching(down):
+        masks = {k: np.asarray(v) for k, v in down["unit_masks"].value.items()}
+        return [p for p, c in candidates.items() if all(np.array_equal(masks[n], c[n]) for n in c)]
+
+    assert matching(broadcast(server, 0, round_info(0, 0, jnp.arange(3)))) == [(1, 3)]
+    drawn = [matching(broadcast(server, client, round_info(0, r, jnp.arange(3))))
+             for client in (1, 2) for r in range(4)]
+    assert all(len(m) == 1 for m in drawn), drawn
+    assert len({m[0] for m in drawn}) > 1
+
+
+def test_federated_dropout_differs_per_client_and_per_round(make_split, mlp):
+    split = make_split([10, 10, 10])
+    algorithm = build("feddropout", context(mlp, split), capacities=(0.5,))
+    server, _ = algorithm.init(jax.random.key(1), mlp.init(jax.random.key(0)), 3)
+    broadcast = jax.jit(algorithm.broadcast)
+
+    def fc1(client, r):
+        return np.asarray(broadcast(server, client, round_info(0, r, jnp.arange(3)))["unit_masks"].value["fc1"])
+
+    draws = [fc1(0, 0), fc1(1, 0), fc1(0, 1), fc1(1, 1)]
+    for i in range(4):
+        assert draws[i].sum() == 128
+        for j in range(i):
+            assert not np.array_equal(draws[i], draws[j]), (i, j)
+    np.testing.assert_array_equal(fc1(0, 0), draws[0])  # a pure function of (seed, round, client)
+
+
+def test_fedrolex_bytes_and_entries_at_a_round_where_the_window_has_wrapped(make_split, mlp):
+    """Round 300, 256 units, beta 1/2: the window is {(j - 300) mod 256 : j < 128} = units 212..255
+    and 0..83 in both hidden layers. Both messages carry exactly the entries between kept units:
+    64 x 128 + 128 (fc1), 128 x 128 + 128 (fc2), 128 x 10 + 10 (fc3) float32 values."""
+    split = make_split([12, 12])
+    algorithm = build("fedrolex", context(mlp, split), capacities=(0.5,))
+    server, _ = algorithm.init(jax.random.key(1), mlp.init(jax.random.key(0)), 2)
+    info = round_info(0, 300, jnp.arange(2))
+    down = algorithm.broadcast(server, 1, info)
+    window = np.zeros(256)
+    window[np.r_[212:256, 0:84]] = 1
+    masks = down["unit_masks"].value
+    np.testing.assert_array_equal(masks["fc1"], window)
+    np.testing.assert_array_equal(masks["fc2"], window)
+    kernel = np.asarray(down["variables"]["params"]["fc2"]["kernel"].mask)
+    np.testing.assert_array_equal(kernel, np.outer(window, window).astype(bool))
+    count = 64 * 128 + 128 + 128 * 128 + 128 + 128 * 10 + 10
+    assert int(message_bytes(down)) == 4 * count
+    up, _, _ = jax.jit(algorithm.client_update)(down, {}, split.client(1), jax.random.key(2), info)
+    assert int(message_bytes(up)) == 4 * count

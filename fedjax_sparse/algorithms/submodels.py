@@ -32,29 +32,51 @@ nnz x itemsize); the unit masks and capacity ride along as `Known` (free: a
 real client receives a smaller dense model and needs no index).
 
 HeteroFL's two model devices, each an option:
-  scaler     during local training a kept unit's output is divided by beta
-             (HeteroFL's Scaler), so the next layer's input keeps the full
-             model's scale; evaluation runs the full model unscaled. HeteroFL
-             puts it right after each convolution, before the norm, where a
-             batch-statistics BatchNorm cancels it (BN is scale invariant; only
-             its epsilon notices). We apply it exactly where it has an effect:
-             at the unit output of layers without normalization (equal to
-             scaling before the activation, ReLU being positively homogeneous),
-             and not at all behind a BatchNorm. Off by default: on a norm-free
-             net it multiplies the gradients of a beta = 1/16 sub-model by up to
-             1/beta per layer, which makes the digits MLP diverge at lr 0.05.
+  scaler     HeteroFL's and FedRolex's Scaler: during local training a tensor
+             is divided by beta (evaluation runs the full model unscaled).
+             Their code puts it right before every normalization slot (conv ->
+             Scaler -> norm -> ReLU; in a pre-activation block on the input of
+             bn1, bn2 and the final norm) and nowhere else: never on a shortcut
+             (a projection reads the already normalized input and adds its
+             output to the stream unscaled) nor on the residual stream itself.
+             What that means here, where a unit mask acts after the norm
+             (`models.layers.unit_output`), not before it:
+             * a layer with a BatchNorm: the Scaler would divide the norm's
+               input, and a BatchNorm on batch statistics (how every client
+               trains, as in their code, whose client norms track no running
+               statistics) cancels it, BN(x / beta) = (x - mu) / sqrt(var +
+               eps beta^2): only its epsilon changes, a relative output change
+               below eps / (2 var). We leave these layers unscaled, so their
+               forward pass is exactly the unscaled one (the official one up to
+               that epsilon), and running statistics (`static_bn` off) stay
+               those of the unscaled model that evaluation runs;
+             * a layer whose output reaches a norm only through a residual sum
+               (PreResNet-18's projection shortcuts): not scaled, as in theirs;
+             * a norm-free layer of a norm-free model (the MLP, LeNet, VGG-11,
+               cnn2; their code's `norm='none'`, where the Scaler still sits in
+               the empty slot before the activation): its unit output is
+               divided by beta, which equals the official placement because
+               ReLU and max pooling are positively homogeneous.
+             So in BatchNorm models (cnn4, the ResNets) the Scaler changes
+             nothing; in norm-free ones it multiplies the gradients of a
+             beta = 1/16 sub-model by up to 1/beta per layer, which makes the
+             digits MLP diverge at lr 0.05. Off by default.
   static_bn  ("sBN") clients train with batch statistics and send no running
              statistics; before each evaluation the server recomputes the global
              model's BatchNorm statistics over all training data
              (`core.evaluation.population_batch_stats`). Without it, running
              statistics travel and are aggregated like the weights.
-Label split (`label_mask`, HeteroFL's masked cross-entropy): the softmax of a
-client's loss ranges over the labels of its own data only; an option for every rule.
+Label split (`label_mask`, HeteroFL's and FedRolex's masked cross-entropy): the
+logits of classes the client holds no example of are replaced before the
+softmax, by 0 (`label_mask_fill=zero`, their `masked_fill(mask == 0, 0)`: those
+classes stay in the softmax at logit 0) or by -inf (`exclude`: the softmax
+ranges over the client's own labels only); an option for every rule.
 
 Aggregation. `masked_mean` (default, as FedGSE's Algorithm 1 line 11): per
 entry, the data-size-weighted mean over the clients that hold it; entries no
-client holds keep their value. `heterofl`: HeteroFL's code: a plain mean over
-holders, and each output row (class) only over the clients holding that label.
+client holds keep their value. `heterofl`: HeteroFL's code and FedRolex's (its
+default `--weighting avg`): a plain mean over holders, and each output row
+(class) only over the clients holding that label.
 
 The server keeps only the global model, plus whatever a rule needs to remember
 (`memory`, FedGSE-SPL's per-client class accuracies).
@@ -78,7 +100,7 @@ from fedjax_sparse.core.streams import stream_key
 from fedjax_sparse.core.unit_masks import variable_masks
 from fedjax_sparse.core.unit_selection import keep_top_units, prefix_scores, random_scores, rolling_scores
 from fedjax_sparse.data.federated import client_label_counts
-from fedjax_sparse.models.structure import get_path, set_path
+from fedjax_sparse.models.structure import ModelStructure, get_path, set_path
 
 tree_map = jax.tree_util.tree_map
 FIVE_LEVELS = (1.0, 0.5, 0.25, 0.125, 0.0625)
@@ -96,14 +118,20 @@ class SubmodelOptions:
                                            "each client's level is drawn once", choices=("dynamic", "fixed"))
     capacity_proportions: tuple[float, ...] | None = option(None, "weights of the capacity levels (default: "
                                                                   "equal)", low=0.0)
-    scaler: bool = option(False, "HeteroFL's Scaler: divide kept units' outputs by beta during local training "
-                                 "(layers without normalization; a BatchNorm cancels it)")
+    scaler: bool = option(False, "HeteroFL's Scaler: divide by beta before each normalization during local "
+                                 "training (a batch-statistics BatchNorm cancels it; in norm-free models it "
+                                 "scales the hidden units' outputs)")
     static_bn: bool = option(True, "HeteroFL's static BatchNorm: no running statistics travel; they are "
                                    "recomputed over the training data before each evaluation")
-    label_mask: bool = option(False, "HeteroFL's label split: each client's cross-entropy over its own labels only")
+    label_mask: bool = option(False, "HeteroFL's label split: logits of classes a client holds no example of "
+                                     "are masked in its cross-entropy")
+    label_mask_fill: str = option("zero", "with --label-mask, what masked logits become: zero (HeteroFL's and "
+                                          "FedRolex's code: kept in the softmax at 0) or exclude (-inf: left out "
+                                          "of it)", choices=("zero", "exclude"))
     submodel_aggregation: str = option("masked_mean", "masked_mean: data-weighted mean over the clients holding an "
-                                                      "entry; heterofl: plain mean, class rows over the clients "
-                                                      "holding that label", choices=("masked_mean", "heterofl"))
+                                                      "entry; heterofl (HeteroFL's and FedRolex's code): plain "
+                                                      "mean, class rows over the clients holding that label",
+                                       choices=("masked_mean", "heterofl"))
 
     def __post_init__(self):
         if self.capacity_proportions is not None:
@@ -113,6 +141,27 @@ class SubmodelOptions:
             if not sum(self.capacity_proportions) > 0:
                 raise ValueError(f"--capacity-proportions must not all be zero, got "
                                  f"{','.join(map(str, self.capacity_proportions))}")
+
+    def ignored(self) -> dict[str, str]:
+        """Options these values make the round ignore (`core.options.refuse_ignored`)."""
+        return {} if self.label_mask else {"label_mask_fill": "is read only with --label-mask"}
+
+
+LABEL_MASK_FILLS = {"zero": 0.0, "exclude": -jnp.inf}
+
+
+def scaled_layers(structure: ModelStructure) -> frozenset[str]:
+    """The hidden layers whose unit outputs the Scaler divides by beta: those without a normalization
+    whose unit group has none either (see the module docstring: where HeteroFL's code puts it)."""
+    normed_groups = {l.unit_group for l in structure.layers if l.norm is not None and l.unit_group}
+    return frozenset(l.name for l in structure.layers[:-1]
+                     if l.norm is None and (l.unit_group is None or l.unit_group not in normed_groups))
+
+
+def training_unit_masks(structure: ModelStructure, masks: dict, capacity: jax.Array, scaler: bool) -> dict:
+    """The unit masks a sub-model trains with: its masks, with the Scaler's 1/beta where it acts."""
+    scaled = scaled_layers(structure) if scaler else frozenset()
+    return {name: m / capacity if name in scaled else m for name, m in masks.items()}
 
 
 def client_capacity(options: SubmodelOptions, seed: int, round_index: jax.Array, client_id: jax.Array) -> jax.Array:
@@ -149,7 +198,6 @@ def submodel_algorithm(name: str, context: BuildContext, options: SubmodelOption
     num_classes = context.num_classes
     output = structure.layers[-1]
     stats_shapes = jax.eval_shape(model.init, jax.random.key(0))["batch_stats"]
-    scaled = {l.name for l in structure.layers[:-1] if l.norm is None} if options.scaler else set()
 
     def sent(variables):
         return {"params": variables["params"]} if options.static_bn else variables
@@ -176,12 +224,13 @@ def submodel_algorithm(name: str, context: BuildContext, options: SubmodelOption
         if options.static_bn:  # trains with batch statistics; its running ones are never used nor sent
             variables = {**variables, "batch_stats": tree_map(lambda s: jnp.zeros(s.shape, s.dtype), stats_shapes)}
         entry_masks = variable_masks(structure, variables, masks)
-        train_masks = {k: m / capacity if k in scaled else m for k, m in masks.items()}
+        train_masks = training_unit_masks(structure, masks, capacity, options.scaler)
         labels_held = client_label_counts(data, num_classes) > 0
         objective = LocalObjective(
             forward=lambda t: {"params": t["params"], "unit_masks": train_masks},
             update_mask=entry_masks,
-            label_mask=labels_held if options.label_mask else None)
+            label_mask=labels_held if options.label_mask else None,
+            label_mask_fill=LABEL_MASK_FILLS[options.label_mask_fill])
         trained, stats = local.train(variables, data, key, round_index=info.index, objective=objective)
         up = {"variables": tree_map(KnownMaskArray, sent(trained), sent(entry_masks)),
               "unit_masks": Known(masks), "labels_held": Known(labels_held)}

@@ -68,8 +68,9 @@ class LocalObjective:
         trainable leaves (SpaFL: straight-through threshold masks; sub-models: fixed masks);
       extra_loss(trainable) -> scalar added to the task loss (FedProx's proximal term,
         SpaFL's threshold regularizer);
-      label_mask: [num_classes] bool, the classes the cross-entropy ranges over (HeteroFL's
-        label split: logits of other classes are left out of the softmax);
+      label_mask: [num_classes] bool (HeteroFL's label split): the logits of other classes
+        become `label_mask_fill` before the softmax: -inf (default) leaves them out of it,
+        0 (HeteroFL's and FedRolex's `masked_fill`) keeps them in it at logit 0;
       grad_correction(grads) -> grads (SCAFFOLD's and SPATL's control variates);
       update_mask: bools shaped like {'params', 'batch_stats'}: entries allowed to change
         (a sub-model's weights; every other entry, momentum and weight decay included,
@@ -81,16 +82,18 @@ class LocalObjective:
     forward: Callable[[dict], dict] | None = None
     extra_loss: Callable[[dict], jax.Array] | None = None
     label_mask: jax.Array | None = None
+    label_mask_fill: float = -math.inf
     grad_correction: Callable[[dict], dict] | None = None
     update_mask: dict | None = None
     after_step: Callable[[dict, dict, Batch], tuple[dict, dict]] | None = None
 
 
 def label_masked_cross_entropy(logits: jax.Array, labels: jax.Array, mask: jax.Array,
-                               label_mask: jax.Array | None) -> jax.Array:
-    """Cross-entropy over the classes of `label_mask` only (all classes when None)."""
+                               label_mask: jax.Array | None, fill: float = -math.inf) -> jax.Array:
+    """Cross-entropy with the logits of classes outside `label_mask` set to `fill` (-inf: over the
+    classes of `label_mask` only; None: all classes as they are)."""
     if label_mask is not None:
-        logits = jnp.where(label_mask, logits, -jnp.inf)
+        logits = jnp.where(label_mask, logits, fill)
     return masked_cross_entropy(logits, labels, mask)
 
 
@@ -183,7 +186,8 @@ class LocalSGD:
             def loss_fn(trainable):
                 logits, new_stats = model.apply({**forward(trainable), "batch_stats": batch_stats}, batch.x,
                                                 train=True, mask=batch.mask)
-                task = label_masked_cross_entropy(logits, batch.y, batch.mask, objective.label_mask)
+                task = label_masked_cross_entropy(logits, batch.y, batch.mask, objective.label_mask,
+                                                  objective.label_mask_fill)
                 total = task + objective.extra_loss(trainable) if objective.extra_loss is not None else task
                 return total, (task, new_stats)
 

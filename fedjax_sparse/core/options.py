@@ -7,6 +7,9 @@ each algorithm's own, which live beside its math as a small frozen dataclass
     (floats must be finite unless declared otherwise);
   * `add_flags(parser, cls)`: the `--flag` of every field, with its help and
     default (bools become `--name` / `--no-name` switches);
+  * `refuse_ignored(obj, given)`: one line for a flag the user gave that these
+    values make the algorithm ignore (a class states which, and why, in an
+    `ignored()` method, e.g. SPATL's agent settings under its fixed policy);
 so adding a method adds its dataclass and nothing else to the command line.
 """
 
@@ -16,7 +19,7 @@ import argparse
 import dataclasses
 import math
 import typing
-from typing import Any, Sequence
+from typing import Any, Iterable, Sequence
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,6 +93,9 @@ def validate(obj: Any) -> None:
         spec = spec_of(field)
         value = getattr(obj, field.name)
         values = value if isinstance(value, tuple) else (value,)
+        if isinstance(value, tuple) and not value:
+            raise ValueError(f"{flag_name(field.name)} needs at least one value ({spec.describe()}, "
+                             f"comma-separated), got none")
         for v in values:
             if v is None:
                 continue
@@ -100,6 +106,19 @@ def validate(obj: Any) -> None:
                         and not valid.startswith("a finite"):
                     valid = "a finite number " + valid
                 raise ValueError(f"{flag_name(field.name)} must be {valid}, got {shown}")
+
+
+def ignored_options(obj: Any) -> dict[str, str]:
+    """{option name: why it is ignored} under the values of `obj` (its class's `ignored()`; none without one)."""
+    return obj.ignored() if hasattr(obj, "ignored") else {}
+
+
+def refuse_ignored(obj: Any, given: Iterable[str]) -> None:
+    """Raises a one-line ValueError for the first option in `given` (those the user set) that `obj` ignores."""
+    ignored = ignored_options(obj)
+    for name in given:
+        if name in ignored:
+            raise ValueError(f"{flag_name(name)} {ignored[name]}")
 
 
 def _base_type(annotation: Any) -> tuple[Any, bool, bool]:
