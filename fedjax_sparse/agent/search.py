@@ -16,6 +16,22 @@ budget was met, else with `penalty` (default 0, i.e. as bad as accuracy 0;
 the official code's top1 - 100 and -100 on failure are the same rewards
 shifted by -100). Other steps get reward 0.
 
+Landing on the budget (ours). Eq. 7 has no FLOPs term and Algorithm 1 stops
+at the first step past the budget, so a step of the usual size (a mean
+pruning fraction near 1/2 per layer) overshoots it by far: an untrained agent
+on the digits MLP cut 0.45-0.95 of the FLOPs at a 0.2 target, and the
+rewards, being accuracies, favour keeping more. We keep eq. 7 and the
+termination, but the step that crosses the budget (from ratios above it)
+is cut back: of the sampled action a it applies t a, with t in (0, 1] the smallest fraction
+whose keep ratios meet the budget (bisection; FLOPs do not increase with t).
+Layers whose actions saturate (clipped to 1) move in lockstep and may each
+lose a unit at the same t, so a last pass gives back, layer by layer, the
+unit the bisection's final halving took from it while that still fits: the
+episode ends within one unit's FLOPs (of one layer) of the budget. The transition
+stores the sampled action (the cut is part of the environment). Episodes
+ending with equal rewards (accuracy on a few validation examples is coarse)
+rank by the FLOPs they keep, more first (`better_episode`).
+
 Layout of a search (our choices where the paper is vague):
   * "updates the policy every 20 search steps": an update collects exactly
     `steps_per_update` environment steps, resetting an episode whenever it
@@ -31,7 +47,7 @@ Layout of a search (our choices where the paper is vague):
     evaluations of `env.reward`.
   * The best keep ratios are those of the highest-rewarded episode that met
     the budget, over all updates of the search (Algorithm 1's "if is best
-    Reward"). If none did, the result falls back to the largest uniform keep
+    Reward"; ties to the one keeping more FLOPs). If none did, the result falls back to the largest uniform keep
     ratio meeting the budget (bisection on `env.flops_kept`; it may go below
     p_min if the target demands it), with its accuracy evaluated once.
   * Continual learning (sec. 4.6.2): `AgentState` (network parameters and
@@ -146,6 +162,21 @@ def _observe(env: PruningEnv, env_state: Any, keep_ratios: jax.Array) -> Observa
     return Observation(keep_ratios, stats.astype(jnp.float32), flops.astype(jnp.float32))
 
 
+def _bisect(fits: Callable[[jax.Array], jax.Array], feasible: float,
+            infeasible: float) -> tuple[jax.Array, jax.Array]:
+    """(feasible end, infeasible end) of [feasible, infeasible] (either order) after `BISECTION_STEPS`
+    halvings; `fits` must hold on one side of a single boundary and hold at `feasible`."""
+    def bisect(bounds, _):
+        good, bad = bounds
+        middle = 0.5 * (good + bad)
+        ok = fits(middle)
+        return (jnp.where(ok, middle, good), jnp.where(ok, bad, middle)), None
+
+    bounds, _ = jax.lax.scan(bisect, (jnp.asarray(feasible, jnp.float32), jnp.asarray(infeasible, jnp.float32)),
+                             None, length=BISECTION_STEPS)
+    return bounds
+
+
 def largest_uniform_keep_ratio(env: PruningEnv, env_state: Any, num_layers: int,
                                flops_budget: float) -> jax.Array:
     """The largest r in [0, 1] (to 2^-30) whose uniform ratios keep at most `flops_budget`.
@@ -156,14 +187,19 @@ def largest_uniform_keep_ratio(env: PruningEnv, env_state: Any, num_layers: int,
     def fits(ratio):
         return env.flops_kept(env_state, jnp.full((num_layers,), ratio)) <= flops_budget
 
-    def bisect(bounds, _):
-        feasible, infeasible = bounds
-        middle = 0.5 * (feasible + infeasible)
-        ok = fits(middle)
-        return (jnp.where(ok, middle, feasible), jnp.where(ok, infeasible, middle)), None
+    return jnp.where(fits(jnp.ones(())), 1.0, _bisect(fits, 0.0, 1.0)[0])
 
-    (ratio, _), _ = jax.lax.scan(bisect, (jnp.zeros(()), jnp.ones(())), None, length=BISECTION_STEPS)
-    return jnp.where(fits(jnp.ones(())), 1.0, ratio)
+
+def better_episode(reward: jax.Array, flops_kept: jax.Array, best_reward: jax.Array,
+                   best_flops_kept: jax.Array) -> jax.Array:
+    """Whether an episode beats the best so far: a higher reward, or an equal one keeping more FLOPs."""
+    return (reward > best_reward) | ((reward == best_reward) & (flops_kept > best_flops_kept))
+
+
+def best_episode(rewards: jax.Array, flops_kept: jax.Array, met: jax.Array) -> jax.Array:
+    """Index of the best of a rollout's steps (`better_episode`'s order) among those that met the budget
+    (any index when none did)."""
+    return jnp.lexsort((jnp.where(met, flops_kept, -jnp.inf), jnp.where(met, rewards, -jnp.inf)))[-1]
 
 
 def search(agent_state: AgentState, env_state: Any, key: jax.Array, *, env: PruningEnv,
@@ -182,33 +218,49 @@ def search(agent_state: AgentState, env_state: Any, key: jax.Array, *, env: Prun
         observation, steps_taken = carry
         mean, value = apply(params, observation)
         action = mean + config.action_std * jax.random.normal(step_key, mean.shape)
-        keep = jnp.clip(observation.keep_ratios * (1.0 - jnp.clip(action, 0.0, 1.0)),
-                        config.min_keep_ratio, 1.0)
+
+        def keep_at(fraction):  # the keep ratios after `fraction` of the action
+            return jnp.clip(observation.keep_ratios * (1.0 - fraction * jnp.clip(action, 0.0, 1.0)),
+                            config.min_keep_ratio, 1.0)
+
+        def fits(ratios):
+            return env.flops_kept(env_state, ratios) <= budget
+
+        met = fits(keep_at(1.0))
+        crossing = met & (observation.flops_kept > budget)
+        inside, outside = _bisect(lambda t: fits(keep_at(t)), 1.0, 0.0)
+        keep = keep_at(jnp.where(crossing, inside, 1.0))
+
+        def give_back(ratios, layer):  # the unit the last halving took from this layer, if it still fits
+            trial = ratios.at[layer].set(jnp.where(crossing, keep_at(outside)[layer], ratios[layer]))
+            return jnp.where(fits(trial), trial, ratios), None
+
+        keep, _ = jax.lax.scan(give_back, keep, jnp.arange(num_layers))
         following = _observe(env, env_state, keep)
-        met = following.flops_kept <= budget
         done = met | (steps_taken + 1 >= config.max_episode_steps)
         accuracy = env.reward(env_state, keep)
         chex.assert_rank(accuracy, 0)
         reward = jnp.where(done, jnp.where(met, 100.0 * accuracy, config.penalty), 0.0)
         transition = Transition(observation, action, gaussian_log_prob(action, mean, config.action_std),
                                 value, reward, done)
+        flops = following.flops_kept
         following = jax.tree_util.tree_map(lambda s, f: jnp.where(done, s, f), start, following)
-        return (following, jnp.where(done, 0, steps_taken + 1)), (transition, keep, met)
+        return (following, jnp.where(done, 0, steps_taken + 1)), (transition, keep, met, flops)
 
     def update(carry, _):
-        agent_state, episode, (best_ratios, best_reward), key = carry
+        agent_state, episode, (best_ratios, best_reward, best_flops), key = carry
         key, rollout_key = jax.random.split(key)
-        episode, (rollout, keeps, met) = jax.lax.scan(
+        episode, (rollout, keeps, met, flops) = jax.lax.scan(
             functools.partial(env_step, agent_state.params), episode,
             jax.random.split(rollout_key, config.steps_per_update))
         observation, _ = episode
         _, last_value = apply(agent_state.params, observation)
         params, opt_state, _ = ppo_update(agent_state.params, agent_state.opt_state, apply, rollout,
                                           last_value, config)
-        candidates = jnp.where(met, rollout.reward, -jnp.inf)
-        i = jnp.argmax(candidates)
-        better = candidates[i] > best_reward
-        best = (jnp.where(better, keeps[i], best_ratios), jnp.where(better, candidates[i], best_reward))
+        i = best_episode(rollout.reward, flops, met)
+        better = met[i] & better_episode(rollout.reward[i], flops[i], best_reward, best_flops)
+        best = (jnp.where(better, keeps[i], best_ratios), jnp.where(better, rollout.reward[i], best_reward),
+                jnp.where(better, flops[i], best_flops))
         ended = rollout.done.astype(jnp.float32)
         mean_reward = jnp.sum(rollout.reward * ended) / jnp.sum(ended)
         return (AgentState(params, opt_state), episode, best, key), mean_reward
@@ -218,8 +270,8 @@ def search(agent_state: AgentState, env_state: Any, key: jax.Array, *, env: Prun
         ratios = jnp.full((num_layers,), ratio, jnp.float32)
         return ratios, 100.0 * env.reward(env_state, ratios).astype(jnp.float32)
 
-    best = (jnp.ones(num_layers, jnp.float32), jnp.full((), -jnp.inf))
-    (agent_state, _, (best_ratios, best_reward), _), mean_rewards = jax.lax.scan(
+    best = (jnp.ones(num_layers, jnp.float32), jnp.full((), -jnp.inf), jnp.full((), -jnp.inf))
+    (agent_state, _, (best_ratios, best_reward, _), _), mean_rewards = jax.lax.scan(
         update, (agent_state, (start, jnp.zeros((), jnp.int32)), best, key), None, length=config.updates)
     agent_met_target = jnp.isfinite(best_reward)
     keep_ratios, reward = jax.lax.cond(agent_met_target, lambda: (best_ratios, best_reward), fallback)
@@ -247,9 +299,16 @@ def load_agent(path, template: GraphTemplate, config: AgentConfig) -> AgentState
     """The agent saved at `path`, for an encoder of `template` and networks of `config`."""
     from pathlib import Path
 
+    path = Path(path)
+    if path.is_dir():
+        raise ValueError(f"--agent-init {path}: is a folder; give the file agent.save_agent wrote")
+    if not path.is_file():
+        raise ValueError(f"--agent-init {path}: no such file (give the file agent.save_agent wrote)")
     like = init_agent(jax.random.key(0), template, config)
     try:
-        loaded = flax.serialization.from_bytes(like, Path(path).read_bytes())
+        loaded = flax.serialization.from_bytes(like, path.read_bytes())
+    except OSError as err:
+        raise ValueError(f"--agent-init {path}: cannot be read ({err.strerror})") from None
     except (ValueError, KeyError, TypeError) as err:
         raise ValueError(f"--agent-init {path}: not an agent of this encoder and network size ({err})") from None
     shapes = [(jnp.shape(a), jnp.shape(b)) for a, b in zip(jax.tree_util.tree_leaves(loaded),
