@@ -216,7 +216,10 @@ def evaluate(exp: Experiment, server_state, client_states) -> dict:
     if exp.evaluate_global is not None:
         scores = exp.evaluate_global(exp.algorithm.global_variables(server_state))
         out = {"test_accuracy": float(scores["accuracy"]), "test_loss": float(scores["loss"])}
-    accuracies = np.asarray(exp.evaluate_personalized(server_state, client_states))
+    evaluated = client_states
+    if exp.algorithm.evaluation_clients is not None:
+        evaluated = exp.algorithm.evaluation_clients(server_state, client_states)
+    accuracies = np.asarray(exp.evaluate_personalized(server_state, evaluated))
     out["personalized_accuracy"] = float(accuracies.mean())
     if exp.algorithm.diagnostics is not None:
         out.update(jax.tree_util.tree_map(_to_python, exp.algorithm.diagnostics(server_state, client_states)))

@@ -30,10 +30,11 @@ def assert_trees_close(a, b, atol=1e-5, rtol=1e-5):
     tree_map(lambda x, y: np.testing.assert_allclose(np.asarray(x), np.asarray(y), atol=atol, rtol=rtol), a, b)
 
 
-def build(model, split, *, lr=0.1, epochs=1, batch_size=8, momentum=0.0, **options):
+def build(model, split, *, lr=0.1, epochs=1, batch_size=8, momentum=0.0, clients_per_round=None, **options):
     local = LocalSGD(model, lr, epochs, batch_size, momentum)
-    ctx = BuildContext(local=local, num_clients=split.num_clients, clients_per_round=split.num_clients,
-                       train=split, num_classes=model.num_classes)
+    ctx = BuildContext(local=local, num_clients=split.num_clients,
+                       clients_per_round=clients_per_round or split.num_clients, train=split,
+                       num_classes=model.num_classes)
     return make_algorithm("spatl", ctx, make_options("spatl", options)), local
 
 
@@ -246,15 +247,17 @@ def test_a_model_without_a_split_and_bad_flags_are_refused(tmp_path, capsys):
 
 
 def test_cli_logs_table2_figures(tmp_path):
+    """Partial participation (3 of 4 clients a round): the evaluation runs the global encoder."""
     out = tmp_path / "spatl"
-    assert main(["run", "--algorithm", "spatl", "--num-clients", "4", "--clients-per-round", "4", "--rounds", "2",
+    assert main(["run", "--algorithm", "spatl", "--num-clients", "4", "--clients-per-round", "3", "--rounds", "2",
                  "--local-epochs", "1", "--no-progress", "--out", str(out)]) == 0
     import json
     last = json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])
     assert last["test_accuracy"] is None
     assert last["encoder_flops_reduction_mean"] >= 0.2 - 1e-6  # the default target
     assert 0 < last["salient_kept_weights"] < 1 and 0 < last["flops_reduction_mean"] <= last["flops_reduction_max"]
-    assert last["downlink_bytes"] == 4 * 4 * 2 * MLP_ENCODER  # encoder and c_g to each of 4 clients
+    assert last["downlink_bytes"] == 4 * 3 * 2 * MLP_ENCODER  # encoder and c_g to each of 3 clients
+    assert last["personalized_accuracy"] > 0.3
 
 
 def test_experiment_settings_validate_and_the_module_runs_with_its_transfer(monkeypatch, tmp_path):
@@ -290,10 +293,68 @@ def test_experiment_settings_validate_and_the_module_runs_with_its_transfer(monk
     assert result["fit_examples"] + result["validation_examples"] == 359  # the digits test split
 
 
+def test_partial_participation_evaluates_the_global_encoder_and_reports_the_rounds_uploads(make_split, mlp):
+    """4 clients, 1 a round, keep 1/4. After one round every client is evaluated with the global
+    encoder: the sampled one with its own predictor and the salient units of that encoder at its
+    ratio, the three never sampled with a predictor fitted by eq. 4 on it (and all units). The
+    diagnostics describe the one upload of the round, by hand: fc1 keeps 64 of 256 units, fc2 64 of
+    256 and only their inputs, so (64 x 64 + 64 + 64 x 64 + 64) / 82,432 encoder weights, and the
+    model's FLOPs fall from 64 x 256 + 256 x 256 + 256 x 10 to 64 x 64 + 64 x 64 + 64 x 10."""
+    from fedjax_sparse.core.layer_groups import overlay
+    from fedjax_sparse.core.streams import stream_key
+    split = make_split([12, 16, 12, 20])
+    alg, local = build(mlp, split, salient_keep=0.25, clients_per_round=1)
+    variables = mlp.init(jax.random.key(0))
+    server, clients = alg.init(jax.random.key(1), variables, 4)
+    server, clients, out = build_round(alg, split, 1, seed=0)(server, clients, 0)
+    sampled = int(out.client_ids[0])
+    evaluated = alg.evaluation_clients(server, clients)
+    layers = encoder_layers(mlp.structure)
+    labels = part_labels(mlp)
+    for i in range(4):
+        mine = tree_map(lambda a: a[i], evaluated)
+        assert_trees_close(take_part(mine["variables"], labels, "encoder"), server["encoder"], atol=0, rtol=0)
+        if i == sampled:
+            own = tree_map(lambda a: a[i], clients["variables"])
+            assert_trees_close(mine["variables"], overlay(own, server["encoder"]), atol=0, rtol=0)
+            expected = salient_masks(mlp.structure, mine["variables"]["params"], {n: 0.25 for n in layers}, layers)
+            assert_trees_close(mine["salient"], expected, atol=0, rtol=0)
+        else:
+            fitted, _ = jax.jit(lambda d, k: fit_predictor(local, variables, server["encoder"], d, k))(
+                split.client(i), jax.random.fold_in(stream_key(0, "predictor_fit"), i))
+            assert_trees_close(mine["variables"], fitted)
+            assert float(jnp.abs(fitted["params"]["fc3"]["kernel"] - variables["params"]["fc3"]["kernel"]).max()) > 0
+            assert_trees_close(mine["salient"], full_unit_masks(mlp.structure), atol=0, rtol=0)
+    figures = alg.diagnostics(server, clients)
+    np.testing.assert_allclose(figures["salient_kept_weights"], (2 * 64 * 64 + 128) / MLP_ENCODER, rtol=1e-6)
+    reduction = 1 - (64 * 64 + 64 * 64 + 64 * 10) / (64 * 256 + 256 * 256 + 256 * 10)
+    np.testing.assert_allclose(figures["flops_reduction_mean"], reduction, rtol=1e-6)
+    np.testing.assert_allclose(figures["flops_reduction_max"], reduction, rtol=1e-6)
+    full, _ = build(mlp, split, salient_keep=0.25)
+    assert full.evaluation_clients is None  # all sampled every round: each client's own last encoder
+
+
+def test_flags_the_policy_ignores_and_a_bad_agent_file_are_one_line_errors(tmp_path, capsys):
+    base = ["run", "--algorithm", "spatl", "--rounds", "1", "--num-clients", "2", "--clients-per-round", "2",
+            "--no-progress", "--out", str(tmp_path / "bad")]
+    cases = [(["--agent-updates", "3"], "--agent-updates is a setting of the learned agent; --salient-policy fixed"),
+             (["--agent-reset"], "--agent-reset is a setting of the learned agent"),
+             (["--salient-policy", "agent", "--salient-keep", "0.5"], "--salient-keep is the fixed policy's"),
+             (["--salient-keep", "0.5", "--flops-reduction", "0.3"], "--flops-reduction is not read when --salient-keep"),
+             (["--salient-policy", "agent", "--agent-init", str(tmp_path)], f"--agent-init {tmp_path}: is a folder"),
+             (["--salient-policy", "agent", "--agent-init", str(tmp_path / "none.msgpack")],
+              f"--agent-init {tmp_path / 'none.msgpack'}: no such file")]
+    for args, fragment in cases:
+        assert main([*base, *args]) == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and fragment in err, err
+
+
 # ------------------------------------------------------------------ the learned policy (GNN + PPO agent)
 
 def test_agent_policy_meets_the_flops_target_and_carries_its_state_over_rounds(make_split, mlp, tmp_path):
-    """A tiny agent on the MLP: its keep ratios' salient masks cut the encoder FLOPs by the target;
+    """A tiny agent on the MLP: its keep ratios' salient masks cut the encoder FLOPs by the target
+    and by at most one unit more (an fc1 unit: its 64 inputs and the 256 fc2 units reading it);
     the state a search returns is what the next search starts from (different from starting
     afresh), `agent_reset` ignores it, and a saved agent is what every client starts from."""
     from fedjax_sparse.agent import AgentConfig, GraphTemplate, save_agent
@@ -313,7 +374,8 @@ def test_agent_policy_meets_the_flops_target_and_carries_its_state_over_rounds(m
     first, ratios, metrics = select(start, variables, data, key)
     masks = salient_masks(mlp.structure, variables["params"], ratios, layers)
     dense = float(encoder_flops(mlp.structure, full_unit_masks(mlp.structure), layers))
-    assert float(encoder_flops(mlp.structure, masks, layers)) <= 0.7 * dense + 1e-3
+    kept = float(encoder_flops(mlp.structure, masks, layers))
+    assert 0.7 * dense - (64 + 256) <= kept <= 0.7 * dense + 1e-3
     assert 0 <= float(metrics["agent_reward"]) <= 100
     second, _, _ = select(first, variables, data, key)
     again, _, _ = select(start, variables, data, key)
@@ -339,16 +401,46 @@ def test_agent_policy_meets_the_flops_target_and_carries_its_state_over_rounds(m
         load_agent(path, GraphTemplate.from_structure(mlp.structure, layers), dataclasses.replace(config, hidden_size=4))
 
 
-def test_the_agent_scores_on_examples_held_out_of_local_training(make_split):
-    """A client of 20 examples with 10 % held out trains on its first 18 and is scored on the last 2."""
-    from fedjax_sparse.algorithms.spatl import split_holdout
-    split = make_split([7, 20])
-    training, held = split_holdout(split.client(1), 0.1)
-    assert (int(training.offset), int(training.count), int(held.offset), int(held.count)) == (7, 18, 25, 2)
-    training, held = split_holdout(split.client(0), 0.1)  # ceil(0.7) = 1 of 7
-    assert (int(training.count), int(held.offset), int(held.count)) == (6, 6, 1)
-    same, _ = split_holdout(split.client(1), 0.0)
-    assert int(same.count) == 20
+def test_held_out_shares_are_random_stratified_and_cost_no_class_its_training_on_a_class_ordered_split():
+    """An image folder lists its examples class by class, so a Dirichlet(0.1) client's window is sorted
+    by label (10 clients over 10 classes of 60). Each client holds out h = ceil(10 %) of its n examples:
+    every class of >= 10 examples gives its share h n_c / n rounded down or up (plus at most what the
+    classes of one example keep back to train on), no class loses all its training examples, the two views split the window exactly, and the draw is the client's own (the
+    same for the same seed, another for another seed). The last 10 % of the window would be one or two
+    classes."""
+    from fedjax_sparse.algorithms.spatl import agent_holdout, split_holdout
+    from fedjax_sparse.data import partition
+    from fedjax_sparse.data.federated import federated_split
+    y = np.repeat(np.arange(10), 60)
+    clients = partition(y, 10, "dirichlet", seed=0, alpha=0.1, min_examples=2)
+    split = federated_split(np.zeros((len(y), 2, 2, 1), np.uint8), y, clients, [0.5], [0.25])
+    held = agent_holdout(split, 0.1, seed=0)
+    views = jax.jit(jax.vmap(lambda i: split_holdout(split.client(i), held)))(jnp.arange(10))
+    labels, counts = np.asarray(split.y), np.asarray(split.counts)
+    lost_by_last_share = 0
+    for i in range(10):
+        training, validation = jax.tree_util.tree_map(lambda a: a[i], views)
+        n, h = int(counts[i]), int(validation.count)
+        own = labels[int(split.offsets[i]):int(split.offsets[i]) + n]
+        window = lambda view: np.asarray(view.positions)[:int(view.count)]  # noqa: E731
+        assert h == min(max(math.ceil(0.1 * n), 1), n - 1) and int(training.count) == n - h
+        assert sorted([*window(training), *window(validation)]) == list(range(n))
+        train_counts = np.bincount(own[window(training)], minlength=10)
+        held_counts = np.bincount(own[window(validation)], minlength=10)
+        all_counts = np.bincount(own, minlength=10)
+        assert np.all(train_counts[all_counts > 0] >= 1), (i, train_counts, held_counts)
+        singles = int(np.sum(all_counts == 1))
+        for c in np.flatnonzero(all_counts >= 10):
+            share = all_counts[c] * h / n
+            assert math.floor(share) <= held_counts[c] <= math.ceil(share) + singles, (i, c, held_counts)
+        last = own[n - h:]
+        lost_by_last_share += len(set(last) - set(own[:n - h]))
+    assert lost_by_last_share > 0  # what the old rule (the last 10 % of the window) did
+    again = agent_holdout(split, 0.1, seed=0)
+    other = agent_holdout(split, 0.1, seed=1)
+    np.testing.assert_array_equal(again, held)
+    assert not np.array_equal(np.asarray(other), np.asarray(held))
+    assert agent_holdout(split, 0.0, seed=0) is None
 
 
 def test_on_a_trained_mlp_the_agent_beats_uniform_pruning_at_the_same_flops():

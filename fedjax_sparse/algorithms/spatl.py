@@ -33,7 +33,10 @@ official code's target), counted with the inputs a pruned unit removes from its
 consumers (`core.flops`, count_inputs=True). Policy `agent`: each client's GNN-PPO
 agent (`fedjax_sparse.agent`, `agent_policy`), rewarded by the accuracy of the
 candidate sub-model on a held-out share of the client's own data (the paper's
-"validation dataset"; `agent_validation_fraction`, kept out of local training).
+"validation dataset"; `agent_validation_fraction`, kept out of local training):
+a random, label-stratified share drawn once per client from its own stream
+(`agent_holdout`), not the end of its data window, which in a class-ordered
+image folder would be one class.
 
 Messages. Down: the encoder (weights and BatchNorm statistics) and c_g, dense.
 Up: the kept units' encoder values (their kernel entries from kept inputs,
@@ -53,10 +56,21 @@ data-weighted mean replaces w_g). Then c_g <- c_g + (1/N) sum_k Delta c_k (eq. 1
 Evaluation (section 4.4). Each client predicts with its salient sub-model: its
 own last encoder run with its salient unit masks, and its own predictor
 (`spatl_evaluation=dense`: the whole encoder). SPATL has no global model.
-Logged each evaluation: `salient_kept_weights` (kept encoder weights / all
-encoder weights, mean over clients: Table 2's "sparsity"), the whole model's
-inference FLOPs reduction per client (`flops_reduction_mean`, `_max`: Table 2)
-and the encoder's (`encoder_flops_reduction_mean`).
+Under partial participation (fewer clients per round than clients) a client's
+own encoder may be many rounds old, or the random initial one if it was never
+sampled; there every client is evaluated with the current global encoder and
+its own predictor (`evaluation_clients`), the salient masks taken on that
+encoder at the share of units its policy last kept (all units if it never
+chose), and a client that never trained gets a predictor fitted by eq. 4
+(`fit_predictor`: its local epochs on its training data, the encoder frozen)
+at each evaluation; nothing of it is written back to the client. With every
+client sampled each round (the paper's setting) the own encoders are those of
+the last round and are used as they are.
+Logged each evaluation, over the last round's uploads (the clients sampled in
+it): `salient_kept_weights` (kept encoder weights / all encoder weights, mean:
+Table 2's "sparsity"), the whole model's inference FLOPs reduction
+(`flops_reduction_mean`, `_max`: Table 2) and the encoder's
+(`encoder_flops_reduction_mean`).
 
 Transfer (eq. 4, section 4.5): `fit_predictor` trains a new client's predictor
 (and private parts) on a frozen encoder.
@@ -84,10 +98,13 @@ from fedjax_sparse.core.messages import SparseArray
 from fedjax_sparse.core.options import option
 from fedjax_sparse.core.unit_masks import full_unit_masks, variable_masks
 from fedjax_sparse.core.unit_selection import keep_top_units, prefix_scores
-from fedjax_sparse.data.federated import ClientData, epoch_permutations, normalize
+from fedjax_sparse.core.streams import stream_key, stream_seed
+from fedjax_sparse.data.federated import ClientData, FederatedSplit, epoch_permutations, normalize
+from fedjax_sparse.data.partition import stratified_holdout
 from fedjax_sparse.models.structure import ModelStructure, get_path
 
 tree_map = jax.tree_util.tree_map
+NEVER = -1  # a client's last round before it first trains
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,6 +135,18 @@ class SPATLOptions:
                                               low=0.0, low_open=True, high=1.0, high_open=True)
     agent_validation_examples: int = option(64, "SPATL agent: at most this many held-out examples score a "
                                                 "candidate sub-model each round", low=1)
+
+    def ignored(self) -> dict[str, str]:
+        """Options the chosen policy does not read (`core.options.refuse_ignored`)."""
+        if self.salient_policy == "agent":
+            return {"salient_keep": "is the fixed policy's keep ratio; --salient-policy agent searches its own "
+                                    "(toward --flops-reduction)"}
+        out = {f.name: "is a setting of the learned agent; --salient-policy fixed does not read it (add "
+                       "--salient-policy agent)" for f in dataclasses.fields(self) if f.name.startswith("agent_")}
+        if self.salient_keep is not None:
+            out["flops_reduction"] = ("is not read when --salient-keep fixes the keep ratio (the fixed policy "
+                                      "takes one or the other); give only one of them")
+        return out
 
 
 # ------------------------------------------------------------------ salient units
@@ -197,15 +226,40 @@ def fixed_policy(layers: tuple[str, ...], ratio: float) -> SalientPolicy:
     return SalientPolicy(init=lambda key: {}, select=lambda state, variables, data, key: (state, ratios, {}))
 
 
-def split_holdout(data: ClientData, fraction: float) -> tuple[ClientData, ClientData]:
-    """(training, held-out): the last ceil(fraction x n) of a client's n examples are held out
-    (at least one, and at least one left to train on; none when fraction is 0)."""
+def agent_holdout(train: FederatedSplit, fraction: float, seed: int) -> jax.Array | None:
+    """[total] bool over the training split: the examples each client holds out of local training
+    (`data.stratified_holdout`: a random, label-stratified ceil(fraction x n) of its n, drawn from the
+    client's own stream of the run's seed, so the same every round); None when fraction is 0."""
     if fraction == 0.0:
+        return None
+    y, offsets, counts = np.asarray(train.y), np.asarray(train.offsets), np.asarray(train.counts)
+    held = np.zeros(len(y), bool)
+    stream = stream_seed(seed, "agent_validation")
+    for client, (offset, count) in enumerate(zip(offsets, counts)):
+        held[offset:offset + count] = stratified_holdout(y[offset:offset + count], fraction,
+                                                         np.random.default_rng([*stream, client]))
+    return jnp.asarray(held)
+
+
+def split_holdout(data: ClientData, held: jax.Array | None) -> tuple[ClientData, ClientData]:
+    """(training, held-out) views of a client's data: the examples `held` (`agent_holdout`) marks and
+    the others, each a `positions` view of its window. A client with no held-out example (one of one
+    example) is validated on its training data; `held` None: both are the whole data."""
+    if held is None:
         return data, data
-    held = jnp.clip(jnp.ceil(fraction * data.count).astype(data.count.dtype), 1, jnp.maximum(data.count - 1, 1))
-    held = jnp.where(data.count > 1, held, 0)
-    training = dataclasses.replace(data, count=data.count - held)
-    return training, dataclasses.replace(data, offset=data.offset + data.count - held, count=jnp.maximum(held, 1))
+    pos = jnp.arange(data.max_count)
+    real = pos < data.count
+    flags = held[data.example_index(pos)] & real
+    num_held = jnp.sum(flags).astype(data.count.dtype)
+
+    def view(first, count):  # the positions flagged `first`, in window order, then the others
+        order = jnp.argsort(jnp.where(real, (flags != first).astype(jnp.int32), 2), stable=True)
+        return dataclasses.replace(data, count=count, positions=order.astype(jnp.int32))
+
+    some = num_held > 0
+    validation = view(True, jnp.where(some, num_held, data.count))
+    validation = dataclasses.replace(validation, positions=jnp.where(some, validation.positions, pos))
+    return view(False, data.count - num_held), validation
 
 
 def validation_batch(data: ClientData, size: int, key: jax.Array):
@@ -213,7 +267,7 @@ def validation_batch(data: ClientData, size: int, key: jax.Array):
     k = min(size, data.max_count)
     order = epoch_permutations(key, data.count, data.max_count, 1)[0][:k]
     mask = jnp.arange(k) < data.count
-    index = data.offset + jnp.minimum(order, data.count - 1)
+    index = data.example_index(order)
     return normalize(data.x[index], data.mean, data.std), data.y[index], mask
 
 
@@ -310,6 +364,7 @@ def spatl(context: BuildContext, options: SPATLOptions, policy: SalientPolicy | 
         ratio = options.salient_keep if options.salient_keep is not None else \
             uniform_keep_ratio(structure, layers, options.flops_reduction)
         policy = fixed_policy(layers, ratio)
+    held = agent_holdout(context.train, policy.holdout, context.seed)
     dense_flops = float(sum(layer_forward_flops(structure).values()))
     dense_encoder_flops = float(encoder_flops(structure, full_unit_masks(structure), layers))
     encoder_weights = float(sum(np.prod(s.shape) for s in jax.tree_util.tree_leaves(
@@ -326,8 +381,9 @@ def spatl(context: BuildContext, options: SPATLOptions, policy: SalientPolicy | 
         zeros = tree_map(jnp.zeros_like, encoder["params"])
         keys = jax.random.split(key, n)
         state = {"variables": replicate(variables, n), "control": replicate(zeros, n),
-                 "salient": replicate(full_unit_masks(structure), n), "policy": jax.vmap(policy.init)(keys)}
-        return {"encoder": encoder, "control": zeros}, state
+                 "salient": replicate(full_unit_masks(structure), n), "policy": jax.vmap(policy.init)(keys),
+                 "last_round": jnp.full((n,), NEVER, jnp.int32)}
+        return {"encoder": encoder, "control": zeros, "round": jnp.asarray(NEVER, jnp.int32)}, state
 
     def client_update(down, state, data, key, info):
         variables = overlay(state["variables"], down["encoder"])
@@ -340,7 +396,7 @@ def spatl(context: BuildContext, options: SPATLOptions, policy: SalientPolicy | 
         # training draws from `key` exactly as every other method does; the policy from a branch of it
         policy_key = jax.random.fold_in(key, 1)
         objective = LocalObjective(grad_correction=correct if options.gradient_control else None)
-        training, validation = split_holdout(data, policy.holdout)
+        training, validation = split_holdout(data, held)
         trained, stats = local.train(variables, training, key, round_index=info.index, objective=objective)
         encoder = encoder_of(trained)
         new_control = control_update(local, c_l, c_g, down["encoder"]["params"], encoder["params"],
@@ -352,11 +408,11 @@ def spatl(context: BuildContext, options: SPATLOptions, policy: SalientPolicy | 
         else:
             sent = tree_map(SparseArray, encoder, encoder_of(variable_masks(structure, trained, masks)))
         up = {"encoder": sent, "control_delta": tree_map(jnp.subtract, new_control, c_l)}
-        new_state = {"variables": trained, "control": new_control, "salient": masks, "policy": policy_state}
+        new_state = {"variables": trained, "control": new_control, "salient": masks, "policy": policy_state,
+                     "last_round": info.index}
         return up, new_state, {**stats, **policy_metrics}
 
     def server_update(server_state, ups, weights, info):
-        del info
         values = tree_map(lambda s: s.values, ups["encoder"], is_leaf=is_sparse)
         masks = tree_map(lambda s: s.mask.astype(jnp.float32), ups["encoder"], is_leaf=is_sparse)
         old = server_state["encoder"]
@@ -369,7 +425,7 @@ def spatl(context: BuildContext, options: SPATLOptions, policy: SalientPolicy | 
             senders_mean = masked_mean(values, masks, jnp.ones_like(weights), old)
             encoder = tree_map(lambda w, m: w + eta * (m - w), old, senders_mean)
         control = server_control_update(server_state["control"], ups["control_delta"], num_clients)
-        return {"encoder": encoder, "control": control}
+        return {"encoder": encoder, "control": control, "round": info.index}
 
     def client_variables(server_state, state):
         if options.spatl_evaluation == "dense":
@@ -389,18 +445,49 @@ def spatl(context: BuildContext, options: SPATLOptions, policy: SalientPolicy | 
 
     def diagnostics(server_state, client_states):
         kept, reduction, encoder_reduction = diagnostics_of(client_states)
-        return {"salient_kept_weights": jnp.mean(kept), "flops_reduction_mean": jnp.mean(reduction),
-                "flops_reduction_max": jnp.max(reduction), "encoder_flops_reduction_mean": jnp.mean(encoder_reduction)}
+        uploaded = client_states["last_round"] == server_state["round"]  # the last round's senders
+
+        def mean(values):
+            return jnp.sum(jnp.where(uploaded, values, 0.0)) / jnp.maximum(jnp.sum(uploaded), 1)
+
+        return {"salient_kept_weights": mean(kept), "flops_reduction_mean": mean(reduction),
+                "flops_reduction_max": jnp.max(jnp.where(uploaded, reduction, -jnp.inf)),
+                "encoder_flops_reduction_mean": mean(encoder_reduction)}
+
+    fit_key = stream_key(context.seed, "predictor_fit")
+
+    @jax.jit
+    def evaluation_clients(server_state, client_states):
+        encoder = server_state["encoder"]
+
+        def one(args):
+            state, client = args
+
+            def fitted():  # eq. 4: a predictor for a client that never trained one
+                training, _ = split_holdout(context.train.client(client), held)
+                return fit_predictor(local, state["variables"], encoder, training,
+                                     jax.random.fold_in(fit_key, client))[0]
+
+            variables = jax.lax.cond(state["last_round"] == NEVER, fitted,
+                                     lambda: overlay(state["variables"], encoder))
+            ratios = {name: jnp.mean(state["salient"][name]) for name in layers}
+            return {**state, "variables": variables,
+                    "salient": salient_masks(structure, variables["params"], ratios, layers)}
+
+        # one client at a time, so that only never-trained clients pay for the fit
+        return jax.lax.map(one, (client_states, jnp.arange(num_clients)))
 
     return FederatedAlgorithm(
         name="spatl",
         init=init,
-        broadcast=lambda server_state, client_id, info: server_state,
+        broadcast=lambda server_state, client_id, info: {"encoder": server_state["encoder"],
+                                                         "control": server_state["control"]},
         client_update=client_update,
         server_update=server_update,
         client_variables=client_variables,
         global_variables=None,
         diagnostics=diagnostics,
+        evaluation_clients=evaluation_clients if context.clients_per_round < num_clients else None,
     )
 
 

@@ -9,6 +9,7 @@ from fedjax_sparse.data.partition import (
     local_test_split,
     partition,
     partition_summary,
+    stratified_holdout,
 )
 from fedjax_sparse.data.sources import (
     DataError,
@@ -32,4 +33,5 @@ __all__ = [
     "partition",
     "partition_summary",
     "random_crop_flip",
+    "stratified_holdout",
 ]

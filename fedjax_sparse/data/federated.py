@@ -47,7 +47,12 @@ class FederatedSplit:
 
 @flax.struct.dataclass
 class ClientData:
-    """One client's examples: a window [offset, offset + count) of the shared arrays."""
+    """One client's examples: a window [offset, offset + count) of the shared arrays.
+
+    `positions` ([max_count] int32, optional) makes it a view of some of the window's
+    examples, in any order: its example i is the window's example positions[i], i < count
+    (e.g. the share a client holds out of training, `algorithms.spatl.split_holdout`).
+    """
 
     x: jax.Array
     y: jax.Array
@@ -57,6 +62,12 @@ class ClientData:
     std: jax.Array
     max_count: int = flax.struct.field(pytree_node=False)
     augment: bool = flax.struct.field(pytree_node=False, default=False)
+    positions: jax.Array | None = None
+
+    def example_index(self, local: jax.Array) -> jax.Array:
+        """Indices into `x` and `y` of the client's examples `local` (clipped to its count)."""
+        local = jnp.minimum(local, self.count - 1)
+        return self.offset + (local if self.positions is None else self.positions[local])
 
 
 @flax.struct.dataclass
@@ -89,7 +100,7 @@ def federated_split(x: np.ndarray, y: np.ndarray, client_indices: Sequence[np.nd
 def client_label_counts(data: ClientData, num_classes: int) -> jax.Array:
     """[num_classes] int32: how many of the client's training examples carry each label."""
     pos = jnp.arange(data.max_count)
-    labels = data.y[data.offset + jnp.minimum(pos, data.count - 1)]
+    labels = data.y[data.example_index(pos)]
     return jnp.zeros((num_classes,), jnp.int32).at[labels].add((pos < data.count).astype(jnp.int32))
 
 
@@ -139,8 +150,7 @@ def client_batch(data: ClientData, order: jax.Array, step_in_epoch: jax.Array, b
     """Gathers batch `step_in_epoch` of an epoch with the given example order."""
     pos = step_in_epoch * batch_size + jnp.arange(batch_size)
     mask = pos < data.count
-    local = order[jnp.minimum(pos, data.max_count - 1)]
-    index = data.offset + jnp.minimum(local, data.count - 1)
+    index = data.example_index(order[jnp.minimum(pos, data.max_count - 1)])
     x = normalize(data.x[index], data.mean, data.std, key if train and data.augment else None)
     return Batch(x=x, y=data.y[index], mask=mask)
 

@@ -12,8 +12,10 @@ gives the same partition (numpy `Generator(PCG64(seed))`).
 * `partition`            validated dispatch over the three.
 
 `local_test_split` draws each client's personal test set from the global test
-set with the client's own label distribution; `partition_summary` reports the
-per-client class counts for a run's outputs.
+set with the client's own label distribution; `stratified_holdout` picks the
+share of one client's examples it holds out of training (SPATL's validation
+data); `partition_summary` reports the per-client class counts for a run's
+outputs.
 """
 
 from __future__ import annotations
@@ -241,6 +243,34 @@ def local_test_split(
         picks = [rng.choice(by_class[c], size=alloc[c], replace=False) for c in np.flatnonzero(alloc)]
         splits.append(np.sort(np.concatenate(picks)) if picks else np.zeros(0, dtype=np.int64))
     return splits
+
+
+def stratified_holdout(labels, fraction: float, rng: np.random.Generator) -> np.ndarray:
+    """[n] bool: the examples of one client (labels in any order) held out of its training.
+
+    ceil(fraction x n) of its n examples (at least 1, and at least 1 left to train on; none
+    when n < 2 or fraction is 0), drawn at random without regard to their order (an image
+    folder lists its examples class by class). Stratified by label where a class has enough
+    examples: each class gets its largest-remainder share of the held-out count, but always
+    leaves at least one example of itself to train on; a share so capped goes to classes with
+    examples to spare (chosen in proportion to how many they can spare), and only when no
+    class can spare one does a class give its last training example.
+    """
+    labels = _as_labels(labels)
+    n = len(labels)
+    held = np.zeros(n, bool)
+    if fraction <= 0 or n < 2:
+        return held
+    total = min(max(math.ceil(fraction * n - 1e-9), 1), n - 1)
+    classes, counts = np.unique(labels, return_counts=True)
+    alloc = np.minimum(_largest_remainder(counts.astype(np.float64), total), counts - 1)
+    for _ in range(total - int(alloc.sum())):
+        spare = counts - 1 - alloc
+        weights = spare if spare.sum() > 0 else counts - alloc
+        alloc[rng.choice(len(classes), p=weights / weights.sum())] += 1
+    for c, k in zip(classes, alloc):
+        held[rng.choice(np.flatnonzero(labels == c), size=k, replace=False)] = True
+    return held
 
 
 def partition_summary(client_train_indices, train_labels, num_classes: int) -> list[dict]:
