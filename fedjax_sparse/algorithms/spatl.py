@@ -247,6 +247,8 @@ def split_holdout(data: ClientData, held: jax.Array | None) -> tuple[ClientData,
     example) is validated on its training data; `held` None: both are the whole data."""
     if held is None:
         return data, data
+    if data.positions is not None:
+        raise ValueError("split_holdout takes a client's whole data window, not a view of it")
     pos = jnp.arange(data.max_count)
     real = pos < data.count
     flags = held[data.example_index(pos)] & real
@@ -471,8 +473,7 @@ def spatl(context: BuildContext, options: SPATLOptions, policy: SalientPolicy | 
             variables = jax.lax.cond(state["last_round"] == NEVER, fitted,
                                      lambda: overlay(state["variables"], encoder))
             ratios = {name: jnp.mean(state["salient"][name]) for name in layers}
-            return {**state, "variables": variables,
-                    "salient": salient_masks(structure, variables["params"], ratios, layers)}
+            return {"variables": variables, "salient": salient_masks(structure, variables["params"], ratios, layers)}
 
         # one client at a time, so that only never-trained clients pay for the fit
         return jax.lax.map(one, (client_states, jnp.arange(num_clients)))

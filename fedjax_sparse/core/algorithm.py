@@ -63,11 +63,11 @@ class FederatedAlgorithm:
         what the evaluations read instead of the server state itself (HeteroFL's
         static BatchNorm recomputes the global model's statistics first); called
         once per evaluation, never inside a round.
-    evaluation_clients(server_state, client_states) -> client_states, optional
-        what the personalized evaluation reads instead of the client states (SPATL
-        under partial participation: every client with the current global encoder,
-        a predictor fitted for those that never trained); called once per
-        evaluation, never inside a round, and never written back.
+    evaluation_clients(server_state, client_states) -> stacked per-client states, optional
+        what the personalized evaluation hands `client_variables` instead of the
+        client states (SPATL under partial participation: every client with the
+        current global encoder, a predictor fitted for those that never trained);
+        called once per evaluation, never inside a round, and never written back.
     """
 
     name: str
