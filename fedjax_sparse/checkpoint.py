@@ -75,7 +75,7 @@ class RunCheckpointer:
 
     def _unreadable(self, rounds_done: int, err: Exception) -> CheckpointError:
         return CheckpointError(f"the checkpoint {self.directory / str(rounds_done)} cannot be read "
-                               f"({' '.join(str(err).split())[:300]}); delete that folder to resume from "
+                               f"({' '.join(str(err).split())[:160]}); delete that folder to resume from "
                                f"the one before, or start again with --overwrite")
 
     def restore(self, server_like: Any, clients_like: Any) -> tuple[int, Any, Any, dict]:

@@ -330,7 +330,8 @@ def run_experiment(config: RunConfig, *, progress: bool = True, resume: bool = F
             mismatches = config_mismatches(RunConfig.from_dict(saved_meta["config"]).to_dict(), config.to_dict())
             if mismatches:
                 raise ValueError(f"--resume {out}: the checkpoint was made with another configuration ("
-                                 + "; ".join(mismatches) + ")")
+                                 + "; ".join(mismatches) + "); drop those flags, or start a new run with "
+                                 "another --out")
             done = saved_meta["counters"]["rounds_done"]
             if config.rounds < done:
                 raise ValueError(f"--rounds {config.rounds} is below the {done} rounds the run in {out} has "

@@ -97,8 +97,8 @@ def wait_for_pause(proc, flag, point):
 
 
 def kill_moments(rng, done):
-    """Seeded kill moments for a process resuming after `done` rounds: (point, n) with n counted in
-    that process, chosen so that a checkpoint exists before the kill and rounds remain after it."""
+    """For each point, a seeded n (the n-th time a process resuming after `done` rounds reaches it),
+    chosen so that a checkpoint exists before the kill and rounds remain after it."""
     first = done == 0  # the first checkpoint (round 2) must be complete before the first kill
     saves = [r for r in range(done + 1, ROUNDS + 1) if r % 2 == 0]
     return {"round_end": int(rng.integers(2 if first else 1, ROUNDS - done)),  # after round <= 5
@@ -114,8 +114,8 @@ def test_kill_9_at_seeded_moments_then_resume_writes_the_uninterrupted_metrics(r
     done = 0
     for i, point in enumerate(rng.permutation(["round_end", "checkpoint_write", "metrics_write"])):
         n = kill_moments(rng, done)[point]
-        args = [*ARGS, "--rounds", str(ROUNDS), "--out", str(run)] if i == 0 else ["--resume", str(run), "--no-progress"]
-        proc = start(args, f"{point}:{n}:kill", flag)
+        first = [*ARGS, "--rounds", str(ROUNDS), "--out", str(run)]
+        proc = start(first if i == 0 else ["--resume", str(run), "--no-progress"], f"{point}:{n}:kill", flag)
         _, err = proc.communicate(timeout=240)
         assert proc.returncode == -signal.SIGKILL, err[-3000:]
         if point == "metrics_write":  # the kill left a torn line
