@@ -17,8 +17,9 @@ import sys
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+from fedjax_sparse.checkpoint import CheckpointError
 from fedjax_sparse.reporting import device_description, plot_accuracy
-from fedjax_sparse.runner import DivergenceError, RunConfig, run_experiment
+from fedjax_sparse.runner import DivergenceError, Interrupted, RunConfig, run_experiment
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -130,7 +131,8 @@ def run_setting(setting: Setting, out_root: Path, quick: bool, progress: bool = 
                 config = config.replace(seed=seed, out=str(Path(config.out) / f"seed_{seed}"))
             print(f"[{setting.name}] {arm.label}: {config.algorithm} for {config.rounds} rounds"
                   + (f", seed {seed}" if seed is not None else ""), flush=True)
-            summary = run_experiment(config, progress=progress)
+            # an experiment redoes every arm when run again: its folders are its own to overwrite
+            summary = run_experiment(config, progress=progress, overwrite=True)
             history = [json.loads(line) for line in (Path(config.out) / "metrics.jsonl").read_text().splitlines()]
             histories.setdefault(arm.label, history)
             per_seed.append(arm_row(setting, arm, config, history, summary))
@@ -186,7 +188,10 @@ def main(settings: dict[str, Setting], module: str, argv: Sequence[str] | None =
         for name in args.setting or default:
             run_setting(settings[name], Path(args.out), args.quick, progress=not args.no_progress,
                         command=" ".join(["python -m", module, *argv]), seeds=args.seeds)
-    except (ValueError, FileNotFoundError, DivergenceError) as e:
+    except (ValueError, FileNotFoundError, DivergenceError, CheckpointError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except Interrupted as e:  # the arm's run saved its checkpoint; the table was not written
+        print(f"{e}", file=sys.stderr)
+        return 128 + e.signum
     return 0

@@ -10,9 +10,10 @@ silently.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
+
+from fedjax_sparse.stopping import stop_start_up_at_once
 
 _HELP_EPILOG = "Algorithm options list, in brackets, the algorithms that read them."
 
@@ -32,8 +33,11 @@ def _run_parser(sub) -> argparse.ArgumentParser:
     for spec in ALGORITHMS.values():
         add_flags(algo, spec.options, used_by=users, seen=seen)
     p.add_argument("--resume", metavar="DIR", default=None,
-                   help="continue the run in DIR from its latest checkpoint; its config.json is the "
-                        "default for every flag, and flags that would change the results are refused")
+                   help="continue the run in DIR from its latest checkpoint; its config.json (or, when that "
+                        "is unusable, the checkpoint's config) is the default for every flag, and flags that "
+                        "would change the results are refused")
+    p.add_argument("--overwrite", action="store_true",
+                   help="delete the files of another run in --out first (without it such a folder is refused)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     return p
 
@@ -49,16 +53,27 @@ def _parser() -> argparse.ArgumentParser:
 def _config(args: argparse.Namespace):
     """The run's config: the flags given, or for --resume the saved config updated with them."""
     from fedjax_sparse.algorithms import get_spec, option_users
+    from fedjax_sparse.checkpoint import RunCheckpointer, has_checkpoints
     from fedjax_sparse.core.options import flag_name, refuse_ignored
+    from fedjax_sparse.reporting import say
+    from fedjax_sparse.run_folder import read_saved_config
     from fedjax_sparse.runner import SHARED_OPTIONS, RunConfig
 
-    given = {k: v for k, v in vars(args).items() if k not in ("command", "resume", "no_progress")}
+    given = {k: v for k, v in vars(args).items() if k not in ("command", "resume", "overwrite", "no_progress")}
     base = {}
     if args.resume is not None:
-        saved_path = Path(args.resume) / "config.json"
-        if not saved_path.exists():
-            raise FileNotFoundError(f"--resume {args.resume}: no config.json there (is it a run directory?)")
-        base = json.loads(saved_path.read_text())
+        if args.overwrite:
+            raise ValueError(f"--overwrite deletes the run that --resume {args.resume} would continue; give one "
+                             f"of them")
+        run_dir = Path(args.resume)
+        if not run_dir.is_dir():
+            raise FileNotFoundError(f"--resume {run_dir}: no such folder")
+
+        def checkpoint_config():
+            meta = RunCheckpointer(run_dir).read_meta() if has_checkpoints(run_dir) else None
+            return None if meta is None else meta["config"]
+
+        base = read_saved_config(run_dir, RunConfig.from_dict, checkpoint_config, say)
         given["out"] = args.resume
     config = RunConfig.from_dict({**base, **given})
     own = {f for f in vars(config.algorithm_options)}
@@ -73,18 +88,26 @@ def _config(args: argparse.Namespace):
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Runs the command; returns its exit code (2: an error, 128 + the signal: interrupted)."""
+    with stop_start_up_at_once():
+        return _main(argv)
+
+
+def _main(argv: list[str] | None) -> int:
     args = _parser().parse_args(argv)
 
+    from fedjax_sparse.checkpoint import CheckpointError
     from fedjax_sparse.runner import DivergenceError, Interrupted, run_experiment
     try:
         config = _config(args)
-        summary = run_experiment(config, progress=not args.no_progress, resume=args.resume is not None)
-    except (ValueError, FileNotFoundError, DivergenceError) as e:
+        summary = run_experiment(config, progress=not args.no_progress, resume=args.resume is not None,
+                                 overwrite=args.overwrite)
+    except (ValueError, FileNotFoundError, DivergenceError, CheckpointError) as e:
         print(f"fedjax-sparse: error: {' '.join(str(e).split())}", file=sys.stderr)
         return 2
     except Interrupted as e:
         print(f"fedjax-sparse: {e}", file=sys.stderr)
-        return 130
+        return 128 + e.signum
     if summary["has_global_model"]:
         accuracy = f"test accuracy {summary['final_test_accuracy']:.4f}"
     else:

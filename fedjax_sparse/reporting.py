@@ -4,11 +4,15 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import platform
+import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Sequence
 
 import jax
+
+from fedjax_sparse.faults import fault_point
 
 
 def device_description() -> str:
@@ -39,27 +43,38 @@ def progress_bar(total: int, description: str, enabled: bool = True, initial: in
                 initial=initial)
 
 
+def say(message: str) -> None:
+    """One line to the user on stderr, clear of any progress bar."""
+    from tqdm.auto import tqdm
+    tqdm.write(f"fedjax-sparse: {message}", file=sys.stderr)
+
+
+def replace_atomically(path: Path, write: Callable[[Path], None]) -> None:
+    """`write(tmp)` to a hidden sibling, then rename it onto `path`: a kill leaves the old file or the
+    new one, never half of one."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    write(tmp)
+    os.replace(tmp, path)
+
+
 class RunWriter:
     """Writes a run's files into one directory, metrics line by line as they come.
 
-    A resumed run keeps the metrics of the rounds its checkpoint covers
-    (`keep_rounds_up_to`) and drops any written after it.
+    The metrics file starts with `records` (a resumed run's rounds that its checkpoint covers).
+    Every file but the metrics is replaced atomically; a metrics line cut short by a kill is
+    dropped on resume (`run_folder.recover_metrics`).
     """
 
-    def __init__(self, out: Path, keep_rounds_up_to: int | None = None):
+    def __init__(self, out: Path, records: Sequence[dict] = ()):
         self.out = Path(out)
         self.out.mkdir(parents=True, exist_ok=True)
         self.metrics_path = self.out / "metrics.jsonl"
-        kept = [r for r in self.read_metrics() if r["round"] <= keep_rounds_up_to] if keep_rounds_up_to else []
-        self.metrics_path.write_text("".join(dumps(r) + "\n" for r in kept))
-
-    def read_metrics(self) -> list[dict]:
-        if not self.metrics_path.exists():
-            return []
-        return [json.loads(line) for line in self.metrics_path.read_text().splitlines() if line.strip()]
+        text = "".join(dumps(r) + "\n" for r in records)
+        replace_atomically(self.metrics_path, lambda tmp: tmp.write_text(text))
 
     def _json(self, name: str, obj) -> None:
-        (self.out / name).write_text(dumps(obj, indent=2) + "\n")
+        text = dumps(obj, indent=2) + "\n"
+        replace_atomically(self.out / name, lambda tmp: tmp.write_text(text))
 
     def write_config(self, config: dict) -> None:
         self._json("config.json", config)
@@ -71,12 +86,17 @@ class RunWriter:
         self._json("summary.json", summary)
 
     def append_metrics(self, record: dict) -> None:
+        line = dumps(record) + "\n"
         with self.metrics_path.open("a") as f:
-            f.write(dumps(record) + "\n")
+            # written in two parts only so that a crash test can stop the process between them
+            f.write(line[:len(line) // 2])
+            f.flush()
+            fault_point("metrics_write")
+            f.write(line[len(line) // 2:])
 
     def plot(self, history: list[dict], title: str) -> Path:
         path = self.out / "accuracy.png"
-        plot_accuracy({"run": history}, path, title)
+        replace_atomically(path, lambda tmp: plot_accuracy({"run": history}, tmp, title))
         return path
 
 
@@ -116,5 +136,5 @@ def plot_accuracy(histories: dict[str, list[dict]], path: Path, title: str,
             ax.legend(fontsize=8)
     fig.suptitle(title)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=110, format="png")
     plt.close(fig)

@@ -9,7 +9,6 @@ import dataclasses
 import math
 import os
 import signal
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -19,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from fedjax_sparse.algorithms import ALGORITHM_NAMES, make_algorithm, make_options, option_users, options_dict
-from fedjax_sparse.checkpoint import RunCheckpointer, config_mismatches
+from fedjax_sparse.checkpoint import RunCheckpointer, config_mismatches, has_checkpoints
 from fedjax_sparse.core.algorithm import BuildContext
 from fedjax_sparse.core.evaluation import global_evaluator, personalized_evaluator
 from fedjax_sparse.core.flops import forward_flops
@@ -29,8 +28,11 @@ from fedjax_sparse.core.round import build_round, clients_mesh, default_client_c
 from fedjax_sparse.core.streams import stream_key, stream_seed
 from fedjax_sparse.data import load_dataset, local_test_split, partition, partition_summary
 from fedjax_sparse.data.federated import federated_split, padded_step_fraction
+from fedjax_sparse.faults import fault_point
 from fedjax_sparse.models import MODEL_NAMES, get_model
-from fedjax_sparse.reporting import RunWriter, device_description, progress_bar
+from fedjax_sparse.reporting import RunWriter, device_description, progress_bar, say
+from fedjax_sparse.run_folder import RunFolderError, claim_run_folder, hold_run_folder, recover_metrics
+from fedjax_sparse.stopping import StopAfterRound
 
 
 class DivergenceError(RuntimeError):
@@ -76,8 +78,8 @@ class RunConfig:
                                             "on a CPU", low=0)
     max_train_examples: int | None = option(None, "use a random subset of this many training examples", low=1)
     max_test_examples: int | None = option(None, "use a random subset of this many test examples", low=1)
-    checkpoint_every: int | None = option(None, "save the whole run state every R rounds (and at the end and on "
-                                                "Ctrl-C)", low=1)
+    checkpoint_every: int | None = option(None, "save the whole run state every R rounds and at the end (an "
+                                                "interrupted run saves anyway)", low=1)
     compilation_cache: bool = option(True, "keep compiled rounds in JAX's persistent cache "
                                            "($FEDJAX_SPARSE_CACHE or ~/.cache/fedjax_sparse/jax)")
     out: str = option("runs/default", "directory for config, metrics, summary and plot")
@@ -256,7 +258,11 @@ def likely_culprit(config: RunConfig) -> str:
 
 
 class Interrupted(RuntimeError):
-    """Ctrl-C stopped the run after a round; a checkpoint was saved if checkpointing is on."""
+    """SIGINT or SIGTERM stopped the run after a round, whose checkpoint was saved and verified."""
+
+    def __init__(self, message: str, signum: int):
+        super().__init__(message)
+        self.signum = signum
 
 
 @dataclasses.dataclass
@@ -269,28 +275,6 @@ class Counters:
     total_downlink_bytes: int = 0
     dense_train_flops_total: int = 0
     padded_step_fractions: list = dataclasses.field(default_factory=list)
-
-
-class _StopOnInterrupt:
-    """The first Ctrl-C asks the run to stop after the current round; a second one stops at once."""
-
-    def __init__(self):
-        self.requested = False
-        self._previous = None
-
-    def __enter__(self):
-        if threading.current_thread() is threading.main_thread():
-            self._previous = signal.signal(signal.SIGINT, self._handle)
-        return self
-
-    def _handle(self, signum, frame):
-        if self.requested:
-            raise KeyboardInterrupt
-        self.requested = True
-
-    def __exit__(self, *exc):
-        if self._previous is not None:
-            signal.signal(signal.SIGINT, self._previous)
 
 
 def compilation_cache_dir() -> Path:
@@ -316,52 +300,86 @@ def use_compilation_cache(enabled: bool) -> None:
         jax.config.update("jax_compilation_cache_dir", None)
 
 
-def run_experiment(config: RunConfig, *, progress: bool = True, resume: bool = False) -> dict:
+def run_experiment(config: RunConfig, *, progress: bool = True, resume: bool = False,
+                   overwrite: bool = False) -> dict:
     """Runs `config` and writes config.json, metrics.jsonl, partition.json, summary.json and a plot.
 
-    With `config.checkpoint_every` the whole run state is saved every so many
-    rounds, at the end and on Ctrl-C; `resume=True` continues the run in
-    `config.out` from its latest checkpoint, refusing one made with a config
-    that would change the results. A non-finite loss or model stops the run
-    with `DivergenceError` after writing what was measured so far.
+    The run holds its folder's lock throughout (`run_folder.hold_run_folder`). A new run refuses a
+    folder holding another run's files unless `overwrite` (which deletes them first); `resume=True`
+    continues the run in `config.out` from its latest checkpoint, refusing one made with a config
+    that would change the results, or `config.rounds` below the rounds done. With
+    `config.checkpoint_every` the whole run state is saved every so many rounds and at the end.
+    SIGINT or SIGTERM during the rounds finishes the current round, saves it and raises
+    `Interrupted` after writing summary.json with status "interrupted". A non-finite loss or model
+    stops the run with `DivergenceError` after writing what was measured so far.
     """
     start = time.perf_counter()
-    use_compilation_cache(config.compilation_cache)
+    config.validate()
     out = Path(config.out)
-    checkpointer = RunCheckpointer(out) if config.checkpoint_every or resume else None
-    saved_meta = checkpointer.read_meta() if resume else None
-    if resume:
-        if saved_meta is None:
-            raise FileNotFoundError(f"--resume {out}: no checkpoint under {checkpointer.directory}")
-        # normalized first: a config saved by an older version lacks newer options (at their defaults)
-        mismatches = config_mismatches(RunConfig.from_dict(saved_meta["config"]).to_dict(), config.to_dict())
-        if mismatches:
-            raise ValueError(f"--resume {out}: the checkpoint was made with another configuration ("
-                             + "; ".join(mismatches) + ")")
-    exp = build_experiment(config, progress=progress)
-    server_state, client_states = exp.server_state, exp.client_states
-    counters = Counters()
-    if resume:
-        rounds_done, server_state, client_states, meta = checkpointer.restore(server_state, client_states)
-        counters = Counters(**meta["counters"])
-    writer = RunWriter(out, keep_rounds_up_to=counters.rounds_done if resume else None)
+    if resume and not out.is_dir():
+        raise FileNotFoundError(f"--resume {out}: no such folder")
+    use_compilation_cache(config.compilation_cache)
+    with hold_run_folder(out):
+        if not resume:
+            claim_run_folder(out, overwrite)
+        fault_point("start_up")
+        counters = Counters()
+        if resume:
+            saved_meta = RunCheckpointer(out).read_meta() if has_checkpoints(out) else None
+            if saved_meta is None:
+                raise RunFolderError(f"--resume {out}: no checkpoint in {out / 'checkpoints'} (the run stopped "
+                                     f"before its first); start it again with --overwrite")
+            # normalized first: a config saved by an older version lacks newer options (at their defaults)
+            mismatches = config_mismatches(RunConfig.from_dict(saved_meta["config"]).to_dict(), config.to_dict())
+            if mismatches:
+                raise ValueError(f"--resume {out}: the checkpoint was made with another configuration ("
+                                 + "; ".join(mismatches) + "); drop those flags, or start a new run with "
+                                 "another --out")
+            done = saved_meta["counters"]["rounds_done"]
+            if config.rounds < done:
+                raise ValueError(f"--rounds {config.rounds} is below the {done} rounds the run in {out} has "
+                                 f"done; give --rounds {done} or more")
+        exp = build_experiment(config, progress=progress)
+        server_state, client_states = exp.server_state, exp.client_states
+        records = []
+        if resume:
+            _, server_state, client_states, meta = RunCheckpointer(out).restore(server_state, client_states)
+            counters = Counters(**meta["counters"])
+            records = recover_metrics(out / "metrics.jsonl", counters.rounds_done, say)
+        with StopAfterRound() as stop:
+            return _run_rounds(exp, config, out, counters, records, server_state, client_states, stop,
+                               progress, start)
+
+
+def _run_rounds(exp: Experiment, config: RunConfig, out: Path, counters: Counters, history: list,
+                server_state, client_states, stop: StopAfterRound, progress: bool, start: float) -> dict:
+    """The rounds of `run_experiment` from `counters.rounds_done` on, and the files they leave."""
+    writer = RunWriter(out, history)
     writer.write_config(config.to_dict())
     writer.write_partition(partition_summary(exp.client_indices, exp.dataset.y_train,
                                              exp.dataset.num_classes))
-    history = writer.read_metrics()
     title = f"{config.algorithm} / {config.model} / {config.dataset}"
+    checkpointer, saved = None, {}  # saved: rounds done -> the checkpoint this process wrote of them
 
-    def save():
-        if checkpointer is not None:
-            checkpointer.save(counters.rounds_done, server_state, client_states,
-                              {"config": config.to_dict(), "counters": dataclasses.asdict(counters)})
+    def save() -> Path:
+        nonlocal checkpointer
+        checkpointer = checkpointer or RunCheckpointer(out)
+        before, stop.waiting_for = stop.waiting_for, f"the checkpoint of round {counters.rounds_done} to be saved"
+        saved[counters.rounds_done] = checkpointer.save(counters.rounds_done, server_state, client_states, {
+            "config": config.to_dict(), "counters": dataclasses.asdict(counters)})
+        stop.waiting_for = before
+        return saved[counters.rounds_done]
+
+    def finish(status: str, **extra) -> dict:
+        bar.close()
+        summary = {**_summary(exp, history, _totals(counters), first_round_seconds, time.perf_counter() - start),
+                   "status": status, **extra}
+        writer.write_summary(summary)
+        writer.plot(history, title=title)
+        return summary
 
     def diverged(message: str) -> DivergenceError:
-        bar.close()
-        totals = _totals(counters)
-        writer.write_summary({**_summary(exp, history, totals, first_round_seconds, time.perf_counter() - start),
-                              "status": "diverged", "error": message})
-        writer.plot(history, title=title)
+        finish("diverged", error=message)
         return DivergenceError(message)
 
     counts = np.asarray(exp.train.counts)
@@ -369,67 +387,64 @@ def run_experiment(config: RunConfig, *, progress: bool = True, resume: bool = F
     first_round_seconds = None
     bar = progress_bar(config.rounds, f"{config.algorithm} on {config.dataset}", enabled=progress,
                        initial=counters.rounds_done)
-    with _StopOnInterrupt() as interrupt:
-        for r in range(counters.rounds_done, config.rounds):
-            t0 = time.perf_counter()
-            server_state, client_states, round_out = exp.round_fn(server_state, client_states, r)
-            ids = np.asarray(round_out.client_ids)
-            if first_round_seconds is None:
-                first_round_seconds = time.perf_counter() - t0
-            train_loss = float(np.average(np.asarray(round_out.metrics["loss"]), weights=counts[ids]))
-            if not math.isfinite(train_loss):
-                raise diverged(f"round {r + 1}: the training loss is {train_loss}; the run diverged "
+    for r in range(counters.rounds_done, config.rounds):
+        stop.round, stop.waiting_for = r + 1, f"round {r + 1} to finish"
+        t0 = time.perf_counter()
+        server_state, client_states, round_out = exp.round_fn(server_state, client_states, r)
+        ids = np.asarray(round_out.client_ids)
+        if first_round_seconds is None:
+            first_round_seconds = time.perf_counter() - t0
+        train_loss = float(np.average(np.asarray(round_out.metrics["loss"]), weights=counts[ids]))
+        if not math.isfinite(train_loss):
+            raise diverged(f"round {r + 1}: the training loss is {train_loss}; the run diverged "
+                           f"({likely_culprit(config)})")
+        if not bool(_all_finite(server_state)):
+            raise diverged(f"round {r + 1}: the server's model is not finite; the run diverged "
+                           f"({likely_culprit(config)})")
+        uplink = int(np.asarray(round_out.uplink_bytes, np.int64).sum())
+        downlink = int(np.asarray(round_out.downlink_bytes, np.int64).sum())
+        counters.rounds_done = r + 1
+        counters.cumulative_bytes += uplink + downlink
+        counters.total_uplink_bytes += uplink
+        counters.total_downlink_bytes += downlink
+        counters.dense_train_flops_total += 3 * dense_forward * config.local_epochs * int(counts[ids].sum())
+        counters.padded_step_fractions.append(
+            padded_step_fraction(counts[ids], config.batch_size, exp.client_chunk))
+        if (r + 1) % config.eval_every == 0 or r + 1 == config.rounds:
+            if not bool(_all_finite(client_states)):
+                raise diverged(f"round {r + 1}: a client's model is not finite; the run diverged "
                                f"({likely_culprit(config)})")
-            if not bool(_all_finite(server_state)):
-                raise diverged(f"round {r + 1}: the server's model is not finite; the run diverged "
+            record = {"round": r + 1, "train_loss": train_loss, "uplink_bytes": uplink,
+                      "downlink_bytes": downlink, "cumulative_bytes": counters.cumulative_bytes,
+                      "dense_train_flops": counters.dense_train_flops_total / config.num_clients,
+                      "padded_step_fraction": counters.padded_step_fractions[-1],
+                      **client_metrics(round_out.metrics),
+                      **evaluate(exp, server_state, client_states)}
+            writer.append_metrics(record)
+            history.append(record)
+            if record["test_loss"] is not None and not math.isfinite(record["test_loss"]):
+                raise diverged(f"round {r + 1}: the test loss is {record['test_loss']}; the run diverged "
                                f"({likely_culprit(config)})")
-            uplink = int(np.asarray(round_out.uplink_bytes, np.int64).sum())
-            downlink = int(np.asarray(round_out.downlink_bytes, np.int64).sum())
-            counters.rounds_done = r + 1
-            counters.cumulative_bytes += uplink + downlink
-            counters.total_uplink_bytes += uplink
-            counters.total_downlink_bytes += downlink
-            counters.dense_train_flops_total += 3 * dense_forward * config.local_epochs * int(counts[ids].sum())
-            counters.padded_step_fractions.append(
-                padded_step_fraction(counts[ids], config.batch_size, exp.client_chunk))
-            if (r + 1) % config.eval_every == 0 or r + 1 == config.rounds:
-                if not bool(_all_finite(client_states)):
-                    raise diverged(f"round {r + 1}: a client's model is not finite; the run diverged "
-                                   f"({likely_culprit(config)})")
-                record = {"round": r + 1, "train_loss": train_loss, "uplink_bytes": uplink,
-                          "downlink_bytes": downlink, "cumulative_bytes": counters.cumulative_bytes,
-                          "dense_train_flops": counters.dense_train_flops_total / config.num_clients,
-                          "padded_step_fraction": counters.padded_step_fractions[-1],
-                          **client_metrics(round_out.metrics),
-                          **evaluate(exp, server_state, client_states)}
-                writer.append_metrics(record)
-                history.append(record)
-                if record["test_loss"] is not None and not math.isfinite(record["test_loss"]):
-                    raise diverged(f"round {r + 1}: the test loss is {record['test_loss']}; the run diverged "
-                                   f"({likely_culprit(config)})")
-                bar.set_postfix(acc=_fmt(record["test_accuracy"]), pacc=_fmt(record["personalized_accuracy"]),
-                                loss=f"{train_loss:.3f}", MB=f"{counters.cumulative_bytes / 1e6:.1f}")
-            bar.update(1)
-            if config.checkpoint_every and ((r + 1) % config.checkpoint_every == 0 or r + 1 == config.rounds):
-                save()
-            if interrupt.requested and r + 1 < config.rounds:
-                bar.close()
-                if checkpointer is None:
-                    raise Interrupted(f"interrupted after round {r + 1}; no checkpoint (use --checkpoint-every)")
-                save()
-                raise Interrupted(f"interrupted after round {r + 1}; checkpoint saved in "
-                                  f"{checkpointer.directory}; continue with --resume {out}")
-    bar.close()
-    summary = {**_summary(exp, history, _totals(counters), first_round_seconds, time.perf_counter() - start),
-               "status": "completed"}
-    writer.write_summary(summary)
-    writer.plot(history, title=title)
-    return summary
+            bar.set_postfix(acc=_fmt(record["test_accuracy"]), pacc=_fmt(record["personalized_accuracy"]),
+                            loss=f"{train_loss:.3f}", MB=f"{counters.cumulative_bytes / 1e6:.1f}")
+        bar.update(1)
+        if config.checkpoint_every and ((r + 1) % config.checkpoint_every == 0 or r + 1 == config.rounds):
+            save()
+        fault_point("round_end")
+        if stop.signum is not None and r + 1 < config.rounds:
+            path = saved.get(r + 1) or save()
+            name = signal.Signals(stop.signum).name
+            stop.waiting_for = "the summary to be written"
+            finish("interrupted", signal=name)
+            raise Interrupted(f"{name}: stopped after round {r + 1} of {config.rounds}; checkpoint saved in "
+                              f"{path}; continue with --resume {out}", stop.signum)
+    return finish("completed")
 
 
 def _totals(counters: Counters) -> dict:
     fractions = counters.padded_step_fractions
-    return {"total_uplink_bytes": counters.total_uplink_bytes,
+    return {"rounds_done": counters.rounds_done,
+            "total_uplink_bytes": counters.total_uplink_bytes,
             "total_downlink_bytes": counters.total_downlink_bytes,
             "cumulative_bytes": counters.cumulative_bytes,
             "dense_train_flops_total": counters.dense_train_flops_total,

@@ -1,0 +1,140 @@
+"""A run folder belongs to one run: its lock, the files that make it a run's, and what a killed run left.
+
+* `hold_run_folder` takes an advisory lock (flock on RUN_DIR/.lock) for the whole run, so a second
+  process into the same folder fails at once, naming the holder's pid. The kernel drops the lock
+  when its process dies, kill -9 included, so a crashed run never leaves a stale lock.
+* `claim_run_folder` refuses a new run in a folder holding another run's files (`RUN_FILES`) unless
+  told to clear them first (--overwrite).
+* `recover_metrics` and `read_saved_config` read what a kill may have cut short: a torn last
+  metrics line is dropped (the checkpoint decides which rounds stand), an unusable config.json is
+  replaced by the config saved with the checkpoint. Every error names the file and what to do.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Callable, Iterator
+
+LOCK_FILE = ".lock"
+RUN_FILES = ("config.json", "metrics.jsonl", "partition.json", "summary.json", "accuracy.png", "checkpoints")
+
+
+class RunFolderError(ValueError):
+    """The run folder cannot be used as asked; the message names it and the choices."""
+
+
+@contextlib.contextmanager
+def hold_run_folder(out: str | Path) -> Iterator[Path]:
+    """Creates `out` if needed and holds its lock until the block ends."""
+    out = Path(out)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        f = open(out / LOCK_FILE, "a+")
+    except OSError as err:
+        raise RunFolderError(f"--out {out} cannot be used as a run folder ({err.strerror}: {err.filename}); "
+                             f"choose another --out") from None
+    with f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            f.seek(0)
+            holder = f.read().strip() or "unknown"
+            raise RunFolderError(f"--out {out} is in use by another run (pid {holder}); wait for it to end, "
+                                 f"or choose another --out") from None
+        f.seek(0)
+        f.truncate()
+        f.write(f"{os.getpid()}\n")
+        f.flush()
+        yield out
+    # Closing the file released the lock. The file is never deleted: a process that opened it just
+    # before could then lock the deleted file while a third one locks a new one.
+
+
+def run_files(out: str | Path) -> list[str]:
+    """The files of a run (`RUN_FILES`) present in `out`."""
+    return [name for name in RUN_FILES if (Path(out) / name).exists()]
+
+
+def claim_run_folder(out: str | Path, overwrite: bool) -> None:
+    """Makes `out` a new run's folder: refused when another run's files are there, unless `overwrite`
+    (which deletes those files, and only those)."""
+    out = Path(out)
+    present = run_files(out)
+    if not present:
+        return
+    if not overwrite:
+        raise RunFolderError(f"--out {out} already holds another run's files ({', '.join(present)}); continue "
+                             f"that run with --resume {out}, choose a new --out, or pass --overwrite to "
+                             f"delete them first")
+    for name in present:
+        path = out / name
+        if path.is_dir():
+            shutil.rmtree(path)
+        else:
+            path.unlink()
+
+
+def recover_metrics(path: Path, rounds_done: int, warn: Callable[[str], None]) -> list[dict]:
+    """The records of `path` for rounds up to `rounds_done`, the rounds a checkpoint covers.
+
+    A last line cut short by a kill is dropped with a warning; any other unreadable line, or
+    rounds out of order (two runs' records mixed), is an error naming the file and line.
+    """
+    if not path.exists():
+        return []
+    text = path.read_text(errors="replace")
+    lines = text.split("\n")
+    records = []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        last = number == len(lines)  # a complete file ends with "\n": its last element is ""
+        try:
+            record = json.loads(line)
+            if not isinstance(record, dict) or not isinstance(record.get("round"), int):
+                raise ValueError("not a record with a round number")
+        except ValueError as err:
+            if last:
+                warn(f"{path}: dropped its last line, cut short ({' '.join(str(err).split())}); the "
+                     f"checkpoint of round {rounds_done} decides which rounds stand")
+                break
+            raise RunFolderError(f"{path} line {number} is not a metrics record ({' '.join(str(err).split())}); "
+                                 f"repair or delete that line, or start the run again with --overwrite") from None
+        if records and record["round"] <= records[-1]["round"]:
+            raise RunFolderError(f"{path} line {number} is round {record['round']} after round "
+                                 f"{records[-1]['round']}: it mixes the records of two runs; start the run "
+                                 f"again with --overwrite, or choose a new --out")
+        records.append(record)
+    return [r for r in records if r["round"] <= rounds_done]
+
+
+def read_saved_config(run_dir: Path, usable: Callable[[dict], object], checkpoint_config: Callable[[], dict | None],
+                      warn: Callable[[str], None]) -> dict:
+    """The config of the run in `run_dir`: its config.json, or, when that file is missing, unreadable,
+    not a JSON object or not `usable` (raises ValueError or TypeError), the config saved with its
+    latest checkpoint (`checkpoint_config()`, None when there is no checkpoint)."""
+    path = run_dir / "config.json"
+    try:
+        values = json.loads(path.read_text())
+        if not isinstance(values, dict):
+            raise ValueError(f"it holds a JSON {type(values).__name__}, not an object")
+        usable(values)
+        return values
+    except FileNotFoundError:
+        problem = "is missing"
+    except (OSError, ValueError, TypeError) as err:  # json.JSONDecodeError and UnicodeDecodeError are ValueErrors
+        problem = f"cannot be used ({' '.join(str(err).split())[:200]})"
+    saved = checkpoint_config()
+    if saved is None:
+        if not path.exists() and not run_files(run_dir):
+            raise RunFolderError(f"--resume {run_dir}: no run there (no config.json, no checkpoints); give the "
+                                 f"folder of a run, or start one with --out {run_dir}")
+        raise RunFolderError(f"--resume {run_dir}: {path} {problem} and there is no checkpoint to take the "
+                             f"config from; start the run again with --overwrite")
+    warn(f"{path} {problem}; using the config saved with the checkpoint")
+    return saved

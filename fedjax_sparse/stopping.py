@@ -1,0 +1,93 @@
+"""How a run answers SIGINT (Ctrl-C) and SIGTERM (what a cluster scheduler sends before it kills a job).
+
+* During start-up (imports, loading data, building; `stop_start_up_at_once`) a signal ends the
+  process where it stands, with one line: nothing was run, and only the folder's lock file (and a
+  complete image-folder cache, whose writes are atomic) can have been written.
+* During the rounds (`StopAfterRound`) the first signal asks the run to stop after the current
+  round; the run then saves its checkpoint and writes its summary. A further signal only says
+  what the run is waiting for: nothing, a checkpoint save above all, is ever cut short by it.
+
+This module imports nothing heavy, so the command line installs it before importing JAX.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing
+import os
+import signal
+import sys
+import threading
+from typing import Iterator
+
+SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+_rounds_began = False
+
+
+def _stop_start_up(signum, frame):
+    # Exiting at once, not raising: an exception raised here could surface inside an extension
+    # module's import or a JAX callback, where it aborts the process with a C++ traceback.
+    when = ("after the rounds, every file written" if _rounds_began else
+            "during start-up, before the first round: nothing was run")
+    sys.stderr.write(f"fedjax-sparse: {signal.Signals(signum).name} {when}\n")
+    sys.stderr.flush()
+    for child in multiprocessing.active_children():  # image-decoding workers
+        child.kill()
+    os._exit(128 + signum)
+
+
+def _install(handler) -> dict:
+    if threading.current_thread() is not threading.main_thread():
+        return {}
+    return {s: signal.signal(s, handler) for s in SIGNALS}
+
+
+def _restore(previous: dict) -> None:
+    for s, handler in previous.items():
+        signal.signal(s, handler)
+
+
+@contextlib.contextmanager
+def stop_start_up_at_once() -> Iterator[None]:
+    """In this block (until `StopAfterRound` takes over) SIGINT and SIGTERM end the process at once,
+    with one line and exit code 128 + the signal. Only the command line uses it: a library
+    caller keeps Python's own handling."""
+    global _rounds_began
+    _rounds_began = False
+    previous = _install(_stop_start_up)
+    try:
+        yield
+    finally:
+        _restore(previous)
+
+
+class StopAfterRound:
+    """While the rounds run: `signum` is the first signal received (None: none), `round` the round in
+    progress and `waiting_for` what the run is doing, for the messages a signal prints."""
+
+    def __init__(self):
+        self.signum: int | None = None
+        self.round = 0
+        self.waiting_for = "the current round to finish"
+        self._previous = {}
+
+    def __enter__(self):
+        global _rounds_began
+        _rounds_began = True
+        self._previous = _install(self._handle)
+        return self
+
+    def _handle(self, signum, frame):
+        from fedjax_sparse.reporting import say
+        name = signal.Signals(signum).name
+        if self.signum is None:
+            self.signum = signum
+            say(f"{name}: stopping after round {self.round}, then saving a checkpoint")
+        else:
+            say(f"{name}: already stopping; waiting for {self.waiting_for} (kill -9 {os.getpid()} stops at "
+                f"once, losing the rounds since the last checkpoint)")
+
+    def __exit__(self, *exc):
+        _restore(self._previous)
