@@ -202,3 +202,16 @@ def test_dense_flops_are_what_xla_counts_for_every_call(name):
         else:
             assert xla < counted[layer] == shape[-1] * module.features * k * k * np.prod(
                 [(n + 2 * p - k) // s + 1 for n in shape[:2]]), layer
+
+
+def test_bad_descriptions_are_refused_in_one_line():
+    from conftest import linear_model
+
+    from fedjax_sparse.models import Layer, ModelStructure
+
+    with pytest.raises(ValueError, match="linear: the forward pass calls fc, which its structure does not describe"):
+        measure_layers(linear_model(), linear_model().init(jax.random.key(0)), jnp.ones((1, 2, 2, 1)))
+    a = Layer("a", "dense", ("a", "kernel"), None, ("bn",), 4, 3, ("input",), norm_units_from=("a", "b"))
+    b = Layer("b", "dense", ("b", "kernel"), None, None, 5, 4, ("a",))
+    with pytest.raises(ValueError, match=r"layer 'a': norm_units_from \('a', 'b'\) must name layers of 4 units"):
+        ModelStructure((a, b))
