@@ -132,7 +132,12 @@ def measure_layers(model, variables: dict, x: jax.Array, *, train: bool = False,
     structure = model.structure
     by_path = {layer.kernel[:-1]: layer.name for layer in structure.layers}
 
-    def forward(offsets, record):
+    shapes: dict[str, tuple] = {}  # {layer: (output shape, kernel shape)}, static
+
+    def forward(offsets):
+        """(logits, {layer: its input}), each call's output plus its offset (None: none)."""
+        inputs = {}
+
         def interceptor(next_fun, args, kwargs, context):
             module = context.module
             if context.method_name != "__call__" or not isinstance(module, (Conv2D, nn.Dense)):
@@ -141,34 +146,29 @@ def measure_layers(model, variables: dict, x: jax.Array, *, train: bool = False,
             if name is None:
                 raise ValueError(f"{model.name}: the forward pass calls {'/'.join(module.path)}, "
                                  f"which its structure does not describe")
-            if name in record:
+            if name in inputs:
                 raise ValueError(f"{model.name}: layer {name!r} is called twice in one forward pass")
             out = next_fun(*args, **kwargs)
-            kernel = module.get_variable("params", "kernel")
-            record[name] = (args[0], out.shape, kernel.shape)
+            inputs[name] = args[0]
+            shapes[name] = (out.shape, module.get_variable("params", "kernel").shape)
             return out if offsets is None else out + offsets[name]
 
         with nn.intercept_methods(interceptor):
             logits, _ = model.apply(variables, x, train=train)
-        return logits
+        return logits, inputs
 
-    shapes: dict = {}
-    jax.eval_shape(lambda: forward(None, shapes))
-    offsets = {name: jnp.zeros(out, x.dtype) for name, (_, out, _) in shapes.items()}
-    projection = jax.random.normal(jax.random.key(0) if key is None else key,
-                                   jax.eval_shape(lambda: forward(None, {})).shape)
+    logits = jax.eval_shape(lambda: forward(None)[0])
+    projection = jax.random.normal(jax.random.key(0) if key is None else key, logits.shape)
 
     def projected(offsets):
-        record: dict = {}
-        logits = forward(offsets, record)
-        return jnp.sum(logits * projection), {name: inputs for name, (inputs, _, _) in record.items()}
+        logits, inputs = forward(offsets)
+        return jnp.sum(logits * projection), inputs
 
+    offsets = {name: jnp.zeros(out, x.dtype) for name, (out, _) in shapes.items()}
     grads, inputs = jax.grad(projected, has_aux=True)(offsets)
     out = {}
-    for name, (_, out_shape, kernel_shape) in shapes.items():
-        reduce_in = tuple(range(inputs[name].ndim - 1))
-        reduce_out = tuple(range(len(out_shape) - 1))
-        out[name] = MeasuredLayer(live_inputs=jnp.any(inputs[name] != 0, axis=reduce_in),
-                                  live_outputs=jnp.any(grads[name] != 0, axis=reduce_out),
+    for name, (out_shape, kernel_shape) in shapes.items():
+        out[name] = MeasuredLayer(live_inputs=jnp.any(inputs[name] != 0, axis=tuple(range(inputs[name].ndim - 1))),
+                                  live_outputs=jnp.any(grads[name] != 0, axis=tuple(range(len(out_shape) - 1))),
                                   taps=math.prod(kernel_shape[:-2]), output_hw=math.prod(out_shape[1:-1]))
     return out

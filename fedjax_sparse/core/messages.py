@@ -20,10 +20,11 @@ it (kernel, bias, normalization scale/bias and statistics), plus every
 leaf's kept values. Per layer the sender takes the cheapest valid encoding:
 that, or each of the layer's leaves on its own as above (entry index or
 dense). To rebuild the entries the receiver needs the model's structure,
-the unit masks of the layers in the message, and the masks of the layers
-the message's kernels read from (their input units) or whose units a
-normalization follows; a layer outside the message must keep every unit, as
-both sides know by protocol (SPATL selects encoder layers only). With those,
+the unit masks of the layers in the message (a layer priced per entry shows
+its kept units in its entries), and those of the layers its kernels read
+from (their input units) or whose units a normalization follows: a layer
+outside the message must keep every unit, as both sides know by protocol
+(SPATL selects encoder layers only). With those,
 `core.unit_masks.variable_masks` gives every entry (the receiver runs the
 sender's own computation).
 
