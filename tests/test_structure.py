@@ -215,3 +215,15 @@ def test_bad_descriptions_are_refused_in_one_line():
     b = Layer("b", "dense", ("b", "kernel"), None, None, 5, 4, ("a",))
     with pytest.raises(ValueError, match=r"layer 'a': norm_units_from \('a', 'b'\) must name layers of 4 units"):
         ModelStructure((a, b))
+
+
+def test_all_ones_masks_leave_the_resnets_unchanged():
+    """Masking the option-A shortcut changes nothing when every unit is kept."""
+    from fedjax_sparse.core.unit_masks import full_unit_masks
+
+    model = get_model("resnet20", (4, 4, 3), 10)
+    variables = positive_variables(model, 0)
+    x = jax.random.normal(jax.random.key(0), (2, 4, 4, 3))
+    apply = jax.jit(lambda v: model.apply(v, x, train=False)[0])
+    np.testing.assert_array_equal(apply({**variables, "unit_masks": full_unit_masks(model.structure)}),
+                                  apply(variables))
