@@ -7,9 +7,9 @@ import pytest
 
 from fedjax_sparse.algorithms import fedavg, fednova, local_only, scaffold
 from fedjax_sparse.core.local_training import LocalSGD
-from fedjax_sparse.core.messages import SparseArray, index_itemsize, message_bytes
+from fedjax_sparse.core.messages import SparseArray, index_itemsize, message_bytes, unit_sparse
 from fedjax_sparse.core.round import build_round
-from fedjax_sparse.models import get_model
+from fedjax_sparse.models import Layer, ModelStructure, get_model
 
 
 def test_dense_leaves_cost_size_times_itemsize():
@@ -33,6 +33,31 @@ def test_sparse_leaves_cost_values_plus_cheaper_index_encoding():
     # 990 of 1000: values + bitmask (3960 + 125) exceed the dense 4000 bytes.
     assert int(message_bytes(SparseArray(values=jnp.ones(1000), mask=jnp.arange(1000) < 990))) == 4000
     assert [index_itemsize(n) for n in (256, 257, 65536, 65537)] == [1, 2, 2, 4]
+
+
+def test_unit_structured_leaves_pay_their_layers_unit_index_once():
+    """Three dense layers by hand: a (3 -> 20, bias, a norm with scale, bias, mean, var), b (20 -> 300,
+    no bias), c (300 -> 2). Each layer pays the cheaper of a bitmask over its units and a list of
+    kept unit ids once, plus the kept values of all its leaves, unless its leaves priced one by one
+    (entry index or dense) are cheaper."""
+    structure = ModelStructure((
+        Layer("a", "dense", ("a", "kernel"), ("a", "bias"), ("bn",), 20, 3, ("input",)),
+        Layer("b", "dense", ("b", "kernel"), None, None, 300, 20, ("a",)),
+        Layer("c", "dense", ("c", "kernel"), None, None, 2, 300, ("b",))))
+    variables = {"params": {"a": {"kernel": jnp.ones((3, 20)), "bias": jnp.ones(20)},
+                            "bn": {"scale": jnp.ones(20), "bias": jnp.ones(20)},
+                            "b": {"kernel": jnp.ones((20, 300))}, "c": {"kernel": jnp.ones((300, 2))}},
+                 "batch_stats": {"bn": {"mean": jnp.zeros(20), "var": jnp.ones(20)}}}
+    masks = {"a": jnp.arange(20) < 5, "b": jnp.arange(300) < 3, "c": jnp.ones(2)}
+    message = unit_sparse(structure, variables, masks)
+    # a: 5 of 20 units: 3 inputs x 5 + 5 x (bias, scale, bias, mean, var) = 40 values, and a 3-byte
+    #    bitmask (5 one-byte ids would be 5) once: 163. Its six leaves on their own would pay 183.
+    # b: 3 of 300 units reading a's 5: 15 values and 3 two-byte ids (the bitmask is 38 bytes): 66.
+    # c: both units reading b's 3: 6 values and a 1-byte bitmask: 25 (per entry: 24 + 12 = 36).
+    assert int(jax.jit(message_bytes)(message)) == 163 + 66 + 25
+    # Every unit kept: each leaf goes dense, no index at all.
+    whole = unit_sparse(structure, variables, {k: jnp.ones_like(m) for k, m in masks.items()})
+    assert int(message_bytes(whole)) == 4 * (60 + 5 * 20 + 6000 + 600)
 
 
 def test_sparse_array_dense_view_zeroes_unsent_entries():

@@ -94,7 +94,7 @@ from fedjax_sparse.core.control_variates import control_update, corrected_gradie
 from fedjax_sparse.core.flops import layer_forward_flops
 from fedjax_sparse.core.layer_groups import overlay, part_labels, take_part
 from fedjax_sparse.core.local_training import LocalObjective, LocalSGD
-from fedjax_sparse.core.messages import SparseArray
+from fedjax_sparse.core.messages import SparseArray, unit_sparse
 from fedjax_sparse.core.options import option
 from fedjax_sparse.core.unit_masks import full_unit_masks, variable_masks
 from fedjax_sparse.core.unit_selection import keep_top_units, prefix_scores
@@ -405,10 +405,10 @@ def spatl(context: BuildContext, options: SPATLOptions, policy: SalientPolicy | 
                                      stats["num_steps"], info.index)
         policy_state, ratios, policy_metrics = policy.select(state["policy"], trained, validation, policy_key)
         masks = salient_masks(structure, trained["params"], ratios, layers)
-        if options.spatl_aggregation == "fedavg":
-            sent = tree_map(lambda leaf: SparseArray(leaf, jnp.ones(jnp.shape(leaf), bool)), encoder)
-        else:
-            sent = tree_map(SparseArray, encoder, encoder_of(variable_masks(structure, trained, masks)))
+        # priced per layer as its kept units' index once plus the values (core.messages.unit_sparse);
+        # fedavg sends every unit, which prices as the dense encoder
+        sent = encoder_of(unit_sparse(structure, trained,
+                                      full_unit_masks(structure) if options.spatl_aggregation == "fedavg" else masks))
         up = {"encoder": sent, "control_delta": tree_map(jnp.subtract, new_control, c_l)}
         new_state = {"variables": trained, "control": new_control, "salient": masks, "policy": policy_state,
                      "last_round": info.index}

@@ -27,15 +27,30 @@ runs (outside the epoch loop); the difference is negligible (1.5 d against
 
 Dense counts (no masks, a Python int of examples) are exact Python numbers;
 masked counts are float32 jax scalars, usable inside jit.
+
+Checking a figure: `measure_layers` reads, off a real forward pass of the
+(masked) model, which input channels each convolution and dense call
+receives non-zero and which of its output channels reach the logits;
+`MeasuredLayer.flops` is then the count of the physically smaller layer. On
+every model of the zoo it equals `layer_forward_flops` for group-tied and
+per-layer masks, with and without `count_inputs` (tests/test_structure.py).
+XLA's cost analysis agrees on dense layers and unpadded convolutions; on a
+padded one it leaves out the taps that read padding, which the paper's
+convention (and ours) counts.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
+import flax.linen as nn
+import flax.struct
+import jax
 import jax.numpy as jnp
 
 from fedjax_sparse.core.unit_masks import UnitMasks, live_input_fraction
+from fedjax_sparse.models.conv import Conv2D
 from fedjax_sparse.models.structure import ModelStructure
 
 
@@ -70,3 +85,90 @@ def training_flops(structure: ModelStructure, num_examples: Any, unit_masks: Uni
     if unit_masks is None and isinstance(num_examples, int):
         return 3 * num_examples * forward + (1.5 * update_params if update_params else 0)
     return 3.0 * jnp.asarray(num_examples, jnp.float32) * forward + 1.5 * update_params
+
+
+# ------------------------------------------------------------------ measured on the computation itself
+
+@flax.struct.dataclass
+class MeasuredLayer:
+    """What one convolution or dense call of a real forward pass computed, read off its arrays.
+
+    live_inputs: [input channels] bool, the channels (a dense layer: the features) of the
+      call's input that are non-zero somewhere in the batch;
+    live_outputs: [output channels] bool, the channels through which the output depends on
+      the call: a random projection of the logits has a non-zero gradient there;
+    taps: kernel positions per (input, output) channel pair (kh x kw; 1 for dense);
+    output_hw: positions of the output map (1 for dense).
+    """
+
+    live_inputs: jax.Array
+    live_outputs: jax.Array
+    taps: int = flax.struct.field(pytree_node=False)
+    output_hw: int = flax.struct.field(pytree_node=False)
+
+    def flops(self, *, count_inputs: bool = False) -> jax.Array:
+        """Forward MACs of one example of the physically smaller layer (live outputs only; with
+        `count_inputs`, live inputs only, else every input channel), padding taps included as
+        in `layer_forward_flops`."""
+        inputs = jnp.sum(self.live_inputs) if count_inputs else self.live_inputs.shape[0]
+        return (jnp.asarray(inputs, jnp.float32) * self.taps * jnp.sum(self.live_outputs).astype(jnp.float32)
+                * float(self.output_hw))
+
+
+def measure_layers(model, variables: dict, x: jax.Array, *, train: bool = False,
+                   key: jax.Array | None = None) -> dict[str, MeasuredLayer]:
+    """{layer: MeasuredLayer} of every convolution and dense call of `model.apply(variables, x)`.
+
+    An independent check of `layer_forward_flops`: it reads the computation, not the
+    structure description (used only to name the calls). Every `Conv2D` / `nn.Dense` call is
+    intercepted (`flax.linen.intercept_methods`); its input shows which channels are live,
+    the gradient of a random projection of the logits (drawn from `key`) at its output shows
+    which output channels reach the logits, and its output and kernel give the map size and
+    taps. `variables` may hold `'unit_masks'` (a sub-model). Liveness is what this batch
+    shows: a channel that is zero on every example and position (e.g. behind a ReLU) counts
+    as dead, as a device skipping all-zero channels would on this batch; pass enough varied
+    examples to measure the network rather than the batch. Usable inside jit.
+    """
+    structure = model.structure
+    by_path = {layer.kernel[:-1]: layer.name for layer in structure.layers}
+
+    shapes: dict[str, tuple] = {}  # {layer: (output shape, kernel shape)}, static
+
+    def forward(offsets):
+        """(logits, {layer: its input}), each call's output plus its offset (None: none)."""
+        inputs = {}
+
+        def interceptor(next_fun, args, kwargs, context):
+            module = context.module
+            if context.method_name != "__call__" or not isinstance(module, (Conv2D, nn.Dense)):
+                return next_fun(*args, **kwargs)
+            name = by_path.get(tuple(module.path))
+            if name is None:
+                raise ValueError(f"{model.name}: the forward pass calls {'/'.join(module.path)}, "
+                                 f"which its structure does not describe")
+            if name in inputs:
+                raise ValueError(f"{model.name}: layer {name!r} is called twice in one forward pass")
+            out = next_fun(*args, **kwargs)
+            inputs[name] = args[0]
+            shapes[name] = (out.shape, module.get_variable("params", "kernel").shape)
+            return out if offsets is None else out + offsets[name]
+
+        with nn.intercept_methods(interceptor):
+            logits, _ = model.apply(variables, x, train=train)
+        return logits, inputs
+
+    logits = jax.eval_shape(lambda: forward(None)[0])
+    projection = jax.random.normal(jax.random.key(0) if key is None else key, logits.shape)
+
+    def projected(offsets):
+        logits, inputs = forward(offsets)
+        return jnp.sum(logits * projection), inputs
+
+    offsets = {name: jnp.zeros(out, x.dtype) for name, (out, _) in shapes.items()}
+    grads, inputs = jax.grad(projected, has_aux=True)(offsets)
+    out = {}
+    for name, (out_shape, kernel_shape) in shapes.items():
+        out[name] = MeasuredLayer(live_inputs=jnp.any(inputs[name] != 0, axis=tuple(range(inputs[name].ndim - 1))),
+                                  live_outputs=jnp.any(grads[name] != 0, axis=tuple(range(len(out_shape) - 1))),
+                                  taps=math.prod(kernel_shape[:-2]), output_hw=math.prod(out_shape[1:-1]))
+    return out

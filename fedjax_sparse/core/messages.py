@@ -9,6 +9,25 @@ sender picks the cheaper of that and the plain dense encoding, so a leaf sent
 whole costs what a dense leaf costs and a leaf not sent costs nothing (the one
 bit saying which encoding was used is not counted).
 
+Unit-structured entries (`UnitSparseArray`, built by `unit_sparse`): where
+the entries sent are a sub-model chosen by unit masks (SPATL's salient
+units), the receiver can rebuild every entry position from the unit masks
+alone, so a layer may be sent as its kept units' index instead of per-entry
+indices: a bitmask over the layer's units (ceil(units / 8) bytes) or a list
+of kept unit ids (kept x the smallest of 1, 2, 4 bytes that can address the
+units), whichever is cheaper, paid once per layer however many leaves follow
+it (kernel, bias, normalization scale/bias and statistics), plus every
+leaf's kept values. Per layer the sender takes the cheapest valid encoding:
+that, or each of the layer's leaves on its own as above (entry index or
+dense). To rebuild the entries the receiver needs the model's structure,
+the unit masks of the layers in the message (a layer priced per entry shows
+its kept units in its entries), and those of the layers its kernels read
+from (their input units) or whose units a normalization follows: a layer
+outside the message must keep every unit, as both sides know by protocol
+(SPATL selects encoder layers only). With those,
+`core.unit_masks.variable_masks` gives every entry (the receiver runs the
+sender's own computation).
+
 Two more leaf kinds, for what both sides already know:
   * `KnownMaskArray`: values at entries whose positions the receiver knows
     without being told (the server chose the client's sub-model; the client
@@ -29,6 +48,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from fedjax_sparse.core.layer_groups import COLLECTIONS, layer_groups
+from fedjax_sparse.core.unit_masks import UnitMasks, variable_masks
+from fedjax_sparse.models.structure import ModelStructure
+
 
 @flax.struct.dataclass
 class SparseArray:
@@ -39,6 +62,31 @@ class SparseArray:
 
     def dense(self) -> jax.Array:
         return jnp.where(self.mask, self.values, jnp.zeros_like(self.values))
+
+
+@flax.struct.dataclass
+class UnitSparseArray(SparseArray):
+    """A `SparseArray` whose entries follow the unit masks: `units` ([units] bool) are the kept
+    units of the structure layer `layer` that owns the leaf. Leaves of one layer share one unit
+    index in the message's price (see the module docstring); build them with `unit_sparse`."""
+
+    units: jax.Array
+    layer: str = flax.struct.field(pytree_node=False)
+
+
+def unit_sparse(structure: ModelStructure, variables: dict, unit_masks: UnitMasks) -> dict:
+    """`variables` ({'params', 'batch_stats'}) as `UnitSparseArray`s: the entries of the sub-model
+    `unit_masks` selects (`variable_masks`), each leaf tagged with the layer that owns it
+    (`core.layer_groups`). Take a part of the result (e.g. SPATL's encoder) to send only that."""
+    variables = {c: variables.get(c, {}) for c in COLLECTIONS}
+    owners = layer_groups(structure, variables).index
+    entries = variable_masks(structure, variables, unit_masks)
+
+    def leaf(owner, value, mask):
+        layer = structure.layers[owner]
+        return UnitSparseArray(value, mask, jnp.asarray(unit_masks[layer.name]).astype(bool), layer.name)
+
+    return jax.tree_util.tree_map(leaf, owners, variables, entries)
 
 
 @flax.struct.dataclass
@@ -70,13 +118,25 @@ def index_itemsize(size: int) -> int:
     return 8
 
 
+def _index_bytes(mask: jax.Array) -> jax.Array:
+    """The cheaper index of the True positions of `mask`: a bitmask or a list of their ids."""
+    size = int(np.prod(mask.shape))
+    return jnp.minimum(jnp.sum(mask.astype(jnp.int32)) * index_itemsize(size), (size + 7) // 8)
+
+
+def _value_bytes(leaf) -> jax.Array:
+    return jnp.sum(leaf.mask.astype(jnp.int32)) * leaf.values.dtype.itemsize
+
+
 def _sparse_bytes(leaf: SparseArray) -> jax.Array:
-    size = int(np.prod(leaf.values.shape))
-    nnz = jnp.sum(leaf.mask.astype(jnp.int32))
-    index_list = nnz * index_itemsize(size)
-    bitmask = (size + 7) // 8
-    itemsize = leaf.values.dtype.itemsize
-    return jnp.minimum(nnz * itemsize + jnp.minimum(index_list, bitmask), size * itemsize)
+    dense = int(np.prod(leaf.values.shape)) * leaf.values.dtype.itemsize
+    return jnp.minimum(_value_bytes(leaf) + _index_bytes(leaf.mask), dense)
+
+
+def _unit_layer_bytes(leaves: list[UnitSparseArray]) -> jax.Array:
+    """One layer's leaves: its unit index once plus their values, or each leaf on its own."""
+    unit_coded = _index_bytes(leaves[0].units) + sum(_value_bytes(l) for l in leaves)
+    return jnp.minimum(unit_coded, sum(_sparse_bytes(l) for l in leaves))
 
 
 def message_bytes(message: Any) -> jax.Array:
@@ -84,9 +144,14 @@ def message_bytes(message: Any) -> jax.Array:
     leaves = jax.tree_util.tree_leaves(message, is_leaf=_is_priced_leaf)
     dense = sum(int(np.prod(l.shape)) * l.dtype.itemsize for l in leaves if not _is_priced_leaf(l))
     total = jnp.asarray(dense, jnp.int32)
+    layers: dict[str, list[UnitSparseArray]] = {}
     for leaf in leaves:
-        if isinstance(leaf, SparseArray):
+        if isinstance(leaf, UnitSparseArray):
+            layers.setdefault(leaf.layer, []).append(leaf)
+        elif isinstance(leaf, SparseArray):
             total = total + _sparse_bytes(leaf)
         elif isinstance(leaf, KnownMaskArray):
-            total = total + jnp.sum(leaf.mask.astype(jnp.int32)) * leaf.values.dtype.itemsize
+            total = total + _value_bytes(leaf)
+    for members in layers.values():
+        total = total + _unit_layer_bytes(members)
     return total

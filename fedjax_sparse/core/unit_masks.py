@@ -20,7 +20,14 @@ Weights are never multiplied by the mask in the forward pass. Which *weights*
 a sub-model consists of (to freeze the rest during local training, to send
 only them, to aggregate per entry) is `variable_masks`: a kernel entry belongs
 to the sub-model when both its output unit and its input unit do; a bias,
-normalization parameter or statistic when its unit does.
+normalization parameter or statistic when its unit does (a normalization of
+a residual sum, `Layer.norm_units_from`: when any layer summed into it keeps
+the unit). These are exactly the entries the masked forward pass uses, on
+every model of the zoo and for group-tied and per-layer masks alike: the
+gradient of a masked model is zero outside them and non-zero inside, and
+every layer receives exactly the live inputs `input_unit_masks` names
+(tests/test_structure.py; `core.flops.measure_layers` reads it off the
+computation).
 
 Density (`density`) counts kernel weights of the prunable layers only: a kept
 unit keeps its `fan_in` weights, a dropped one none, following SpaFL's
@@ -138,10 +145,21 @@ def variable_masks(structure: ModelStructure, variables: dict, unit_masks: UnitM
         keep = jnp.asarray(unit_masks[layer.name]).astype(bool)
         shape = jnp.shape(get_path(variables["params"], layer.kernel))
         out = set_path(out, ("params",) + layer.kernel, kernel_mask(layer, shape, keep, live[layer.name]))
-        paths = [("params",) + p for p in _unit_owned(layer)] + _norm_paths(variables, layer)
-        for path in paths:
+        for path in [("params",) + p for p in _unit_owned(layer)]:
             out = set_path(out, path, jnp.broadcast_to(keep, jnp.shape(get_path(variables, path))))
+        norm_keep = norm_unit_mask(layer, unit_masks)
+        for path in _norm_paths(variables, layer):
+            out = set_path(out, path, jnp.broadcast_to(norm_keep, jnp.shape(get_path(variables, path))))
     return out
+
+
+def norm_unit_mask(layer: Layer, unit_masks: UnitMasks) -> jax.Array:
+    """[units] bool: the channels of `layer.norm` the sub-model uses: the layer's kept units, or,
+    for a norm of a residual sum (`Layer.norm_units_from`), the units any summed layer keeps."""
+    keep = jnp.zeros((layer.num_units,), bool)
+    for name in layer.norm_units_from or (layer.name,):
+        keep = keep | jnp.asarray(unit_masks[name]).astype(bool)
+    return keep
 
 
 def layer_density(structure: ModelStructure, unit_masks: UnitMasks) -> dict[str, jax.Array]:

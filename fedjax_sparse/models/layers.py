@@ -206,11 +206,13 @@ def layer_name(path: Path) -> str:
 
 def conv_layer(path: Path, *, kernel: int, in_units: int, units: int, output_hw: int,
                inputs_from: Iterable[str], bias: bool, norm: Path | None,
-               part: Part = "shared", unit_group: str | None = None) -> Layer:
+               part: Part = "shared", unit_group: str | None = None,
+               norm_units_from: Iterable[str] = ()) -> Layer:
     return Layer(name=layer_name(path), kind="conv", kernel=path + ("kernel",),
                  bias=path + ("bias",) if bias else None, norm=norm, num_units=units,
                  fan_in=kernel * kernel * in_units, inputs_from=tuple(inputs_from),
-                 input_repeat=1, unit_group=unit_group, part=part, output_hw=output_hw)
+                 input_repeat=1, unit_group=unit_group, part=part, output_hw=output_hw,
+                 norm_units_from=tuple(norm_units_from))
 
 
 def dense_layer(path: Path, *, in_units: int, units: int, inputs_from: Iterable[str],

@@ -17,12 +17,28 @@
     ResNet-32: 464 + 23,360 + 88,192 + 351,488 + 650 = 464,154.
   Unit groups: the stem's output and every stage-1 block's second conv are
   added together, so they share group 'stage1'; in stages 2 and 3 the blocks'
-  second convs share 'stage2' / 'stage3'. The option-A padding also adds the
-  units of stage k into stage k+1 with a channel shift of planes//4 (stage-k
-  unit i lands on stage-(k+1) unit i + planes//4), a relation `ModelStructure`
-  cannot state: consumers in stage k+1 list only stage-(k+1) producers in
-  `inputs_from`. A layer reading the stream lists every group member summed
-  into it so far (e.g. stage1_block2.conv1 reads ('conv1', 'stage1_block1.conv2')).
+  second convs share 'stage2' / 'stage3'. A layer reading the stream lists
+  every group member summed into it so far (e.g. stage1_block2.conv1 reads
+  ('conv1', 'stage1_block1.conv2')).
+  Shortcut under unit masks: option A also carries stage k into stage k+1
+  (stage-k unit i lands on stage-(k+1) unit i + planes//4). The padded
+  shortcut is multiplied by the unit mask of the conv2 it is added to (the
+  downsampling block's), so stage-(k+1) stream channel j is live exactly
+  where that conv2 keeps unit j, and the structure's statement is true: the
+  consumers after the downsampling block read only stage-(k+1) producers
+  (`inputs_from`), and `variable_masks`, bytes and FLOPs count exactly the
+  weights the sub-model uses. Why this rather than a channel map in the
+  structure: a masked model is then exactly the physically smaller network
+  with the kept widths (its shortcut the 0/1 map from kept stage-k units to
+  kept stage-(k+1) units), and it holds for any masks, group-tied (sub-models,
+  SPATL: the stage's group mask) or per layer (SpaFL). It must be that
+  conv2's mask, not an OR over the stage's conv2s: under per-layer masks a
+  unit kept only by a later block would then pass the shortcut into block 2's
+  conv1, which reads the downsampling conv2 alone. Costs: a dropped stage-
+  (k+1) unit also drops the stage-k channel its shortcut would have carried,
+  and a float mask's gradient there (SpaFL's threshold) is sum g (h +
+  shortcut), the effect of switching the whole stream channel. Without masks,
+  or with all-ones masks, the model is unchanged.
   Any input side >= 1 works (global average pooling).
 
 `preresnet18` -- pre-activation ResNet-18 (He et al. 2016) as HeteroFL and
@@ -46,7 +62,9 @@
   the residual sum (stem, conv2, projection) is masked on its raw output, and
   each stream BN's output is masked with the stream's live units (kept by any
   layer summed into it), so a unit dropped by every producer stays exactly zero
-  through the following BN.
+  through the following BN; that BN's parameters and statistics belong to the
+  sub-model on those same units (`Layer.norm_units_from` = the stream), which
+  differs from its owner conv2's units only under per-layer (SpaFL) masks.
   HeteroFL/FedGSE's `Scaler` and static BN are left to the algorithms.
 """
 
@@ -85,6 +103,8 @@ class BasicBlock(nn.Module):
                                  f"{self.planes} channels")
             shortcut = x[:, ::self.stride, ::self.stride, :]
             shortcut = jnp.pad(shortcut, ((0, 0), (0, 0), (0, 0), (pad, pad)))
+            if unit_masks is not None:  # the stream's channels are conv2's units (see the module docstring)
+                shortcut = shortcut * jnp.asarray(unit_masks[f"{self.name}.conv2"]).astype(shortcut.dtype)
         return nn.relu(y + shortcut)
 
 
@@ -235,9 +255,11 @@ def preresnet18(input_shape: tuple[int, int, int], num_classes: int) -> Model:
         conv1 = L.conv_layer((blk, "conv1"), kernel=3, in_units=units, units=planes,
                              output_hw=h * w, inputs_from=stream, bias=False, norm=(blk, "bn2"),
                              part="encoder")
+        name2 = L.layer_name((blk, "conv2"))
         conv2 = L.conv_layer((blk, "conv2"), kernel=3, in_units=planes, units=planes,
                              output_hw=h * w, inputs_from=(conv1.name,), bias=False,
-                             norm=stream_norm[k], unit_group=group, part="encoder")
+                             norm=stream_norm[k], unit_group=group, part="encoder",
+                             norm_units_from=residual + [name2])
         layers += [conv1, conv2]
         stream, units = residual + [conv2.name], planes
     layers.append(L.dense_layer(("fc",), in_units=units, units=num_classes, inputs_from=stream,

@@ -51,6 +51,10 @@ class Layer:
         'private' for layers a paper keeps on the client, else 'shared'.
       output_hw: spatial size (H*W) of the output map for a conv, 1 for dense;
         used for FLOP counts.
+      norm_units_from: where `norm` normalizes a residual sum rather than this
+        layer's output alone (pre-activation ResNets), the layers summed into it
+        (this one included): a normalization channel is then used while any of
+        them keeps the unit. Empty: it follows this layer's units.
     """
 
     name: str
@@ -65,6 +69,7 @@ class Layer:
     unit_group: str | None = None
     part: Part = "shared"
     output_hw: int = 1
+    norm_units_from: tuple[str, ...] = ()
 
     @property
     def num_weights(self) -> int:
@@ -82,10 +87,16 @@ class ModelStructure:
         if len(set(names)) != len(names):
             raise ValueError(f"layer names must be unique, got {names}")
         known = set(names) | {"input"}
+        widths = {l.name: l.num_units for l in self.layers}
         for layer in self.layers:
             missing = [n for n in layer.inputs_from if n not in known]
             if missing:
                 raise ValueError(f"layer {layer.name!r} consumes unknown layers {missing}")
+            followed = layer.norm_units_from
+            if followed and (layer.norm is None or layer.name not in followed
+                             or any(widths.get(n) != layer.num_units for n in followed)):
+                raise ValueError(f"layer {layer.name!r}: norm_units_from {followed} must name layers of "
+                                 f"{layer.num_units} units, itself included, and the layer needs a norm")
 
     def __getitem__(self, name: str) -> Layer:
         for layer in self.layers:
