@@ -40,9 +40,11 @@ image folder would be one class.
 
 Messages. Down: the encoder (weights and BatchNorm statistics) and c_g, dense.
 Up: the kept units' encoder values (their kernel entries from kept inputs,
-biases, normalization parameters and statistics) as a `SparseArray` (the
-server learns the index from the message and pays for it), and the control
-delta Delta c = c_l+ - c_l, dense (Algorithm 2 sends it whole).
+biases, normalization parameters and statistics) as unit-structured sparse
+leaves (`core.messages.unit_sparse`: the server learns which units were kept
+from the message and pays, once per layer, the cheaper of a bitmask over the
+layer's units and a list of their ids, as eq. 12 indexes filters), and the
+control delta Delta c = c_l+ - c_l, dense (Algorithm 2 sends it whole).
 
 Server. Eq. 12 as written, w_g <- w_g + eta (1/|K|) sum_k (w_g[i_k] - w_k),
 moves the global encoder away from the clients; we read the sign that moves it
