@@ -71,12 +71,12 @@ def test_run_writes_config_metrics_summary_partition_and_plot(tmp_path):
 
     # The final figures are those of the saved final model, counted here by hand.
     exp, server, _ = saved_final_state(out)
-    data = exp.dataset
-    correct, loss = hand_scores(exp.model, server, data.x_test, data.y_test, data.mean, data.std)
+    data, variables = exp.dataset, exp.algorithm.global_variables(server)
+    correct, loss = hand_scores(exp.model, variables, data.x_test, data.y_test, data.mean, data.std)
     assert rows[-1]["test_accuracy"] == pytest.approx(correct / len(data.y_test), abs=1e-6)
     assert rows[-1]["test_loss"] == pytest.approx(loss, rel=1e-4)
     assert rows[-1]["personalized_accuracy"] == pytest.approx(
-        hand_personalized_accuracy(exp, lambda i: server), abs=1e-6)
+        hand_personalized_accuracy(exp, lambda i: variables), abs=1e-6)
 
     clients = json.loads((out / "partition.json").read_text())
     assert len(clients) == 6 and sum(c["num_examples"] for c in clients) == summary["num_train_examples"]
@@ -113,6 +113,7 @@ def test_local_run_has_no_global_accuracy_and_no_bytes(tmp_path):
     (["--lr", "-1"], "--lr must be > 0"),
     (["--client-chunk", "-1"], "--client-chunk must be >= 0, got -1"),
     (["--client-chunk", "11"], "--client-chunk must be in [0, 3]"),
+    (["--algorithm", "spafl", "--server-optimizer", "adam"], "--server-optimizer is an option of fedavg"),
 ])
 def test_bad_arguments_get_a_one_line_error(tmp_path, capsys, args, fragment):
     assert main(["run", *SMALL, *args, "--out", str(tmp_path / "bad")]) == 2
