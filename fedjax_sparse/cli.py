@@ -30,6 +30,9 @@ def _run_parser(sub) -> argparse.ArgumentParser:
     users = option_users()
     for spec in ALGORITHMS.values():
         add_flags(algo, spec.options, used_by=users, seen=seen)
+    p.add_argument("--config", metavar="FILE", default=None,
+                   help="read the options from a JSON, YAML or TOML file (a run's config.json is one); flags "
+                        "given with it override it")
     p.add_argument("--resume", metavar="DIR", default=None,
                    help="continue the run in DIR from its latest checkpoint; its config.json is the "
                         "default for every flag, and flags that would change the results are refused")
@@ -46,13 +49,19 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _config(args: argparse.Namespace):
-    """The run's config: the flags given, or for --resume the saved config updated with them."""
+    """The run's config: the flags given, over a --config file's options, or for --resume over the saved config."""
     from fedjax_sparse.algorithms import get_spec, option_users
     from fedjax_sparse.core.options import flag_name
     from fedjax_sparse.runner import SHARED_OPTIONS, RunConfig
 
-    given = {k: v for k, v in vars(args).items() if k not in ("command", "resume", "no_progress")}
+    given = {k: v for k, v in vars(args).items() if k not in ("command", "config", "resume", "no_progress")}
     base = {}
+    if args.config is not None:
+        if args.resume is not None:
+            raise ValueError("--config and --resume do not combine: --resume DIR continues with DIR/config.json")
+        from fedjax_sparse.config_file import read_config_file
+
+        base = read_config_file(args.config)
     if args.resume is not None:
         saved_path = Path(args.resume) / "config.json"
         if not saved_path.exists():
@@ -62,9 +71,10 @@ def _config(args: argparse.Namespace):
     config = RunConfig.from_dict({**base, **given})
     own = {f for f in vars(config.algorithm_options)}
     users = option_users()
-    for name in given:
+    for name in {**base, **given} if args.config is not None else given:
         if name not in SHARED_OPTIONS and name not in own:
-            raise ValueError(f"{flag_name(name)} is an option of {', '.join(users[name])}; --algorithm "
+            where = "" if name in given else f"--config {args.config}, key {name!r}: "
+            raise ValueError(f"{where}{flag_name(name)} is an option of {', '.join(users[name])}; --algorithm "
                              f"{config.algorithm} does not read it")
     get_spec(config.algorithm)
     return config
