@@ -215,8 +215,8 @@ def test_load_digits():
 
 
 def test_load_dataset_unknown_spec():
-    with pytest.raises(ValueError, match=r"'mnist'.*digits.*cifar10.*imagefolder:PATH"):
-        data.load_dataset("mnist")
+    with pytest.raises(ValueError, match=r"'svhn'.*digits.*cifar10.*mnist.*imagefolder:PATH"):
+        data.load_dataset("svhn")
     with pytest.raises(ValueError, match=r"'imagefolder:'"):
         data.load_dataset("imagefolder:")
 
