@@ -292,7 +292,7 @@ def step_loop_runner(w: Workload) -> Callable[[int], Any]:
         return sgd_step(w.model, tx, carry, batch)
 
     aggregate, sample = _aggregator(w), _sampler(w)
-    state = {"server": w.variables}
+    state = {"server": alg.init(jax.random.key(s.seed), w.variables, w.num_clients)[0]}
 
     def run(r: int):
         ids = sample(r)
@@ -313,7 +313,7 @@ def client_loop_runner(w: Workload) -> Callable[[int], Any]:
     """A Python loop over clients; each call is the library's jitted local training of one client."""
     s, alg, split = w.setting, w.algorithm, w.split
     counts = np.asarray(split.counts)
-    _, client_states = alg.init(jax.random.key(s.seed), w.variables, w.num_clients)
+    server, client_states = alg.init(jax.random.key(s.seed), w.variables, w.num_clients)
 
     @jax.jit
     def train_client(server, split, client_states, round_index, cid, ids):
@@ -324,7 +324,7 @@ def client_loop_runner(w: Workload) -> Callable[[int], Any]:
         return up
 
     aggregate, sample = _aggregator(w), _sampler(w)
-    state = {"server": w.variables}
+    state = {"server": server}
 
     def run(r: int):
         ids = sample(r)

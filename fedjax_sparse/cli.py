@@ -10,6 +10,7 @@ silently.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from pathlib import Path
 
@@ -32,6 +33,9 @@ def _run_parser(sub) -> argparse.ArgumentParser:
     users = option_users()
     for spec in ALGORITHMS.values():
         add_flags(algo, spec.options, used_by=users, seen=seen)
+    p.add_argument("--config", metavar="FILE", default=None,
+                   help="read the options from a JSON, YAML or TOML file (a run's config.json is one); flags "
+                        "given with it override it")
     p.add_argument("--resume", metavar="DIR", default=None,
                    help="continue the run in DIR from its latest checkpoint; its config.json (or, when that "
                         "is unusable, the checkpoint's config) is the default for every flag, and flags that "
@@ -51,7 +55,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _config(args: argparse.Namespace):
-    """The run's config: the flags given, or for --resume the saved config updated with them."""
+    """The run's config: the flags given, over a --config file's options, or for --resume over the saved config."""
     from fedjax_sparse.algorithms import get_spec, option_users
     from fedjax_sparse.checkpoint import RunCheckpointer, has_checkpoints
     from fedjax_sparse.core.options import flag_name, refuse_ignored
@@ -59,8 +63,15 @@ def _config(args: argparse.Namespace):
     from fedjax_sparse.run_folder import read_saved_config
     from fedjax_sparse.runner import SHARED_OPTIONS, RunConfig
 
-    given = {k: v for k, v in vars(args).items() if k not in ("command", "resume", "overwrite", "no_progress")}
+    given = {k: v for k, v in vars(args).items() if k not in ("command", "config", "resume", "overwrite",
+                                                               "no_progress")}
     base = {}
+    if args.config is not None:
+        if args.resume is not None:
+            raise ValueError("--config and --resume do not combine: --resume DIR continues with DIR/config.json")
+        from fedjax_sparse.config_file import read_config_file
+
+        base = read_config_file(args.config)
     if args.resume is not None:
         if args.overwrite:
             raise ValueError(f"--overwrite deletes the run that --resume {args.resume} would continue; give one "
@@ -78,11 +89,20 @@ def _config(args: argparse.Namespace):
     config = RunConfig.from_dict({**base, **given})
     own = {f for f in vars(config.algorithm_options)}
     users = option_users()
-    for name in given:
+    for name in {**base, **given} if args.config is not None else given:
         if name not in SHARED_OPTIONS and name not in own:
-            raise ValueError(f"{flag_name(name)} is an option of {', '.join(users[name])}; --algorithm "
+            where = "" if name in given else f"--config {args.config}, key {name!r}: "
+            raise ValueError(f"{where}{flag_name(name)} is an option of {', '.join(users[name])}; --algorithm "
                              f"{config.algorithm} does not read it")
     refuse_ignored(config.algorithm_options, given)
+    if args.config is not None:  # a file's key set away from its default is as deliberate as a flag
+        options = config.algorithm_options
+        defaults = {f.name: f.default for f in dataclasses.fields(options)}
+        deliberate = [k for k in base if k in defaults and k not in given and getattr(options, k) != defaults[k]]
+        try:
+            refuse_ignored(options, deliberate)
+        except ValueError as e:
+            raise ValueError(f"--config {args.config}: {e}") from None
     get_spec(config.algorithm)
     return config
 

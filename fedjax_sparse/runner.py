@@ -52,7 +52,12 @@ class RunConfig:
     """
 
     algorithm: str = option("fedavg", "the federated algorithm", choices=ALGORITHM_NAMES)
-    dataset: str = option("digits", "digits, cifar10, cifar100, fashion_mnist, emnist or imagefolder:PATH")
+    dataset: str = option("digits", "digits, cifar10, cifar100, fashion_mnist, emnist, mnist (TFDS: prepared on "
+                                    "first use) or imagefolder:PATH")
+    data_dir: str | None = option(None, "TFDS data directory (default: TFDS's own, $TFDS_DATA_DIR or "
+                                        "~/tensorflow_datasets)")
+    download: bool = option(True, "prepare a TFDS data set (download and build) on its first use; --no-download "
+                                  "only reads prepared data")
     model: str = option("mlp", "the model", choices=MODEL_NAMES)
     num_clients: int = option(20, "clients in the federation", low=1)
     clients_per_round: int = option(10, "clients sampled each round", low=1)
@@ -167,8 +172,8 @@ class Experiment:
 
 def build_experiment(config: RunConfig, progress: bool = True) -> Experiment:
     config.validate()
-    dataset = load_dataset(config.dataset, progress=progress).subset(config.max_train_examples, config.max_test_examples,
-                                                  config.seed)
+    dataset = load_dataset(config.dataset, data_dir=config.data_dir, download=config.download, progress=progress)
+    dataset = dataset.subset(config.max_train_examples, config.max_test_examples, config.seed)
     if config.partition == "labels" and config.labels_per_client > dataset.num_classes:
         raise ValueError(f"--labels-per-client {config.labels_per_client} exceeds the "
                          f"{dataset.num_classes} classes of {config.dataset}")

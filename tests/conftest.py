@@ -8,6 +8,8 @@ os.environ["XLA_FLAGS"] = " ".join([os.environ.get("XLA_FLAGS", ""), "--xla_back
 # Runs started through the command line keep their compiled rounds in a cache of this session only.
 os.environ["FEDJAX_SPARSE_CACHE"] = tempfile.mkdtemp(prefix="fedjax_sparse_test_cache_")
 
+import socket  # noqa: E402
+
 import flax.linen as nn  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
@@ -25,6 +27,20 @@ def synthetic_split(counts, seed=0, shape=(8, 8, 1), num_classes=10):
     bounds = np.concatenate([[0], np.cumsum(counts)])
     indices = [np.arange(bounds[i], bounds[i + 1]) for i in range(len(counts))]
     return federated_split(x, y, indices, mean=[0.5] * shape[-1], std=[0.25] * shape[-1])
+
+
+@pytest.fixture
+def no_network(monkeypatch):
+    """Any attempt to reach the network fails the test. Name resolution is refused too: where DNS
+    itself fails (a sandbox), a download would otherwise never reach connect() and would instead
+    retry for minutes and end in an ordinary connection error, which an "offline" path could swallow."""
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a test tried to open a network connection")
+
+    monkeypatch.setattr(socket.socket, "connect", refuse)
+    monkeypatch.setattr(socket, "create_connection", refuse)
+    monkeypatch.setattr(socket, "getaddrinfo", refuse)
 
 
 @pytest.fixture

@@ -12,12 +12,15 @@ def metrics(run_dir):
 
 
 def test_resumed_run_extends_to_the_uninterrupted_metrics(tmp_path):
-    for algorithm in ("scaffold",):  # SCAFFOLD keeps server and per-client state
+    """SCAFFOLD keeps server and per-client state, and FedAdam's server optimizer its m and v: a resume
+    that lost or re-initialized any of them would not reproduce rounds 4 to 6."""
+    for algorithm in ("scaffold",):
         full, part = tmp_path / f"{algorithm}_full", tmp_path / f"{algorithm}_part"
-        args = [*BASE, "--algorithm", algorithm]
+        args = [*BASE, "--algorithm", algorithm, "--server-optimizer", "adam", "--server-lr", "0.01"]
         assert main(["run", *args, "--rounds", "6", "--out", str(full)]) == 0
         assert main(["run", *args, "--rounds", "3", "--checkpoint-every", "2", "--out", str(part)]) == 0
-        assert json.loads((part / "config.json").read_text())["rounds"] == 3
+        saved = json.loads((part / "config.json").read_text())
+        assert saved["rounds"] == 3 and saved["server_optimizer"] == "adam"
         assert main(["run", "--resume", str(part), "--rounds", "6", "--no-progress"]) == 0
         assert metrics(part) == metrics(full)
         summary = json.loads((part / "summary.json").read_text())

@@ -71,12 +71,12 @@ def test_run_writes_config_metrics_summary_partition_and_plot(tmp_path):
 
     # The final figures are those of the saved final model, counted here by hand.
     exp, server, _ = saved_final_state(out)
-    data = exp.dataset
-    correct, loss = hand_scores(exp.model, server, data.x_test, data.y_test, data.mean, data.std)
+    data, variables = exp.dataset, exp.algorithm.global_variables(server)
+    correct, loss = hand_scores(exp.model, variables, data.x_test, data.y_test, data.mean, data.std)
     assert rows[-1]["test_accuracy"] == pytest.approx(correct / len(data.y_test), abs=1e-6)
     assert rows[-1]["test_loss"] == pytest.approx(loss, rel=1e-4)
     assert rows[-1]["personalized_accuracy"] == pytest.approx(
-        hand_personalized_accuracy(exp, lambda i: server), abs=1e-6)
+        hand_personalized_accuracy(exp, lambda i: variables), abs=1e-6)
 
     clients = json.loads((out / "partition.json").read_text())
     assert len(clients) == 6 and sum(c["num_examples"] for c in clients) == summary["num_train_examples"]
@@ -107,10 +107,13 @@ def test_local_run_has_no_global_accuracy_and_no_bytes(tmp_path):
     (["--partition", "labels", "--labels-per-client", "11"], "--labels-per-client 11 exceeds the 10 classes"),
     (["--dataset", "imagefolder:/no/such/folder"], "/no/such/folder"),
     (["--model", "lenet5_caffe"], "8x8"),
-    (["--dataset", "mnist"], "mnist"),
+    (["--dataset", "svhn"], "unknown data set spec 'svhn'"),
+    (["--dataset", "mnist", "--no-download", "--data-dir", "/no/such/tfds"],
+     "'mnist' is not prepared under /no/such/tfds/mnist/3.0.1 (--no-download"),
     (["--lr", "-1"], "--lr must be > 0"),
     (["--client-chunk", "-1"], "--client-chunk must be >= 0, got -1"),
     (["--client-chunk", "11"], "--client-chunk must be in [0, 3]"),
+    (["--algorithm", "spafl", "--server-optimizer", "adam"], "--server-optimizer is an option of fedavg"),
 ])
 def test_bad_arguments_get_a_one_line_error(tmp_path, capsys, args, fragment):
     assert main(["run", *SMALL, *args, "--out", str(tmp_path / "bad")]) == 2

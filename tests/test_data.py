@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import io
 import os
-import socket
 import time
 
 import jax
@@ -29,15 +28,6 @@ from fedjax_sparse.data.partition import (
 def _private_cache(tmp_path, monkeypatch):
     # No test may write into the user's ~/.cache.
     monkeypatch.setenv("FEDJAX_SPARSE_CACHE", str(tmp_path / "env_cache"))
-
-
-@pytest.fixture
-def no_network(monkeypatch):
-    def refuse(*args, **kwargs):
-        raise AssertionError("a data test tried to open a network connection")
-
-    monkeypatch.setattr(socket.socket, "connect", refuse)
-    monkeypatch.setattr(socket, "create_connection", refuse)
 
 
 def make_labels(num_classes=10, per_class=100, seed=0):
@@ -225,8 +215,8 @@ def test_load_digits():
 
 
 def test_load_dataset_unknown_spec():
-    with pytest.raises(ValueError, match=r"'mnist'.*digits.*cifar10.*imagefolder:PATH"):
-        data.load_dataset("mnist")
+    with pytest.raises(ValueError, match=r"'svhn'.*digits.*cifar10.*mnist.*imagefolder:PATH"):
+        data.load_dataset("svhn")
     with pytest.raises(ValueError, match=r"'imagefolder:'"):
         data.load_dataset("imagefolder:")
 
@@ -392,12 +382,13 @@ def test_image_folder_errors(tmp_path):
         ("cifar100", (32, 32, 3), 100, True),
         ("fashion_mnist", (28, 28, 1), 10, False),
         ("emnist", (28, 28, 1), 47, False),
+        ("mnist", (28, 28, 1), 10, False),
     ],
 )
 def test_load_tfds_with_mock_data(name, shape, num_classes, augment, no_network, tmp_path):
     tfds = pytest.importorskip("tensorflow_datasets")
-    with tfds.testing.mock_data(num_examples=6):
-        ds = data.load_tfds(name, data_dir=tmp_path, progress=False)
+    with tfds.testing.mock_data(num_examples=6):  # mocks reading: is_prepared() stays False, so no build
+        ds = data.load_tfds(name, data_dir=tmp_path, download=False, progress=False)
     assert ds.name == name and ds.augment == augment
     assert ds.x_train.shape == (6, *shape) and ds.x_test.shape == (6, *shape)
     assert ds.x_train.dtype == np.uint8 and ds.y_train.dtype == np.int32
@@ -452,7 +443,7 @@ def test_load_tfds_reads_real_array_record_files(tmp_path, no_network):
 def test_load_tfds_unprepared_and_unknown(tmp_path, no_network):
     pytest.importorskip("tensorflow_datasets")
     with pytest.raises(FileNotFoundError, match=r"not prepared.*tfds build fashion_mnist --file_format=array_record"):
-        data.load_tfds("fashion_mnist", data_dir=tmp_path / "empty")
+        data.load_tfds("fashion_mnist", data_dir=tmp_path / "empty", download=False)
     with pytest.raises(ValueError, match=r"unknown tfds data set 'svhn'.*cifar10"):
         data.load_tfds("svhn")
 

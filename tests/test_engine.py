@@ -10,6 +10,7 @@ from fedjax_sparse.algorithms import fedavg, fednova, fedprox, local_only, scaff
 from fedjax_sparse.core.aggregation import weighted_mean
 from fedjax_sparse.core.local_training import LocalSGD, masked_cross_entropy, run_local_steps
 from fedjax_sparse.core.round import build_round, client_keys, default_client_chunk, round_info, sample_clients
+from fedjax_sparse.core.server_optimizer import server_optimizer
 from fedjax_sparse.data.federated import (client_batch, epoch_permutations, federated_split, normalize,
                                           steps_per_epoch)
 from conftest import LINEAR_CLASSES as CLASSES, linear_model
@@ -137,7 +138,7 @@ def test_fedavg_with_one_client_equals_plain_gradient_descent(make_split, mlp):
             logits, _ = mlp.apply({"params": p, "batch_stats": {}}, x, train=False)
             return optax.softmax_cross_entropy_with_integer_labels(logits, split.y).mean()
         params = tree_map(lambda w, g: w - 0.05 * g, params, jax.grad(loss)(params))
-    assert_trees_close(server["params"], params)
+    assert_trees_close(server["variables"]["params"], params)
 
 
 def _loop_round(algorithm, split, server, clients, round_index, seed, k):
@@ -186,7 +187,7 @@ def test_scaffold_with_zero_control_variates_equals_fedavg_for_one_round(make_sp
     for algorithm in (fedavg(local), scaffold(local, 4)):
         server, clients = algorithm.init(jax.random.key(1), variables, 4)
         server, _, _ = build_round(algorithm, split, 4, seed=0)(server, clients, 0)
-        results.append(server if algorithm.name == "fedavg" else server["variables"])
+        results.append(server["variables"])
     assert_trees_close(results[0], results[1])
 
 
@@ -221,10 +222,10 @@ def test_fednova_weights_clients_by_their_step_counts(make_split, mlp):
     tau_eff = (p * tau).sum()
     expected = tree_map(lambda w, y0, y1: w - tau_eff * (p[0] * (w - y0) / tau[0] + p[1] * (w - y1) / tau[1]),
                         variables["params"], ys[0], ys[1])
-    assert_trees_close(new_server["params"], expected, atol=1e-5)
+    assert_trees_close(new_server["variables"]["params"], expected, atol=1e-5)
     fedavg_mean = weighted_mean(tree_map(lambda *a: jnp.stack(a), *ys), jnp.asarray(p))
     gap = max(float(jnp.abs(a - b).max()) for a, b in zip(jax.tree_util.tree_leaves(fedavg_mean),
-                                                         jax.tree_util.tree_leaves(new_server["params"])))
+                                                         jax.tree_util.tree_leaves(new_server["variables"]["params"])))
     assert gap > 1e-4
 
 
@@ -379,7 +380,7 @@ def test_scaffold_two_rounds_with_momentum_match_a_hand_computation():
     split, xs, ys = order_free_split(SCAFFOLD_CLIENTS)
     lr, rho, server_lr, decay = 0.1, 0.9, 0.7, 0.8
     local = LocalSGD(linear_model(), learning_rate=lr, epochs=2, batch_size=4, momentum=rho, lr_decay=decay)
-    algorithm = scaffold(local, 4, server_lr=server_lr)
+    algorithm = scaffold(local, 4, server_optimizer("sgd", lr=server_lr))
     theta = random_theta(1)
     server, clients = algorithm.init(jax.random.key(0), {"params": to_params(theta), "batch_stats": {}}, 4)
     round_fn = build_round(algorithm, split, 3, seed=4)
@@ -458,7 +459,7 @@ def test_fednova_with_momentum_and_unequal_steps_matches_its_formula():
     a = np.array([momentum_norm(steps[i], rho) for i in ids])
     tau_eff = (p * a).sum()
     expected = theta - tau_eff * sum(pi * (theta - yi) / ai for pi, yi, ai in zip(p, ys_hand, a))
-    np.testing.assert_allclose(to_vector(server["params"]), expected, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(to_vector(server["variables"]["params"]), expected, rtol=1e-5, atol=1e-5)
     # Teeth: FedAvg's data-weighted mean, and FedNova with ||a||_1 = tau (momentum ignored), differ.
     fedavg_mean = sum(pi * yi for pi, yi in zip(p, ys_hand))
     tau = np.array([steps[i] for i in ids], np.float64)
@@ -478,7 +479,7 @@ def test_fedprox_step_includes_the_proximal_gradient():
         algorithm = fedprox(local, m)
         server, clients = algorithm.init(jax.random.key(0), {"params": to_params(theta), "batch_stats": {}}, 1)
         server, _, _ = build_round(algorithm, split, 1, seed=0)(server, clients, 0)
-        results[m] = to_vector(server["params"])
+        results[m] = to_vector(server["variables"]["params"])
     expected = hand_local_sgd(theta, xs[0], ys[0], steps, lr, mu=mu)
     np.testing.assert_allclose(results[mu], expected, rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(results[0.0], hand_local_sgd(theta, xs[0], ys[0], steps, lr), rtol=1e-5, atol=1e-6)

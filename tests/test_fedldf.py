@@ -106,7 +106,7 @@ def test_layers_are_aggregated_over_their_top_n_clients_by_data_size(mlp):
     weights = jnp.array([10.0, 20.0, 30.0, 40.0])
     info = round_info(0, 0, jnp.arange(4))
     ups = alg.select_uploads({"divergence": div, "variables": stacked}, weights, info)
-    new = alg.server_update(prev, ups, weights, info)
+    new = alg.global_variables(alg.server_update(alg.init(jax.random.key(1), prev, 4)[0], ups, weights, info))
     # fc1: clients 0, 1 -> (10*11 + 20*21) / 30; fc2: clients 2, 3 -> (30*32 + 40*42) / 70;
     # fc3: three-way tie at 9, the earlier clients 1, 2 win -> (20*23 + 30*33) / 50
     expected = {"fc1": 530 / 30, "fc2": 2640 / 70, "fc3": 1450 / 50}

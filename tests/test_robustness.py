@@ -64,13 +64,13 @@ def test_out_of_range_values_get_one_line_naming_the_flag(tmp_path, capsys, args
 
 @pytest.mark.parametrize("args,flag,users", [
     (["--mu", "0.1"], "--mu", "fedprox"),
-    (["--algorithm", "fedprox", "--server-lr", "0.5"], "--server-lr", "scaffold"),
+    (["--algorithm", "spafl", "--server-lr", "0.5"], "--server-lr", "scaffold"),
 ])
 def test_a_flag_the_algorithm_does_not_read_is_refused(tmp_path, capsys, args, flag, users):
     code, _, err = run_cli(capsys, [*TINY, *args, "--out", str(tmp_path / "bad")])
     assert code == 2
     line = one_error_line(err)
-    algorithm = "fedprox" if "fedprox" in args else "fedavg"
+    algorithm = "spafl" if "spafl" in args else "fedavg"
     assert f"{flag} is an option of " in line and users in line
     assert line.endswith(f"--algorithm {algorithm} does not read it")
 

@@ -4,7 +4,9 @@ The message both ways is the model's variables: weights and, for models with
 BatchNorm, its running statistics, without which the aggregate cannot predict.
 The mean is weighted by the clients' numbers of examples (`data`, McMahan et
 al.) or uniform over the sampled clients (`uniform`, as SpaFL's appendix A.1.1
-runs its FedAvg baseline).
+runs its FedAvg baseline). The server steps toward it with its optimizer
+(`core.server_optimizer`; default sgd at lr 1: the mean replaces the global
+model, McMahan et al.'s rule; adam: FedAdam).
 """
 
 from __future__ import annotations
@@ -17,21 +19,25 @@ from fedjax_sparse.core.aggregation import weighted_mean
 from fedjax_sparse.core.algorithm import AlgorithmSpec, BuildContext, FederatedAlgorithm
 from fedjax_sparse.core.local_training import LocalSGD
 from fedjax_sparse.core.options import option
+from fedjax_sparse.core.server_optimizer import ServerOptimizer, ServerOptimizerOptions, from_options, server_optimizer
 
 
 @dataclasses.dataclass(frozen=True)
-class FedAvgOptions:
+class FedAvgOptions(ServerOptimizerOptions):
     aggregation_weights: str = option("data", "weights of the clients' models in the mean: their numbers of "
                                               "examples (data) or equal (uniform)", choices=("data", "uniform"))
 
 
-def fedavg(local: LocalSGD, aggregation_weights: str = "data") -> FederatedAlgorithm:
+def fedavg(local: LocalSGD, aggregation_weights: str = "data",
+           server: ServerOptimizer | None = None) -> FederatedAlgorithm:
+    """`server`: the server optimizer (default: sgd at lr 1, whose step is the mean itself)."""
     if aggregation_weights not in ("data", "uniform"):
         raise ValueError(f"--aggregation-weights must be data or uniform, got {aggregation_weights!r}")
+    server = server or server_optimizer()
 
     def init(key, variables, num_clients):
         del key, num_clients
-        return variables, {}
+        return server.init_state(variables), {}
 
     def client_update(down, client_state, data, key, info):
         variables, stats = local.train(down, data, key, round_index=info.index)
@@ -39,19 +45,20 @@ def fedavg(local: LocalSGD, aggregation_weights: str = "data") -> FederatedAlgor
 
     def server_update(server_state, ups, weights, info):
         del info
-        return weighted_mean(ups, weights if aggregation_weights == "data" else jnp.ones_like(weights))
+        mean = weighted_mean(ups, weights if aggregation_weights == "data" else jnp.ones_like(weights))
+        return server.step_toward(server_state, mean)
 
     return FederatedAlgorithm(
         name="fedavg",
         init=init,
-        broadcast=lambda server_state, client_id, info: server_state,
+        broadcast=lambda server_state, client_id, info: server_state["variables"],
         client_update=client_update,
         server_update=server_update,
-        client_variables=lambda server_state, client_state: server_state,
-        global_variables=lambda server_state: server_state,
+        client_variables=lambda server_state, client_state: server_state["variables"],
+        global_variables=lambda server_state: server_state["variables"],
     )
 
 
 SPEC = AlgorithmSpec("fedavg", FedAvgOptions,
-                     lambda ctx, o: fedavg(ctx.local, o.aggregation_weights),
+                     lambda ctx, o: fedavg(ctx.local, o.aggregation_weights, from_options(o)),
                      "FedAvg: local SGD, mean of the clients' models")

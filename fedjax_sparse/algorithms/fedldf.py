@@ -36,6 +36,8 @@ Baselines of the paper's section III:
 
 n = K is FedAvg (every client uploads every layer; the mean is the same
 data-size-weighted mean, up to float rounding of a different summation).
+The server steps toward the per-layer means with its optimizer
+(`core.server_optimizer`; sgd at lr 1 by default: the means replace the layers).
 """
 
 from __future__ import annotations
@@ -53,12 +55,13 @@ from fedjax_sparse.core.layer_groups import LayerGroups, model_layer_groups
 from fedjax_sparse.core.local_training import LocalSGD
 from fedjax_sparse.core.messages import SparseArray
 from fedjax_sparse.core.options import option
+from fedjax_sparse.core.server_optimizer import ServerOptimizer, ServerOptimizerOptions, from_options, server_optimizer
 
 tree_map = jax.tree_util.tree_map
 
 
 @dataclasses.dataclass(frozen=True)
-class FedLDFOptions:
+class FedLDFOptions(ServerOptimizerOptions):
     clients_per_layer: int = option(4, "n, the clients that upload each layer (FedLDF's top-n; "
                                        "fedldf_random's and hdfl's random n); in [1, --clients-per-round]")
 
@@ -99,21 +102,24 @@ def _is_sparse(x) -> bool:
     return isinstance(x, SparseArray)
 
 
-def _masked_aggregate(server_state, sparse_variables, weights):
-    """Per entry, the data-size-weighted mean over the clients that sent it (eq. 5)."""
+def _masked_aggregate(server: ServerOptimizer, server_state, sparse_variables, weights):
+    """Per entry, the data-size-weighted mean over the clients that sent it (eq. 5), and the
+    server's step toward it (every entry has senders: n >= 1 per layer)."""
     values = tree_map(lambda s: s.dense(), sparse_variables, is_leaf=_is_sparse)
     masks = tree_map(lambda s: s.mask, sparse_variables, is_leaf=_is_sparse)
-    return masked_mean(values, masks, weights, server_state)
+    return server.step_toward(server_state, masked_mean(values, masks, weights, server_state["variables"]))
 
 
 def _layer_upload_algorithm(name: str, local: LocalSGD, groups: LayerGroups,
-                            choose: Callable[[jax.Array, jax.Array], jax.Array]) -> FederatedAlgorithm:
+                            choose: Callable[[jax.Array, jax.Array], jax.Array],
+                            server: ServerOptimizer | None) -> FederatedAlgorithm:
     """FedLDF's round with a pluggable per-layer choice `choose(divergences [K, L], key) -> [K, L] bool`.
 
     FedAvg's round with the divergence feedback added to the upload, the
     server's per-layer choice of what is really sent, and the masked mean.
     """
-    base = fedavg(local)
+    server = server or server_optimizer()
+    base = fedavg(local, server=server)
 
     def client_update(down, client_state, data, key, info):
         variables, client_state, stats = base.client_update(down, client_state, data, key, info)
@@ -127,22 +133,24 @@ def _layer_upload_algorithm(name: str, local: LocalSGD, groups: LayerGroups,
         return {"divergence": ups["divergence"], "variables": _sparsify(ups["variables"], masks)}
 
     def server_update(server_state, ups, weights, info):
-        return _masked_aggregate(server_state, ups["variables"], weights)
+        return _masked_aggregate(server, server_state, ups["variables"], weights)
 
     return dataclasses.replace(base, name=name, client_update=client_update, server_update=server_update,
                                select_uploads=select_uploads)
 
 
-def fedldf(local: LocalSGD, clients_per_layer: int, clients_per_round: int) -> FederatedAlgorithm:
+def fedldf(local: LocalSGD, clients_per_layer: int, clients_per_round: int,
+           server: ServerOptimizer | None = None) -> FederatedAlgorithm:
     """FedLDF: per layer, the n = `clients_per_layer` clients of largest divergence upload it."""
     check_clients_per_layer(clients_per_layer, clients_per_round, "fedldf")
     groups = model_layer_groups(local.model)
     n = clients_per_layer
     return _layer_upload_algorithm("fedldf", local, groups,
-                                   lambda divergence, key: top_n_per_layer(divergence, n))
+                                   lambda divergence, key: top_n_per_layer(divergence, n), server)
 
 
-def fedldf_random(local: LocalSGD, clients_per_layer: int, clients_per_round: int) -> FederatedAlgorithm:
+def fedldf_random(local: LocalSGD, clients_per_layer: int, clients_per_round: int,
+                  server: ServerOptimizer | None = None) -> FederatedAlgorithm:
     """The paper's "random" baseline: per layer, n clients drawn at random upload it (FedLDF's bytes)."""
     check_clients_per_layer(clients_per_layer, clients_per_round, "fedldf_random")
     groups = model_layer_groups(local.model)
@@ -152,10 +160,11 @@ def fedldf_random(local: LocalSGD, clients_per_layer: int, clients_per_round: in
         k, num_layers = divergence.shape
         return random_n_per_layer(key, k, num_layers, n)
 
-    return _layer_upload_algorithm("fedldf_random", local, groups, choose)
+    return _layer_upload_algorithm("fedldf_random", local, groups, choose, server)
 
 
-def hdfl(local: LocalSGD, clients_per_layer: int, clients_per_round: int) -> FederatedAlgorithm:
+def hdfl(local: LocalSGD, clients_per_layer: int, clients_per_round: int,
+         server: ServerOptimizer | None = None) -> FederatedAlgorithm:
     """HDFL-style client dropping: a random n of the K clients upload the whole model; no feedback."""
     check_clients_per_layer(clients_per_layer, clients_per_round, "hdfl")
     n = clients_per_layer
@@ -167,20 +176,22 @@ def hdfl(local: LocalSGD, clients_per_layer: int, clients_per_round: int) -> Fed
         masks = tree_map(lambda x: jnp.broadcast_to(chosen.reshape((k,) + (1,) * (x.ndim - 1)), x.shape), ups)
         return _sparsify(ups, masks)
 
-    return dataclasses.replace(fedavg(local), name="hdfl",
+    server = server or server_optimizer()
+    base = fedavg(local, server=server)
+    return dataclasses.replace(base, name="hdfl",
                                server_update=lambda server_state, ups, weights, info: _masked_aggregate(
-                                   server_state, ups, weights),
+                                   server, server_state, ups, weights),
                                select_uploads=select_uploads)
 
 
+def _spec(name: str, builder, summary: str) -> AlgorithmSpec:
+    return AlgorithmSpec(name, FedLDFOptions, lambda ctx, o: builder(ctx.local, o.clients_per_layer,
+                                                                     ctx.clients_per_round, from_options(o)),
+                         summary)
+
+
 SPECS = (
-    AlgorithmSpec("fedldf", FedLDFOptions,
-                  lambda ctx, o: fedldf(ctx.local, o.clients_per_layer, ctx.clients_per_round),
-                  "FedLDF: per layer, the n clients that moved most upload it"),
-    AlgorithmSpec("fedldf_random", FedLDFOptions,
-                  lambda ctx, o: fedldf_random(ctx.local, o.clients_per_layer, ctx.clients_per_round),
-                  "FedLDF's baseline: n random clients upload each layer"),
-    AlgorithmSpec("hdfl", FedLDFOptions,
-                  lambda ctx, o: hdfl(ctx.local, o.clients_per_layer, ctx.clients_per_round),
-                  "HDFL-style dropping: n random clients upload whole models"),
+    _spec("fedldf", fedldf, "FedLDF: per layer, the n clients that moved most upload it"),
+    _spec("fedldf_random", fedldf_random, "FedLDF's baseline: n random clients upload each layer"),
+    _spec("hdfl", hdfl, "HDFL-style dropping: n random clients upload whole models"),
 )

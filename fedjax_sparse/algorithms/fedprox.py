@@ -11,10 +11,11 @@ from fedjax_sparse.algorithms.fedavg import fedavg
 from fedjax_sparse.core.algorithm import AlgorithmSpec, FederatedAlgorithm
 from fedjax_sparse.core.local_training import LocalObjective, LocalSGD
 from fedjax_sparse.core.options import option
+from fedjax_sparse.core.server_optimizer import ServerOptimizer, ServerOptimizerOptions, from_options
 
 
 @dataclasses.dataclass(frozen=True)
-class FedProxOptions:
+class FedProxOptions(ServerOptimizerOptions):
     mu: float = option(0.01, "FedProx proximal coefficient", low=0.0)
 
 
@@ -23,10 +24,10 @@ def proximal_term(params, anchor, mu: float):
     return 0.5 * mu * sum(jax.tree_util.tree_leaves(squares))
 
 
-def fedprox(local: LocalSGD, mu: float) -> FederatedAlgorithm:
+def fedprox(local: LocalSGD, mu: float, server: ServerOptimizer | None = None) -> FederatedAlgorithm:
     if not mu >= 0:
         raise ValueError(f"--mu must be >= 0, got {mu}")
-    base = fedavg(local)
+    base = fedavg(local, server=server)
 
     def client_update(down, client_state, data, key, info):
         anchor = down["params"]
@@ -37,5 +38,5 @@ def fedprox(local: LocalSGD, mu: float) -> FederatedAlgorithm:
     return dataclasses.replace(base, name="fedprox", client_update=client_update)
 
 
-SPEC = AlgorithmSpec("fedprox", FedProxOptions, lambda ctx, o: fedprox(ctx.local, o.mu),
+SPEC = AlgorithmSpec("fedprox", FedProxOptions, lambda ctx, o: fedprox(ctx.local, o.mu, from_options(o)),
                      "FedProx: FedAvg with a proximal term")

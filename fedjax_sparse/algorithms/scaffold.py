@@ -6,7 +6,8 @@ SGD steps per unit gradient. Under momentum rho the same K_i steps move the weig
 1 / (1 - rho) times further, so here a_i is the optimizer's effective number of steps
 (`LocalSGD.effective_steps`, FedNova's ||a||_1; = K_i without momentum), which keeps
 c_i an estimate of the client's mean gradient whatever the momentum (`core.control_variates`).
-The server moves x by lr_g times the mean model delta and c by (1/N) times the sum of
+The server moves x by lr_g times the mean model delta (its optimizer's step,
+`core.server_optimizer`: sgd at --server-lr lr_g by default) and c by (1/N) times the sum of
 control deltas. Both directions carry a model-sized tensor twice (model and control
 variate), which is why its bytes per round are double FedAvg's. As in the paper, the
 sampled clients are averaged uniformly. Control variates cover the trainable weights;
@@ -15,9 +16,6 @@ BatchNorm statistics travel with the model and are averaged like it.
 
 from __future__ import annotations
 
-import dataclasses
-import math
-
 import jax
 import jax.numpy as jnp
 
@@ -25,31 +23,22 @@ from fedjax_sparse.core.aggregation import uniform_mean
 from fedjax_sparse.core.algorithm import AlgorithmSpec, FederatedAlgorithm, replicate
 from fedjax_sparse.core.control_variates import control_update, corrected_gradients, server_control_update
 from fedjax_sparse.core.local_training import LocalObjective, LocalSGD
-from fedjax_sparse.core.options import option
+from fedjax_sparse.core.server_optimizer import (STATE_KEY, ServerOptimizer, ServerOptimizerOptions, from_options,
+                                                 server_optimizer, without_optimizer_state)
 
 tree_map = jax.tree_util.tree_map
 
 
-def server_lr_option():
-    """The server step size both SCAFFOLD and SPATL take (one flag, declared identically)."""
-    return option(1.0, "server learning rate (SCAFFOLD's eta_g, SPATL's eq. 12 step)", low=0.0, low_open=True)
-
-
-@dataclasses.dataclass(frozen=True)
-class ScaffoldOptions:
-    server_lr: float = server_lr_option()
-
-
-def scaffold(local: LocalSGD, num_clients: int, server_lr: float = 1.0) -> FederatedAlgorithm:
-    if not (server_lr > 0 and math.isfinite(server_lr)):
-        raise ValueError(f"--server-lr must be a finite number > 0, got {server_lr}")
+def scaffold(local: LocalSGD, num_clients: int, server: ServerOptimizer | None = None) -> FederatedAlgorithm:
+    """`server`: the server optimizer (default: sgd at lr 1; the paper's eta_g is its lr)."""
+    server = server or server_optimizer()
 
     def init(key, variables, n):
         del key
         if n != num_clients:
             raise ValueError(f"SCAFFOLD was built for {num_clients} clients, init got {n}")
         zeros = tree_map(jnp.zeros_like, variables["params"])
-        return {"variables": variables, "control": zeros}, replicate(zeros, n)
+        return {**server.init_state(variables), "control": zeros}, replicate(zeros, n)
 
     def client_update(down, client_control, data, key, info):
         server_control = down["control"]
@@ -69,14 +58,16 @@ def scaffold(local: LocalSGD, num_clients: int, server_lr: float = 1.0) -> Feder
     def server_update(server_state, ups, weights, info):
         del weights, info
         mean = uniform_mean(ups)
-        params = tree_map(lambda w, d: w + server_lr * d, server_state["variables"]["params"], mean["delta"])
+        params, optimizer_state = server.apply(server_state["variables"]["params"], mean["delta"],
+                                               server_state[STATE_KEY])
         control = server_control_update(server_state["control"], ups["control_delta"], num_clients)
-        return {"variables": {"params": params, "batch_stats": mean["batch_stats"]}, "control": control}
+        return {"variables": {"params": params, "batch_stats": mean["batch_stats"]}, "control": control,
+                STATE_KEY: optimizer_state}
 
     return FederatedAlgorithm(
         name="scaffold",
         init=init,
-        broadcast=lambda server_state, client_id, info: server_state,
+        broadcast=lambda server_state, client_id, info: without_optimizer_state(server_state),
         client_update=client_update,
         server_update=server_update,
         client_variables=lambda server_state, client_state: server_state["variables"],
@@ -84,5 +75,6 @@ def scaffold(local: LocalSGD, num_clients: int, server_lr: float = 1.0) -> Feder
     )
 
 
-SPEC = AlgorithmSpec("scaffold", ScaffoldOptions, lambda ctx, o: scaffold(ctx.local, ctx.num_clients, o.server_lr),
+SPEC = AlgorithmSpec("scaffold", ServerOptimizerOptions,
+                     lambda ctx, o: scaffold(ctx.local, ctx.num_clients, from_options(o)),
                      "SCAFFOLD: control variates correct the client drift")

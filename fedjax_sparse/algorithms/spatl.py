@@ -53,7 +53,11 @@ toward them (the paper's Fig. 3 and every other method of the family):
 so an entry sent by few clients moves a fraction of the way. Options:
 `masked_mean` (per entry, w_g + eta_g (mean over the clients that sent it - w_g))
 and `fedavg` (what the official code does: clients send whole encoders, the
-data-weighted mean replaces w_g). Then c_g <- c_g + (1/N) sum_k Delta c_k (eq. 11).
+data-weighted mean replaces w_g). The step on the encoder's weights is the server
+optimizer's (`core.server_optimizer`, on the mean delta of the rule: sgd at
+--server-lr eta_g by default, i.e. the rules above; entries nobody sent keep their
+value and optimizer state); its BatchNorm statistics, not gradients, take the rule's
+result at eta_g = 1. Then c_g <- c_g + (1/N) sum_k Delta c_k (eq. 11).
 
 Evaluation (section 4.4). Each client predicts with its salient sub-model: its
 own last encoder run with its salient unit masks, and its own predictor
@@ -89,7 +93,6 @@ import numpy as np
 
 from fedjax_sparse.agent import (AgentConfig, AgentState, GraphTemplate, PruningEnv, init_agent, load_agent,
                                  search, unit_norm_statistics)
-from fedjax_sparse.algorithms.scaffold import server_lr_option
 from fedjax_sparse.core.aggregation import masked_mean, weighted_mean
 from fedjax_sparse.core.algorithm import AlgorithmSpec, BuildContext, FederatedAlgorithm, replicate
 from fedjax_sparse.core.control_variates import control_update, corrected_gradients, server_control_update
@@ -98,6 +101,7 @@ from fedjax_sparse.core.layer_groups import overlay, part_labels, take_part
 from fedjax_sparse.core.local_training import LocalObjective, LocalSGD
 from fedjax_sparse.core.messages import SparseArray, unit_sparse
 from fedjax_sparse.core.options import option
+from fedjax_sparse.core.server_optimizer import ServerOptimizerOptions, from_options
 from fedjax_sparse.core.unit_masks import full_unit_masks, variable_masks
 from fedjax_sparse.core.unit_selection import keep_top_units, prefix_scores
 from fedjax_sparse.core.streams import stream_key, stream_seed
@@ -110,8 +114,7 @@ NEVER = -1  # a client's last round before it first trains
 
 
 @dataclasses.dataclass(frozen=True)
-class SPATLOptions:
-    server_lr: float = server_lr_option()
+class SPATLOptions(ServerOptimizerOptions):
     salient_policy: str = option("fixed", "SPATL: how each client picks its encoder layers' keep ratios: one "
                                           "ratio for all (fixed) or its learned GNN-PPO agent (agent)",
                                  choices=("fixed", "agent"))
@@ -374,6 +377,7 @@ def spatl(context: BuildContext, options: SPATLOptions, policy: SalientPolicy | 
     encoder_weights = float(sum(np.prod(s.shape) for s in jax.tree_util.tree_leaves(
         take_part(jax.eval_shape(model.init, jax.random.key(0)), labels, "encoder")["params"])))
     is_sparse = lambda x: isinstance(x, SparseArray)  # noqa: E731
+    server = from_options(options)
 
     def encoder_of(variables):
         return take_part(variables, labels, "encoder")
@@ -387,7 +391,8 @@ def spatl(context: BuildContext, options: SPATLOptions, policy: SalientPolicy | 
         state = {"variables": replicate(variables, n), "control": replicate(zeros, n),
                  "salient": replicate(full_unit_masks(structure), n), "policy": jax.vmap(policy.init)(keys),
                  "last_round": jnp.full((n,), NEVER, jnp.int32)}
-        return {"encoder": encoder, "control": zeros, "round": jnp.asarray(NEVER, jnp.int32)}, state
+        return {**server.init_state(encoder, key="encoder"), "control": zeros,
+                "round": jnp.asarray(NEVER, jnp.int32)}, state
 
     def client_update(down, state, data, key, info):
         variables = overlay(state["variables"], down["encoder"])
@@ -420,16 +425,19 @@ def spatl(context: BuildContext, options: SPATLOptions, policy: SalientPolicy | 
         values = tree_map(lambda s: s.values, ups["encoder"], is_leaf=is_sparse)
         masks = tree_map(lambda s: s.mask.astype(jnp.float32), ups["encoder"], is_leaf=is_sparse)
         old = server_state["encoder"]
-        eta = options.server_lr
+        held = None
         if options.spatl_aggregation == "fedavg":
-            encoder = weighted_mean(values, weights)
-        elif options.spatl_aggregation == "eq12":
-            encoder = tree_map(lambda w, v, m: w + eta * jnp.mean(m * (v - w), axis=0), old, values, masks)
-        else:  # masked_mean: a step of eta toward each entry's mean over the clients that sent it
-            senders_mean = masked_mean(values, masks, jnp.ones_like(weights), old)
-            encoder = tree_map(lambda w, m: w + eta * (m - w), old, senders_mean)
-        control = server_control_update(server_state["control"], ups["control_delta"], num_clients)
-        return {"encoder": encoder, "control": control, "round": info.index}
+            target = weighted_mean(values, weights)
+        else:  # the rule's result at eta_g = 1; the server optimizer takes the step (eta_g = --server-lr)
+            held = tree_map(lambda m: jnp.any(m > 0, axis=0), masks)
+            if options.spatl_aggregation == "eq12":
+                target = tree_map(lambda w, v, m: w + jnp.mean(m * (v - w), axis=0), old, values, masks)
+            else:  # masked_mean: toward each entry's mean over the clients that sent it
+                target = masked_mean(values, masks, jnp.ones_like(weights), old)
+        state = server.step_toward(server_state, target, held, key="encoder")
+        return {**state, "control": server_control_update(server_state["control"], ups["control_delta"],
+                                                          num_clients),
+                "round": info.index}
 
     def client_variables(server_state, state):
         if options.spatl_evaluation == "dense":

@@ -77,6 +77,10 @@ entry, the data-size-weighted mean over the clients that hold it; entries no
 client holds keep their value. `heterofl`: HeteroFL's code and FedRolex's (its
 default `--weighting avg`): a plain mean over holders, and each output row
 (class) only over the clients holding that label.
+The server steps toward that mean with its optimizer (`core.server_optimizer`;
+sgd at lr 1 by default: the mean replaces the held entries), per entry over the
+clients holding it: an entry no client held this round keeps its value and its
+optimizer state (no momentum step, no decay of its moments), as with sgd.
 
 The server keeps only the global model, plus whatever a rule needs to remember
 (`memory`, FedGSE-SPL's per-client class accuracies).
@@ -96,6 +100,7 @@ from fedjax_sparse.core.evaluation import population_batch_stats
 from fedjax_sparse.core.local_training import LocalObjective
 from fedjax_sparse.core.messages import Known, KnownMaskArray
 from fedjax_sparse.core.options import option
+from fedjax_sparse.core.server_optimizer import ServerOptimizerOptions, from_options
 from fedjax_sparse.core.streams import stream_key
 from fedjax_sparse.core.unit_masks import variable_masks
 from fedjax_sparse.core.unit_selection import keep_top_units, prefix_scores, random_scores, rolling_scores
@@ -110,7 +115,7 @@ ScoreRule = Callable[[Any, jax.Array, RoundInfo, jax.Array], dict]
 
 
 @dataclasses.dataclass(frozen=True)
-class SubmodelOptions:
+class SubmodelOptions(ServerOptimizerOptions):
     capacities: tuple[float, ...] = option(FIVE_LEVELS, "client capacity levels beta (fraction of every hidden "
                                                         "layer's units a sub-model keeps)", low=0.0,
                                            low_open=True, high=1.0)
@@ -198,13 +203,14 @@ def submodel_algorithm(name: str, context: BuildContext, options: SubmodelOption
     num_classes = context.num_classes
     output = structure.layers[-1]
     stats_shapes = jax.eval_shape(model.init, jax.random.key(0))["batch_stats"]
+    server = from_options(options)
 
     def sent(variables):
         return {"params": variables["params"]} if options.static_bn else variables
 
     def init(key, variables, num_clients):
         del key
-        state = {"variables": variables}
+        state = server.init_state(variables)
         if memory is not None:
             state["memory"] = memory.init(num_clients)
         return state, {}
@@ -250,9 +256,8 @@ def submodel_algorithm(name: str, context: BuildContext, options: SubmodelOption
                     leaf = get_path(masks["params"], path)
                     rows = held.reshape((held.shape[0],) + (1,) * (leaf.ndim - 2) + (-1,))
                     masks = {**masks, "params": set_path(masks["params"], path, leaf & rows)}
-        variables = server_state["variables"]
-        new = masked_mean(values, masks, weights, sent(variables))
-        state = {**server_state, "variables": {**variables, **new}}
+        mean = masked_mean(values, masks, weights, sent(server_state["variables"]))
+        state = server.step_toward(server_state, mean, held=tree_map(lambda m: jnp.any(m, axis=0), masks))
         if memory is not None:
             state["memory"] = memory.update(server_state["memory"], ups, info)
         return state

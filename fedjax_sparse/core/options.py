@@ -90,22 +90,25 @@ def option_fields(cls) -> list[dataclasses.Field]:
 def validate(obj: Any) -> None:
     """Raises a one-line ValueError for the first option of `obj` outside its declared range."""
     for field in option_fields(type(obj)):
-        spec = spec_of(field)
-        value = getattr(obj, field.name)
-        values = value if isinstance(value, tuple) else (value,)
-        if isinstance(value, tuple) and not value:
-            raise ValueError(f"{flag_name(field.name)} needs at least one value ({spec.describe()}, "
-                             f"comma-separated), got none")
-        for v in values:
-            if v is None:
-                continue
-            if not spec.accepts(v):
-                shown = v if not isinstance(value, tuple) else ",".join(map(str, value))
-                valid = spec.describe()
-                if isinstance(v, float) and spec.finite and not math.isfinite(v) and spec.choices is None \
-                        and not valid.startswith("a finite"):
-                    valid = "a finite number " + valid
-                raise ValueError(f"{flag_name(field.name)} must be {valid}, got {shown}")
+        check_value(field.name, spec_of(field), getattr(obj, field.name))
+
+
+def check_value(name: str, spec: OptionSpec, value: Any) -> None:
+    """Raises a one-line ValueError, naming the flag and what is valid, when `value` is outside `spec`."""
+    values = value if isinstance(value, tuple) else (value,)
+    if isinstance(value, tuple) and not value:
+        raise ValueError(f"{flag_name(name)} needs at least one value ({spec.describe()}, comma-separated), "
+                         f"got none")
+    for v in values:
+        if v is None:
+            continue
+        if not spec.accepts(v):
+            shown = v if not isinstance(value, tuple) else ",".join(map(str, value))
+            valid = spec.describe()
+            if isinstance(v, float) and spec.finite and not math.isfinite(v) and spec.choices is None \
+                    and not valid.startswith("a finite"):
+                valid = "a finite number " + valid
+            raise ValueError(f"{flag_name(name)} must be {valid}, got {shown}")
 
 
 def ignored_options(obj: Any) -> dict[str, str]:
@@ -150,6 +153,33 @@ def _parser_for(element: type, optional: bool, is_tuple: bool, name: str):
     return parse
 
 
+def coerce(name: str, annotation: Any, value: Any) -> Any:
+    """A typed value (JSON, YAML, TOML) as field `name` of type `annotation` holds it, or a one-line
+    ValueError in the flags' words. Text is parsed as its flag would parse it; an int may stand for a
+    float; a list for a tuple."""
+    element, optional, is_tuple = _base_type(annotation)
+    if value is None:
+        if optional:
+            return None
+        raise ValueError(f"{flag_name(name)}: null is not a valid {element.__name__}")
+    if isinstance(value, str) and not (element is str and not is_tuple):
+        if element is bool and not is_tuple:
+            raise ValueError(f"{flag_name(name)}: {value!r} is not a valid bool (true or false)")
+        try:
+            return _parser_for(element, optional, is_tuple, name)(value)
+        except argparse.ArgumentTypeError as err:
+            raise ValueError(str(err)) from None
+    if is_tuple:
+        if not isinstance(value, (list, tuple)):
+            raise ValueError(f"{flag_name(name)}: {value!r} is not a list of {element.__name__}")
+        return tuple(coerce(name, element, v) for v in value)
+    if element is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if not isinstance(value, element) or (element is int and isinstance(value, bool)):
+        raise ValueError(f"{flag_name(name)}: {value!r} is not a valid {element.__name__}")
+    return value
+
+
 def add_flags(parser, cls, *, used_by: dict | None = None, seen: set | None = None) -> None:
     """Adds a `--flag` for every declared field of `cls` not in `seen` (names already added).
 
@@ -170,12 +200,9 @@ def add_flags(parser, cls, *, used_by: dict | None = None, seen: set | None = No
             help_text += f" [{', '.join(used_by[field.name])}]"
         element, optional, is_tuple = _base_type(hints[field.name])
         kwargs = {"dest": field.name, "default": argparse.SUPPRESS}
-        if element is bool and not is_tuple:
-            if default:
-                parser.add_argument("--no-" + field.name.replace("_", "-"), action="store_false",
-                                    help=help_text + " (on by default; this turns it off)", **kwargs)
-            else:
-                parser.add_argument(flag_name(field.name), action="store_true", help=help_text, **kwargs)
+        if element is bool and not is_tuple:  # both directions, so a flag can override a config file
+            parser.add_argument(flag_name(field.name), action=argparse.BooleanOptionalAction,
+                                help=help_text + (" (on by default)" if default else " (off by default)"), **kwargs)
             continue
         shown = ",".join(map(str, default)) if isinstance(default, tuple) else default
         help_text += f" (default: {shown})"

@@ -1,14 +1,16 @@
 """Loaders that turn image-classification data sets into an `ImageDataset`.
 
 Every loader returns uint8 NHWC images, int32 labels and per-channel mean/std
-computed on the training split in [0, 1] units. Nothing here downloads data:
+computed on the training split in [0, 1] units. Only `load_tfds` downloads,
+and only a TFDS data set not yet prepared (once; `download=False` never):
 
 * `load_digits`        scikit-learn's bundled 8x8 digits (ships with sklearn).
 * `load_image_folder`  `ROOT/{train,test}/CLASS/*.{jpg,jpeg,png}`, decoded once
                        and cached as .npy arrays.
-* `load_tfds`          cifar10, cifar100, fashion_mnist, emnist from an already
-                       prepared TensorFlow Datasets directory, read through
-                       tfds's array_record data source (no TensorFlow needed).
+* `load_tfds`          cifar10, cifar100, fashion_mnist, emnist, mnist from a
+                       TensorFlow Datasets directory, prepared on first use
+                       (`data.tfds_build`), read through tfds's array_record
+                       data source (no TensorFlow needed to read).
 * `load_dataset`       one string spec for all of the above.
 """
 
@@ -28,6 +30,7 @@ from pathlib import Path
 
 import numpy as np
 
+from fedjax_sparse.data import tfds_build
 from fedjax_sparse.data.dataset import ImageDataset
 
 log = logging.getLogger(__name__)
@@ -443,6 +446,7 @@ TFDS_DATASETS = {
     "cifar100": ("cifar100", True),
     "fashion_mnist": ("fashion_mnist", False),
     "emnist": ("emnist/balanced", False),
+    "mnist": ("mnist", False),
 }
 
 
@@ -465,14 +469,17 @@ def _read_source(source, desc: str, progress: bool) -> tuple[np.ndarray, np.ndar
     return x, y
 
 
-def load_tfds(name: str, data_dir: str | os.PathLike | None = None, *, progress: bool = True) -> ImageDataset:
-    """cifar10, cifar100, fashion_mnist or emnist from a prepared TFDS data directory.
+def load_tfds(name: str, data_dir: str | os.PathLike | None = None, *, download: bool = True,
+              progress: bool = True) -> ImageDataset:
+    """cifar10, cifar100, fashion_mnist, emnist or mnist from a TFDS data directory.
 
-    Reads through `builder.as_data_source()` (tfds's array_record backend), which
-    needs neither TensorFlow nor the network. The data must already be prepared
-    in the array_record format, e.g. on a machine with TensorFlow:
-    `tfds build cifar10 --file_format=array_record [--data_dir DIR]`. Nothing is
-    ever downloaded here; unprepared data raises FileNotFoundError saying so.
+    `data_dir` defaults to TFDS's own ($TFDS_DATA_DIR, else ~/tensorflow_datasets).
+    A data set not prepared there is prepared on this first use with TFDS's own
+    download and build, in the array_record format, showing TFDS's progress
+    (`data.tfds_build`: building needs the [tfds] extra; reading does not);
+    later uses read it. `download=False` only reads, raising FileNotFoundError
+    for unprepared data. Reading goes through `builder.as_data_source()`
+    (tfds's array_record backend), which needs neither TensorFlow nor the network.
 
     'emnist' means tfds's 'emnist/balanced' (47 classes; other configs can be
     named as 'emnist/CONFIG'). EMNIST images are stored transposed in tfds; they
@@ -493,6 +500,9 @@ def load_tfds(name: str, data_dir: str | os.PathLike | None = None, *, progress:
         ) from err
 
     builder = tfds.builder(tfds_name, data_dir=data_dir, try_gcs=False)
+    if download and not builder.is_prepared():
+        tfds_build.prepare(builder, tfds_name, progress=progress)
+        builder = tfds.builder(tfds_name, data_dir=data_dir, try_gcs=False)  # reads the new dataset_info.json
     build_hint = (
         f"run `tfds build {tfds_name} --file_format=array_record"
         + (f" --data_dir {data_dir}`" if data_dir else "`")
@@ -503,7 +513,8 @@ def load_tfds(name: str, data_dir: str | os.PathLike | None = None, *, progress:
     except Exception as err:  # tfds raises several types here; translate them into one clear message
         if not builder.is_prepared():
             raise FileNotFoundError(
-                f"tfds data set {tfds_name!r} is not prepared under {builder.data_dir} (nothing is downloaded at run time); {build_hint}"
+                f"tfds data set {tfds_name!r} is not prepared under {builder.data_dir} (--no-download: nothing is "
+                f"downloaded); {build_hint}"
             ) from err
         raise RuntimeError(
             f"tfds data set {tfds_name!r} at {builder.data_dir} cannot be read without TensorFlow "
@@ -547,19 +558,22 @@ def load_dataset(
     *,
     seed: int = 0,
     data_dir: str | os.PathLike | None = None,
+    download: bool = True,
     cache_dir: str | os.PathLike | None = None,
     progress: bool = True,
 ) -> ImageDataset:
-    """Loads a data set by spec: 'digits', 'cifar10', 'cifar100', 'fashion_mnist', 'emnist' or 'imagefolder:PATH'.
+    """Loads a data set by spec: 'digits', 'cifar10', 'cifar100', 'fashion_mnist', 'emnist', 'mnist' or
+    'imagefolder:PATH'.
 
     `seed` only affects 'digits' (its train/test split); `data_dir` is the tfds
-    data directory; `cache_dir` is the image-folder cache base.
+    data directory and `download` whether a tfds data set not prepared there is
+    prepared now (`load_tfds`); `cache_dir` is the image-folder cache base.
     """
     try:
         if spec == "digits":
             return load_digits(seed=seed)
         if spec in TFDS_DATASETS:
-            return load_tfds(spec, data_dir=data_dir, progress=progress)
+            return load_tfds(spec, data_dir=data_dir, download=download, progress=progress)
         if spec.startswith("imagefolder:") and spec[len("imagefolder:") :]:
             return load_image_folder(spec[len("imagefolder:") :], cache_dir=cache_dir, progress=progress)
     except (ValueError, OSError, RuntimeError, ImportError) as err:  # OSError: missing or unreadable files
