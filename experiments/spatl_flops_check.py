@@ -79,7 +79,8 @@ def flops_rows(exp, client_states, measure_examples: int) -> list[dict]:
 
 
 def holdout_rows(exp) -> list[dict]:
-    """Per client, its label counts in training and in the agent's held-out share."""
+    """Per client, its label counts in training and in the agent's held-out share, and in what the
+    rule before issue 16 held out (the last share of its data window)."""
     options = exp.config.algorithm_options
     held = np.asarray(agent_holdout(exp.train, options.agent_validation_fraction, exp.config.seed))
     y, offsets, counts = (np.asarray(a) for a in (exp.train.y, exp.train.offsets, exp.train.counts))
@@ -87,9 +88,11 @@ def holdout_rows(exp) -> list[dict]:
     rows = []
     for client, (offset, count) in enumerate(zip(offsets, counts)):
         labels, flags = y[offset:offset + count], held[offset:offset + count]
+        tail = labels[count - int(np.ceil(options.agent_validation_fraction * count)):]
         rows.append({"client": client,
                      "train": np.bincount(labels[~flags], minlength=classes).tolist(),
-                     "held_out": np.bincount(labels[flags], minlength=classes).tolist()})
+                     "held_out": np.bincount(labels[flags], minlength=classes).tolist(),
+                     "window_tail": np.bincount(tail, minlength=classes).tolist()})
     return rows
 
 
@@ -112,12 +115,15 @@ def write(out: Path, cfg: RunConfig, summary: dict, flops: list[dict], holdout: 
     gap = max(abs(r["counted_reduction"] - r["measured_reduction"]) for r in flops)
     lines += ["", f"Largest |counted - measured| over clients: {gap:.2e}.", "",
               "## Label counts of each client's training data and held-out share", "",
-              "| client | training (per class) | held out (per class) | classes trained | classes held out |",
+              "The last column is what the rule before issue 16 held out: the last share of the client's data "
+              "window, which in a class-ordered image folder is its last classes.", "",
+              "| client | training (per class) | held out (per class) | classes trained / held out | "
+              "old rule: window tail (per class) |",
               "|---|---|---|---|---|"]
     for r in holdout:
-        trained = sum(1 for c in r["train"] if c)
+        kinds = [sum(1 for c in r[k] if c) for k in ("train", "held_out")]
         lines.append(f"| {r['client']} | {' '.join(map(str, r['train']))} | {' '.join(map(str, r['held_out']))} | "
-                     f"{trained} | {sum(1 for c in r['held_out'] if c)} |")
+                     f"{kinds[0]} / {kinds[1]} | {' '.join(map(str, r['window_tail']))} |")
     (out / "flops_check.md").write_text("\n".join(lines) + "\n")
     (out / "flops_check.json").write_text(json.dumps({"flops": flops, "holdout": holdout, "command": command,
                                                       "device": device_description()}, indent=2) + "\n")
