@@ -21,7 +21,7 @@ import numpy as np
 from fedjax_sparse.algorithms import ALGORITHM_NAMES, make_algorithm, make_options, option_users, options_dict
 from fedjax_sparse.checkpoint import RunCheckpointer, config_mismatches
 from fedjax_sparse.core.algorithm import BuildContext
-from fedjax_sparse.core.evaluation import global_evaluator, personalized_evaluator
+from fedjax_sparse.core.evaluation import AUTO, global_evaluator, personalized_evaluator
 from fedjax_sparse.core.flops import forward_flops
 from fedjax_sparse.core.local_training import LocalSGD
 from fedjax_sparse.core.options import option, option_fields, validate
@@ -194,7 +194,8 @@ def build_experiment(config: RunConfig, progress: bool = True) -> Experiment:
                            client_chunk=chunk)
     evaluate_global = (global_evaluator(model, dataset.x_test, dataset.y_test, dataset.mean, dataset.std)
                        if algorithm.global_variables is not None else None)
-    evaluate_personalized = personalized_evaluator(model, algorithm.client_variables, local_test)
+    evaluate_personalized = personalized_evaluator(model, algorithm.client_variables, local_test,
+                                                   client_chunk=evaluation_chunk(config))
     return Experiment(config, dataset, model, algorithm, train, local_test, client_indices, round_fn,
                       evaluate_global, evaluate_personalized, server_state, client_states,
                       model.num_params(variables), chunk)
@@ -207,6 +208,15 @@ def resolve_client_chunk(config: RunConfig, variables) -> int | None:
     if config.client_chunk is not None:
         return config.client_chunk
     return default_client_chunk(variables, config.clients_per_round)
+
+
+def evaluation_chunk(config: RunConfig) -> int | None | str:
+    """How many clients personalized evaluation takes at once: as training, but over all clients."""
+    if config.shard_clients or config.client_chunk == 0:
+        return None
+    if config.client_chunk is not None:
+        return min(config.client_chunk, config.num_clients)
+    return AUTO
 
 
 def evaluate(exp: Experiment, server_state, client_states) -> dict:
