@@ -16,7 +16,7 @@ import jax
 import orbax.checkpoint as ocp
 
 # Config fields a resumed run may change without changing its results.
-RESUMABLE_CHANGES = ("rounds", "out", "checkpoint_every", "shard_clients", "compilation_cache")
+RESUMABLE_CHANGES = ("rounds", "out", "checkpoint_every", "shard_clients", "compilation_cache", "tensorboard")
 
 
 def config_mismatches(saved: dict, current: dict) -> list[str]:

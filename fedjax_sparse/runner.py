@@ -31,6 +31,7 @@ from fedjax_sparse.data import load_dataset, local_test_split, partition, partit
 from fedjax_sparse.data.federated import federated_split, padded_step_fraction
 from fedjax_sparse.models import MODEL_NAMES, get_model
 from fedjax_sparse.reporting import RunWriter, device_description, progress_bar
+from fedjax_sparse.tensorboard_log import TensorBoardWriter
 
 
 class DivergenceError(RuntimeError):
@@ -78,6 +79,8 @@ class RunConfig:
     max_test_examples: int | None = option(None, "use a random subset of this many test examples", low=1)
     checkpoint_every: int | None = option(None, "save the whole run state every R rounds (and at the end and on "
                                                 "Ctrl-C)", low=1)
+    tensorboard: bool = option(True, "also write every per-round figure as TensorBoard event files into the run "
+                                     "folder (on by default; view with tensorboard --logdir runs)")
     compilation_cache: bool = option(True, "keep compiled rounds in JAX's persistent cache "
                                            "($FEDJAX_SPARSE_CACHE or ~/.cache/fedjax_sparse/jax)")
     out: str = option("runs/default", "directory for config, metrics, summary and plot")
@@ -356,6 +359,7 @@ def run_experiment(config: RunConfig, *, progress: bool = True, resume: bool = F
     writer.write_partition(partition_summary(exp.client_indices, exp.dataset.y_train,
                                              exp.dataset.num_classes))
     history = writer.read_metrics()
+    board = TensorBoardWriter(out, first_round=counters.rounds_done + 1) if config.tensorboard else None
     title = f"{config.algorithm} / {config.model} / {config.dataset}"
 
     def save():
@@ -365,6 +369,8 @@ def run_experiment(config: RunConfig, *, progress: bool = True, resume: bool = F
 
     def diverged(message: str) -> DivergenceError:
         bar.close()
+        if board is not None:
+            board.close()
         totals = _totals(counters)
         writer.write_summary({**_summary(exp, history, totals, first_round_seconds, time.perf_counter() - start),
                               "status": "diverged", "error": message})
@@ -410,6 +416,8 @@ def run_experiment(config: RunConfig, *, progress: bool = True, resume: bool = F
                           **client_metrics(round_out.metrics),
                           **evaluate(exp, server_state, client_states)}
                 writer.append_metrics(record)
+                if board is not None:
+                    board.write(record)
                 history.append(record)
                 if record["test_loss"] is not None and not math.isfinite(record["test_loss"]):
                     raise diverged(f"round {r + 1}: the test loss is {record['test_loss']}; the run diverged "
@@ -427,6 +435,8 @@ def run_experiment(config: RunConfig, *, progress: bool = True, resume: bool = F
                 raise Interrupted(f"interrupted after round {r + 1}; checkpoint saved in "
                                   f"{checkpointer.directory}; continue with --resume {out}")
     bar.close()
+    if board is not None:
+        board.close()
     summary = {**_summary(exp, history, _totals(counters), first_round_seconds, time.perf_counter() - start),
                "status": "completed"}
     writer.write_summary(summary)

@@ -7,6 +7,7 @@ import sys
 import time
 
 from fedjax_sparse.cli import main
+from test_tensorboard import assert_same_scalars, expected_scalars, read_scalars
 
 BASE = ["--num-clients", "8", "--clients-per-round", "4", "--local-epochs", "1", "--no-progress"]
 
@@ -24,6 +25,7 @@ def test_resumed_run_extends_to_the_uninterrupted_metrics(tmp_path):
         assert json.loads((part / "config.json").read_text())["rounds"] == 3
         assert main(["run", "--resume", str(part), "--rounds", "6", "--no-progress"]) == 0
         assert metrics(part) == metrics(full)
+        assert_same_scalars(read_scalars(part), expected_scalars(metrics(full)))  # each round once
         summary = json.loads((part / "summary.json").read_text())
         assert summary["cumulative_bytes"] == json.loads((full / "summary.json").read_text())["cumulative_bytes"]
 
