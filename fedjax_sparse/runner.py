@@ -21,6 +21,7 @@ import numpy as np
 from fedjax_sparse.algorithms import ALGORITHM_NAMES, make_algorithm, make_options, option_users, options_dict
 from fedjax_sparse.checkpoint import RunCheckpointer, config_mismatches
 from fedjax_sparse.core.algorithm import BuildContext
+from fedjax_sparse.core.compilation import release_compiler_memory
 from fedjax_sparse.core.evaluation import AUTO, global_evaluator, personalized_evaluator
 from fedjax_sparse.core.flops import forward_flops
 from fedjax_sparse.core.local_training import LocalSGD
@@ -380,6 +381,7 @@ def run_experiment(config: RunConfig, *, progress: bool = True, resume: bool = F
     counts = np.asarray(exp.train.counts)
     dense_forward = forward_flops(exp.model.structure)
     first_round_seconds = None
+    start_round = counters.rounds_done
     bar = progress_bar(config.rounds, f"{config.algorithm} on {config.dataset}", enabled=progress,
                        initial=counters.rounds_done)
     with _StopOnInterrupt() as interrupt:
@@ -425,6 +427,8 @@ def run_experiment(config: RunConfig, *, progress: bool = True, resume: bool = F
                 bar.set_postfix(acc=_fmt(record["test_accuracy"]), pacc=_fmt(record["personalized_accuracy"]),
                                 loss=f"{train_loss:.3f}", MB=f"{counters.cumulative_bytes / 1e6:.1f}")
             bar.update(1)
+            if r == start_round:
+                release_compiler_memory()  # the round (and, evaluating every round, the evaluators) compiled
             if config.checkpoint_every and ((r + 1) % config.checkpoint_every == 0 or r + 1 == config.rounds):
                 save()
             if interrupt.requested and r + 1 < config.rounds:

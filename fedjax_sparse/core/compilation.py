@@ -18,6 +18,8 @@ without it.
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import functools
 from typing import Any, Callable
 
@@ -45,6 +47,21 @@ def compiler_options(platform: str | None = None) -> dict[str, str] | None:
     if platform != "cpu" or not _accepted(platform, tuple(CPU_OPTIONS.items())):
         return None
     return dict(CPU_OPTIONS)
+
+
+def release_compiler_memory() -> None:
+    """Returns the heap that XLA's compiler has freed to the operating system (glibc only; else nothing).
+
+    glibc keeps freed memory in its arenas, so a process's resident memory
+    stays at the compiler's high-water mark: compiling issue 19's SpaFL round
+    (spafl_cnn, 100 clients) raised it from 1.13 to 1.89 GB, and trimming
+    afterwards brought it back to 1.52 GB with nothing of the run lost.
+    """
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        libc.malloc_trim(0)
+    except (OSError, AttributeError, TypeError):  # not glibc: nothing to trim
+        pass
 
 
 def jit(fun: Callable, **kwargs: Any):

@@ -73,13 +73,15 @@ def global_evaluator(model: Model, x: np.ndarray, y: np.ndarray, mean, std,
 
 
 def personalized_evaluator(model: Model, client_variables: Callable, test: FederatedSplit,
-                           batch_size: int = 125, client_chunk: int | None | str = AUTO
+                           batch_size: int = 32, client_chunk: int | None | str = AUTO
                            ) -> Callable[[Any, Any], jax.Array]:
     """Jitted `evaluate(server_state, client_states) -> [num_clients] accuracies`.
 
     Client i predicts with `client_variables(server_state, client_states[i])` on
-    its own test split, in ceil(n_i / batch_size) batches (`window_scores`).
-    Clients go `client_chunk` at a time, as a round trains them: `None` vmaps
+    its own test split, in ceil(n_i / batch_size) batches (`window_scores`):
+    small batches, since every client pads its last one (Dirichlet splits hold
+    many clients of a few dozen test examples), and a vmap over clients makes
+    an accelerator's batch large anyway. Clients go `client_chunk` at a time, as a round trains them: `None` vmaps
     all of them at once (the accelerator layout), c > 0 maps over vmapped
     groups of c, and the default picks what `default_client_chunk` picks for
     training on this platform (on a CPU, one CNN client at a time: a vmap over
