@@ -136,10 +136,11 @@ def max_pool2(x: jax.Array) -> jax.Array:
     Written as a max over the two axes of a reshape rather than `nn.max_pool`:
     the same values, but its gradient is an elementwise mask, while XLA:CPU
     runs the window-reduction gradient of `nn.max_pool` as a variadic
-    reduce-window over index tensors, a fifth of spafl_cnn's step time beside
-    its convolutions. The gradients differ only where a window holds tied
-    maxima (reduce-window picks one, this splits it among them), which after a
-    ReLU happens only among zeros, whose gradient the ReLU stops anyway.
+    reduce-window over index tensors: about a tenth of a spafl_cnn training
+    step on 2 CPU cores (benchmarks/results/cnn_client_cpu.md). The gradients
+    differ only where a window holds tied maxima (reduce-window picks one, this
+    splits it among them), which after a ReLU happens only among zeros, whose
+    gradient the ReLU stops anyway.
     """
     n, h, w, c = x.shape
     x = x[:, : h // 2 * 2, : w // 2 * 2, :].reshape(n, h // 2, 2, w // 2, 2, c)
