@@ -42,6 +42,7 @@ import numpy as np
 from fedjax_sparse.agent import AgentConfig
 from fedjax_sparse.algorithms import make_options
 from fedjax_sparse.algorithms.spatl import agent_policy, encoder_layers
+from fedjax_sparse.core.compilation import jit
 from fedjax_sparse.data.federated import federated_split
 from fedjax_sparse.models import get_model
 
@@ -98,7 +99,7 @@ def _timed(run, repeats: int) -> float:
 def _compiled(fn, *args):
     """(the compiled function, seconds to compile it)."""
     start = time.perf_counter()
-    compiled = jax.jit(fn).lower(*args).compile()
+    compiled = jit(fn).lower(*args).compile()
     return compiled, time.perf_counter() - start
 
 

@@ -78,6 +78,7 @@ import optax
 
 from fedjax_sparse.algorithms import fedavg
 from fedjax_sparse.core.algorithm import FederatedAlgorithm
+from fedjax_sparse.core.compilation import jit
 from fedjax_sparse.core.local_training import LocalSGD, masked_cross_entropy
 from fedjax_sparse.core.round import build_round, client_keys, default_client_chunk, round_info, sample_clients
 from fedjax_sparse.data import load_dataset
@@ -118,6 +119,7 @@ class Setting:
 MODELS = {
     "mlp": dict(input_shape=(8, 8, 1), num_classes=10, data="digits", augment=False),
     "spafl_cnn": dict(input_shape=(32, 32, 3), num_classes=10, data="synthetic", augment=True),
+    "resnet20": dict(input_shape=(32, 32, 3), num_classes=10, data="synthetic", augment=True),
 }
 
 
@@ -227,14 +229,14 @@ def sgd_step(model: Model, tx: optax.GradientTransformation, carry, batch: Batch
 
 def _sampler(w: Workload) -> Callable[[int], np.ndarray]:
     k, seed, num = w.setting.clients_per_round, w.setting.seed, w.num_clients
-    sample = jax.jit(lambda r: sample_clients(seed, r, num, k))
+    sample = jit(lambda r: sample_clients(seed, r, num, k))
     return lambda r: np.asarray(sample(r), np.int32)
 
 
 def _aggregator(w: Workload):
     """server_update on the stacked messages of a Python list of clients (one jitted call)."""
 
-    @jax.jit
+    @jit
     def aggregate(server, ups, weights, round_index, ids):
         info = round_info(w.setting.seed, round_index, ids)
         return w.algorithm.server_update(server, tree_map(lambda *a: jnp.stack(a), *ups), weights, info)
@@ -275,7 +277,7 @@ def step_loop_runner(w: Workload) -> Callable[[int], Any]:
     batch_size, epochs = s.batch_size, s.epochs
     counts = np.asarray(split.counts)
 
-    @jax.jit
+    @jit
     def start_client(server, split, round_index, cid):
         key = client_keys(s.seed, round_index, cid[None])[0]
         order_key, step_key = jax.random.split(key)  # as run_local_steps splits it
@@ -284,7 +286,7 @@ def step_loop_runner(w: Workload) -> Callable[[int], Any]:
         variables = alg.broadcast(server, cid, round_info(s.seed, round_index, cid[None]))
         return (variables, tx.init(variables["params"])), orders, step_key
 
-    @jax.jit
+    @jit
     def train_step(carry, split, cid, orders, epoch, step_in_epoch, t, step_key):
         batch_key, _ = jax.random.split(jax.random.fold_in(step_key, t))
         batch = client_batch(split.client(cid), orders[epoch], step_in_epoch, batch_size, batch_key,
@@ -315,7 +317,7 @@ def client_loop_runner(w: Workload) -> Callable[[int], Any]:
     counts = np.asarray(split.counts)
     server, client_states = alg.init(jax.random.key(s.seed), w.variables, w.num_clients)
 
-    @jax.jit
+    @jit
     def train_client(server, split, client_states, round_index, cid, ids):
         key = client_keys(s.seed, round_index, cid[None])[0]
         info = round_info(s.seed, round_index, ids)
@@ -352,14 +354,14 @@ def centralized_runner(w: Workload) -> Callable[[int], Any]:
     everything = ClientData(x=split.x, y=split.y, offset=jnp.int32(0), count=jnp.int32(total),
                             mean=split.mean, std=split.std, max_count=total, augment=split.augment)
 
-    @jax.jit
+    @jit
     def start(variables, data, round_index):
         key = jax.random.fold_in(jax.random.key(s.seed), round_index)
         order_key, step_key = jax.random.split(key)
         orders = epoch_permutations(order_key, data.count, data.max_count, s.epochs)
         return (variables, tx.init(variables["params"])), orders, step_key
 
-    @jax.jit
+    @jit
     def train_step(carry, data, orders, epoch, step_in_epoch, t, step_key):
         batch_key, _ = jax.random.split(jax.random.fold_in(step_key, t))
         batch = client_batch(data, orders[epoch], step_in_epoch, big_batch, batch_key, train=True)

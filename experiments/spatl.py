@@ -23,6 +23,7 @@ import numpy as np
 from experiments.common import Arm, Setting, cifar10_folder, main
 from fedjax_sparse.algorithms.spatl import fit_predictor
 from fedjax_sparse.checkpoint import RunCheckpointer
+from fedjax_sparse.core.compilation import jit
 from fedjax_sparse.core.evaluation import global_evaluator
 from fedjax_sparse.core.layer_groups import overlay
 from fedjax_sparse.core.local_training import LocalSGD
@@ -107,7 +108,7 @@ def transfer(config: RunConfig, run_dir: Path, *, epochs: int | None = None, bat
                             augment=data.augment)
     local = LocalSGD(exp.model, config.lr, epochs, batch_size, config.momentum, config.weight_decay)
     start = exp.model.init(stream_key(config.seed, "model_init"))
-    fitted, _ = jax.jit(lambda v, e, d, k: fit_predictor(local, v, e, d, k))(
+    fitted, _ = jit(lambda v, e, d, k: fit_predictor(local, v, e, d, k))(
         start, server["encoder"], split.client(0), stream_key(config.seed, "clients"))
     held = np.sort(order[cut:])
     scores = global_evaluator(exp.model, data.x_test[held], data.y_test[held], data.mean, data.std)(

@@ -23,7 +23,8 @@ import orbax.checkpoint as ocp
 from fedjax_sparse.faults import fault_point
 
 # Config fields a resumed run may change without changing its results.
-RESUMABLE_CHANGES = ("rounds", "out", "checkpoint_every", "shard_clients", "compilation_cache", "data_dir", "download")
+RESUMABLE_CHANGES = ("rounds", "out", "checkpoint_every", "shard_clients", "compilation_cache", "data_dir", "download",
+                     "tensorboard")
 
 
 class CheckpointError(RuntimeError):

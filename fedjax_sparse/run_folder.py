@@ -22,6 +22,7 @@ from typing import Callable, Iterator
 
 LOCK_FILE = ".lock"
 RUN_FILES = ("config.json", "metrics.jsonl", "partition.json", "summary.json", "accuracy.png", "checkpoints")
+TENSORBOARD_EVENTS = "events.out.tfevents.*"  # `tensorboard_log.TensorBoardWriter`'s files
 
 
 class RunFolderError(ValueError):
@@ -56,8 +57,10 @@ def hold_run_folder(out: str | Path) -> Iterator[Path]:
 
 
 def run_files(out: str | Path) -> list[str]:
-    """The files of a run (`RUN_FILES`) present in `out`."""
-    return [name for name in RUN_FILES if (Path(out) / name).exists()]
+    """The files of a run (`RUN_FILES`, and its TensorBoard event files) present in `out`."""
+    out = Path(out)
+    events = sorted(p.name for p in out.glob(TENSORBOARD_EVENTS)) if out.is_dir() else []
+    return [name for name in RUN_FILES if (out / name).exists()] + events
 
 
 def claim_run_folder(out: str | Path, overwrite: bool) -> None:
@@ -68,7 +71,11 @@ def claim_run_folder(out: str | Path, overwrite: bool) -> None:
     if not present:
         return
     if not overwrite:
-        raise RunFolderError(f"--out {out} already holds another run's files ({', '.join(present)}); continue "
+        events = [name for name in present if name not in RUN_FILES]
+        shown = [name for name in present if name in RUN_FILES] + ([f"{len(events)} TensorBoard event file"
+                                                                    f"{'s' if len(events) > 1 else ''}"]
+                                                                   if events else [])
+        raise RunFolderError(f"--out {out} already holds another run's files ({', '.join(shown)}); continue "
                              f"that run with --resume {out}, choose a new --out, or pass --overwrite to "
                              f"delete them first")
     for name in present:

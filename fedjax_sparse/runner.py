@@ -20,7 +20,8 @@ import numpy as np
 from fedjax_sparse.algorithms import ALGORITHM_NAMES, make_algorithm, make_options, option_users, options_dict
 from fedjax_sparse.checkpoint import RunCheckpointer, config_mismatches, has_checkpoints
 from fedjax_sparse.core.algorithm import BuildContext
-from fedjax_sparse.core.evaluation import global_evaluator, personalized_evaluator
+from fedjax_sparse.core.compilation import release_compiler_memory
+from fedjax_sparse.core.evaluation import AUTO, global_evaluator, personalized_evaluator
 from fedjax_sparse.core.flops import forward_flops
 from fedjax_sparse.core.local_training import LocalSGD
 from fedjax_sparse.core.options import option, option_fields, validate
@@ -33,6 +34,7 @@ from fedjax_sparse.models import MODEL_NAMES, get_model
 from fedjax_sparse.reporting import RunWriter, device_description, progress_bar, say
 from fedjax_sparse.run_folder import RunFolderError, claim_run_folder, hold_run_folder, recover_metrics
 from fedjax_sparse.stopping import StopAfterRound
+from fedjax_sparse.tensorboard_log import TensorBoardWriter
 
 
 class DivergenceError(RuntimeError):
@@ -85,6 +87,8 @@ class RunConfig:
     max_test_examples: int | None = option(None, "use a random subset of this many test examples", low=1)
     checkpoint_every: int | None = option(None, "save the whole run state every R rounds and at the end (an "
                                                 "interrupted run saves anyway)", low=1)
+    tensorboard: bool = option(True, "also write every per-round figure as TensorBoard event files into the run "
+                                     "folder (on by default; view with tensorboard --logdir runs)")
     compilation_cache: bool = option(True, "keep compiled rounds in JAX's persistent cache "
                                            "($FEDJAX_SPARSE_CACHE or ~/.cache/fedjax_sparse/jax)")
     out: str = option("runs/default", "directory for config, metrics, summary and plot")
@@ -201,7 +205,8 @@ def build_experiment(config: RunConfig, progress: bool = True) -> Experiment:
                            client_chunk=chunk)
     evaluate_global = (global_evaluator(model, dataset.x_test, dataset.y_test, dataset.mean, dataset.std)
                        if algorithm.global_variables is not None else None)
-    evaluate_personalized = personalized_evaluator(model, algorithm.client_variables, local_test)
+    evaluate_personalized = personalized_evaluator(model, algorithm.client_variables, local_test,
+                                                   client_chunk=evaluation_chunk(config))
     return Experiment(config, dataset, model, algorithm, train, local_test, client_indices, round_fn,
                       evaluate_global, evaluate_personalized, server_state, client_states,
                       model.num_params(variables), chunk)
@@ -214,6 +219,15 @@ def resolve_client_chunk(config: RunConfig, variables) -> int | None:
     if config.client_chunk is not None:
         return config.client_chunk
     return default_client_chunk(variables, config.clients_per_round)
+
+
+def evaluation_chunk(config: RunConfig) -> int | None | str:
+    """How many clients personalized evaluation takes at once: as training, but over all clients."""
+    if config.shard_clients or config.client_chunk == 0:
+        return None
+    if config.client_chunk is not None:
+        return min(config.client_chunk, config.num_clients)
+    return AUTO
 
 
 def evaluate(exp: Experiment, server_state, client_states) -> dict:
@@ -363,6 +377,7 @@ def _run_rounds(exp: Experiment, config: RunConfig, out: Path, counters: Counter
     writer.write_config(config.to_dict())
     writer.write_partition(partition_summary(exp.client_indices, exp.dataset.y_train,
                                              exp.dataset.num_classes))
+    board = TensorBoardWriter(out, first_round=counters.rounds_done + 1) if config.tensorboard else None
     title = f"{config.algorithm} / {config.model} / {config.dataset}"
     checkpointer, saved = None, {}  # saved: rounds done -> the checkpoint this process wrote of them
 
@@ -377,6 +392,8 @@ def _run_rounds(exp: Experiment, config: RunConfig, out: Path, counters: Counter
 
     def finish(status: str, **extra) -> dict:
         bar.close()
+        if board is not None:
+            board.close()
         summary = {**_summary(exp, history, _totals(counters), first_round_seconds, time.perf_counter() - start),
                    "status": status, **extra}
         writer.write_summary(summary)
@@ -390,6 +407,7 @@ def _run_rounds(exp: Experiment, config: RunConfig, out: Path, counters: Counter
     counts = np.asarray(exp.train.counts)
     dense_forward = forward_flops(exp.model.structure)
     first_round_seconds = None
+    start_round = counters.rounds_done
     bar = progress_bar(config.rounds, f"{config.algorithm} on {config.dataset}", enabled=progress,
                        initial=counters.rounds_done)
     for r in range(counters.rounds_done, config.rounds):
@@ -426,6 +444,8 @@ def _run_rounds(exp: Experiment, config: RunConfig, out: Path, counters: Counter
                       **client_metrics(round_out.metrics),
                       **evaluate(exp, server_state, client_states)}
             writer.append_metrics(record)
+            if board is not None:
+                board.write(record)
             history.append(record)
             if record["test_loss"] is not None and not math.isfinite(record["test_loss"]):
                 raise diverged(f"round {r + 1}: the test loss is {record['test_loss']}; the run diverged "
@@ -433,6 +453,8 @@ def _run_rounds(exp: Experiment, config: RunConfig, out: Path, counters: Counter
             bar.set_postfix(acc=_fmt(record["test_accuracy"]), pacc=_fmt(record["personalized_accuracy"]),
                             loss=f"{train_loss:.3f}", MB=f"{counters.cumulative_bytes / 1e6:.1f}")
         bar.update(1)
+        if r == start_round:
+            release_compiler_memory()  # the round (and, evaluating every round, the evaluators) compiled
         if config.checkpoint_every and ((r + 1) % config.checkpoint_every == 0 or r + 1 == config.rounds):
             save()
         fault_point("round_end")

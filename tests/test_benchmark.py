@@ -75,3 +75,31 @@ def test_command_line_writes_a_list_of_records(tmp_path, monkeypatch, capsys, sm
     assert "| mlp | 2 |" in capsys.readouterr().out
     with pytest.raises(SystemExit):
         rt.main(["--quick", "--only", "resnet20"])
+
+
+def test_suite_quick_writes_markdown_and_json_named_by_device_and_date(tmp_path):
+    """`python -m benchmarks.suite --quick --out DIR`, the CI version: every section measured (or said
+    to be left out), every ratio positive and finite, device, versions and command recorded."""
+    from benchmarks import suite
+    from benchmarks.common import device_name
+
+    result = suite.main(["--quick", "--out", str(tmp_path)])
+    device = device_name().split(" (")[0].replace(" x ", "x").replace(" ", "-").lower()
+    (md,) = tmp_path.glob(f"suite_{device}_*.md")
+    (js,) = tmp_path.glob(f"suite_{device}_*.json")
+    assert md.stem == js.stem and md.stem[-10:].count("-") == 2  # ..._YYYY-MM-DD
+    saved = json.loads(js.read_text())
+    env = saved["environment"]
+    assert env["device"] == device_name() and env["jax"] == jax.__version__
+    assert env["command"] == f"python -m benchmarks.suite --quick --out {tmp_path}"
+    records = saved["records"]
+    ratios = [r["engine_over_step_loop"] for r in records["round_throughput"]["records"]]
+    ratios += [r["engine_over_centralized"] for r in records["round_throughput"]["records"]]
+    ratios += [r["vmap_over_loop"] for r in records["vmap_against_loop"]["records"]]
+    ratios += [r[k] for r in records["evaluation"]["records"] for k in ("personalized_over_training",
+                                                                        "global_over_training")]
+    assert len(ratios) == 5 and all(_positive_finite(x) for x in ratios)
+    assert "skipped" in records["agent_search"]["records"][0] and "skipped" in records["spatl_run"]["records"][0]
+    text = md.read_text()
+    assert device_name() in text and env["command"] in text and "| mlp | 4 |" in text
+    assert result["total_seconds"] > 0

@@ -3,6 +3,7 @@
 import json
 
 from fedjax_sparse.cli import main
+from test_tensorboard import assert_same_scalars, expected_scalars, read_scalars
 
 BASE = ["--num-clients", "8", "--clients-per-round", "4", "--local-epochs", "1", "--no-progress"]
 
@@ -23,6 +24,7 @@ def test_resumed_run_extends_to_the_uninterrupted_metrics(tmp_path):
         assert saved["rounds"] == 3 and saved["server_optimizer"] == "adam"
         assert main(["run", "--resume", str(part), "--rounds", "6", "--no-progress"]) == 0
         assert metrics(part) == metrics(full)
+        assert_same_scalars(read_scalars(part), expected_scalars(metrics(full)))  # each round once
         summary = json.loads((part / "summary.json").read_text())
         assert summary["cumulative_bytes"] == json.loads((full / "summary.json").read_text())["cumulative_bytes"]
 

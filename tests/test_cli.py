@@ -13,6 +13,7 @@ from fedjax_sparse.checkpoint import RunCheckpointer
 from fedjax_sparse.cli import main
 from fedjax_sparse.reporting import device_description
 from fedjax_sparse.runner import RunConfig, build_experiment
+from test_tensorboard import assert_same_scalars, expected_scalars, read_scalars
 
 SMALL = ["--num-clients", "6", "--clients-per-round", "3", "--rounds", "3", "--local-epochs", "1",
          "--no-progress"]
@@ -82,11 +83,15 @@ def test_run_writes_config_metrics_summary_partition_and_plot(tmp_path):
     assert len(clients) == 6 and sum(c["num_examples"] for c in clients) == summary["num_train_examples"]
     assert summary["num_train_examples"] == len(data.y_train)
     assert (out / "accuracy.png").stat().st_size > 1000
+    # TensorBoard (on by default) reads every figure of every metrics record from the run folder.
+    assert_same_scalars(read_scalars(out), expected_scalars(rows))
 
 
 def test_local_run_has_no_global_accuracy_and_no_bytes(tmp_path):
     out = tmp_path / "local"
-    assert main(["run", *SMALL, "--algorithm", "local", "--checkpoint-every", "3", "--out", str(out)]) == 0
+    assert main(["run", *SMALL, "--algorithm", "local", "--checkpoint-every", "3", "--no-tensorboard",
+                 "--out", str(out)]) == 0
+    assert not list(out.glob("events.out.tfevents.*"))
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["round"] for r in rows] == [1, 2, 3]
     assert all(r["test_accuracy"] is None and r["test_loss"] is None for r in rows)

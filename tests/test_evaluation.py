@@ -1,5 +1,6 @@
 """The evaluators against hand counts: correct predictions and mean loss, padding left out."""
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -81,15 +82,23 @@ def test_global_evaluator_on_the_digits_mlp_equals_one_unbatched_pass():
     assert float(scores["loss"]) == pytest.approx(hand_losses(logits, y).mean(), rel=1e-5)
 
 
-def test_personalized_evaluator_scores_each_client_on_its_own_test_split():
-    """Clients of 5, 1, 9, 3 and 6 test examples, each with its own model (server + client part),
-    in batches of 4 (padded to 12 slots) and chunks of 2 clients (a remainder of 1)."""
-    counts = [5, 1, 9, 3, 6]
-    rng = np.random.default_rng(1)
-    x = rng.integers(0, 256, (sum(counts), 2, 2, 1), dtype=np.uint8)
-    y = rng.integers(0, CLASSES, sum(counts)).astype(np.int32)
+def clients_test_split(counts, seed, shape=(2, 2, 1), classes=CLASSES):
+    """Random test images of clients holding `counts` examples: (x, y, client bounds, FederatedSplit)."""
+    rng = np.random.default_rng(seed)
+    x = rng.integers(0, 256, (sum(counts), *shape), dtype=np.uint8)
+    y = rng.integers(0, classes, sum(counts)).astype(np.int32)
     bounds = np.cumsum([0] + counts)
-    test = federated_split(x, y, [np.arange(a, b) for a, b in zip(bounds, bounds[1:])], [MEAN], [STD])
+    test = federated_split(x, y, [np.arange(a, b) for a, b in zip(bounds, bounds[1:])], [MEAN] * shape[-1],
+                           [STD] * shape[-1])
+    return x, y, bounds, test, rng
+
+
+@pytest.mark.parametrize("client_chunk", [1, 2, None, "auto"])
+def test_personalized_evaluator_scores_each_client_on_its_own_test_split(client_chunk):
+    """Clients of 5, 1, 9, 3 and 6 test examples, each with its own model (server + client part),
+    in batches of 4, one client at a time, in chunks of 2 clients (a remainder of 1) or all at once."""
+    counts = [5, 1, 9, 3, 6]
+    x, y, bounds, test, rng = clients_test_split(counts, seed=1)
     server_w, server_b = rng.normal(0, 1.0, (FEATURES, CLASSES)), rng.normal(0, 0.5, CLASSES)
     client_w = rng.normal(0, 1.0, (len(counts), FEATURES, CLASSES))
     client_b = rng.normal(0, 0.5, (len(counts), CLASSES))
@@ -98,16 +107,70 @@ def test_personalized_evaluator_scores_each_client_on_its_own_test_split():
         params = jax.tree_util.tree_map(jnp.add, server_state, client_state)
         return {"params": params, "batch_stats": {}}
 
-    evaluate = personalized_evaluator(linear_model(), client_variables, test, batch_size=4, clients_per_chunk=2)
+    evaluate = personalized_evaluator(linear_model(), client_variables, test, batch_size=4,
+                                      client_chunk=client_chunk)
     accuracies = np.asarray(evaluate(params_of(server_w, server_b), params_of(client_w, client_b)))
 
     expected, with_padding = [], []
     for i, (a, b) in enumerate(zip(bounds, bounds[1:])):
         right = hand_logits(x[a:b], server_w + client_w[i], server_b + client_b[i]).argmax(1) == y[a:b]
         expected.append(right.sum() / counts[i])
-        # the evaluator's padded slots repeat the client's last example; counted, they would give
+        # padded slots repeat the client's last example; counted up to the largest client, they would give
         with_padding.append((right.sum() + (12 - counts[i]) * right[-1]) / 12)
     assert accuracies.shape == (5,)
     np.testing.assert_allclose(accuracies, expected, atol=1e-7)
     assert len(set(np.round(expected, 6))) > 2  # clients really differ
     assert np.abs(np.asarray(with_padding) - expected).max() > 0.1
+
+
+class _CountingLinear(nn.Module):
+    """The linear model, reporting each batch it scores to the host (how many batches an evaluation runs)."""
+
+    @nn.compact
+    def __call__(self, x, train, mask=None, unit_masks=None):
+        del train, mask, unit_masks
+        jax.debug.callback(lambda: BATCHES.append(1))
+        return nn.Dense(CLASSES, name="fc")(x.reshape(x.shape[0], -1))
+
+
+BATCHES = []
+
+
+@pytest.mark.parametrize("client_chunk,expected_batches", [(1, 2 + 1 + 3 + 1 + 2), (None, 3)])
+def test_personalized_evaluator_stops_each_client_at_its_own_size(client_chunk, expected_batches):
+    """One client at a time, client i runs ceil(n_i / 4) batches (9 in all, where padding every client to
+    the largest one would run 5 x 3 = 15); vmapped together, all clients run as long as the largest."""
+    from fedjax_sparse.models import Model, ModelStructure
+
+    counts = [5, 1, 9, 3, 6]
+    x, y, bounds, test, rng = clients_test_split(counts, seed=2)
+    model = Model(name="counting", module=_CountingLinear(), input_shape=(2, 2, 1), num_classes=CLASSES,
+                  structure=ModelStructure(()))
+    w = rng.normal(0, 1.0, (len(counts), FEATURES, CLASSES))
+    evaluate = personalized_evaluator(model, lambda server, client: {"params": client, "batch_stats": {}}, test,
+                                      batch_size=4, client_chunk=client_chunk)
+    BATCHES.clear()
+    accuracies = np.asarray(evaluate({}, params_of(w, np.zeros((len(counts), CLASSES)))))
+    jax.effects_barrier()
+    assert len(BATCHES) == expected_batches
+    for i, (a, b) in enumerate(zip(bounds, bounds[1:])):
+        right = hand_logits(x[a:b], w[i], np.zeros(CLASSES)).argmax(1) == y[a:b]
+        assert accuracies[i] == pytest.approx(right.mean(), abs=1e-7)
+
+
+def test_personalized_evaluator_on_a_cnn_gives_the_same_accuracies_in_every_layout():
+    """cnn2 on 8x8 images, 4 clients with their own convolution kernels: one at a time (the CPU layout)
+    and all vmapped (the accelerator layout, a grouped convolution) score alike."""
+    counts = [7, 2, 12, 5]
+    x, y, bounds, test, _ = clients_test_split(counts, seed=3, shape=(8, 8, 1), classes=10)
+    model = get_model("cnn2", (8, 8, 1), 10)
+    clients = jax.vmap(model.init)(jax.random.split(jax.random.key(4), len(counts)))
+    results = [np.asarray(personalized_evaluator(model, lambda s, c: c, test, batch_size=4, client_chunk=chunk)(
+        {}, clients)) for chunk in (1, None)]
+    owner = np.repeat(np.arange(len(counts)), counts)
+    logits = jax.jit(jax.vmap(lambda v, x: model.apply(v, x[None], train=False)[0][0]))(
+        jax.tree_util.tree_map(lambda a: a[owner], clients), (x.astype(np.float32) / 255 - MEAN) / STD)
+    right = np.asarray(logits).argmax(1) == y
+    expected = [right[a:b].mean() for a, b in zip(bounds, bounds[1:])]
+    for got in results:
+        np.testing.assert_allclose(got, expected, atol=1e-7)

@@ -444,7 +444,8 @@ def test_bad_shapes_and_classes():
 
 
 @pytest.mark.parametrize("size,kernel,stride,padding", [
-    (8, 3, 1, 1), (9, 3, 2, 1), (8, 1, 2, 0), (10, 5, 1, 2), (11, 3, 3, 0)])
+    (8, 3, 1, 1), (9, 3, 2, 1), (8, 1, 2, 0), (10, 5, 1, 2), (11, 3, 3, 0),
+    (8, 5, 1, 0), (6, 5, 2, 1)])
 def test_conv2d_gradients_equal_jax_differentiating_lax_conv(size, kernel, stride, padding):
     """The hand-written canonical gradients are JAX's own, also vmapped over per-client kernels."""
     kx, kw, kg = jax.random.split(jax.random.key(size * kernel + stride), 3)
@@ -475,3 +476,41 @@ def test_conv2d_refuses_what_it_does_not_implement():
         Conv2D(4, 3, padding=3).init(jax.random.key(0), x)
     with pytest.raises(ValueError, match="NHWC inputs of rank 4, got shape \\(8, 8, 3\\)"):
         Conv2D(4, 3).init(jax.random.key(0), x[0])
+
+
+@pytest.mark.parametrize("shape", [(2, 8, 8, 3), (2, 7, 9, 2)])
+def test_max_pool2_equals_flax_max_pool_in_values_and_gradients(shape):
+    """The reshape max pool is nn.max_pool(2, stride 2, floor), odd sizes included, gradients too."""
+    from fedjax_sparse.models.layers import max_pool2
+
+    x = jax.random.normal(jax.random.key(0), shape)
+    g = jax.random.normal(jax.random.key(1), (shape[0], shape[1] // 2, shape[2] // 2, shape[3]))
+
+    def reference(x):
+        return nn.max_pool(x, (2, 2), strides=(2, 2), padding="VALID")
+
+    for fn in (max_pool2, reference):
+        assert fn(x).shape == g.shape
+    np.testing.assert_array_equal(max_pool2(x), reference(x))
+    grad = lambda fn: jax.grad(lambda x: jnp.sum(fn(x) * g))(x)  # noqa: E731
+    np.testing.assert_array_equal(grad(max_pool2), grad(reference))
+
+
+def test_library_jit_keeps_cpu_convolutions_out_of_ynnpack():
+    """On a CPU, `core.compilation.jit` compiles a convolution with XLA's own kernels (YNNPACK's run
+    the zoo's shapes 2-4x slower, benchmarks/results/cnn_client_cpu.md) and keeps YNNPACK's dots."""
+    from jax import lax
+
+    from fedjax_sparse.core.compilation import compiler_options, jit
+
+    if jax.default_backend() != "cpu":
+        assert compiler_options() is None
+        return
+
+    def conv(x, w):
+        return lax.conv_general_dilated(x, w, (1, 1), "VALID", dimension_numbers=("NHWC", "HWIO", "NHWC"))
+
+    args = (jax.ShapeDtypeStruct((64, 28, 28, 64), jnp.float32), jax.ShapeDtypeStruct((5, 5, 64, 64), jnp.float32))
+    assert "ynn_fusion" not in jit(conv).lower(*args).compile().as_text()
+    dense = (jax.ShapeDtypeStruct((64, 256), jnp.float32), jax.ShapeDtypeStruct((256, 256), jnp.float32))
+    assert "ynn_fusion" in jit(lambda a, b: jnp.tanh(a @ b)).lower(*dense).compile().as_text()

@@ -203,15 +203,16 @@ def test_a_rerun_into_a_finished_folder_is_refused_and_overwrite_starts_afresh(p
     code, err = cli(capsys, *ARGS, "--rounds", "3", "--out", str(run))
     assert code == 2
     assert err.strip() == (f"fedjax-sparse: error: --out {run} already holds another run's files (config.json, "
-                           f"metrics.jsonl, partition.json, summary.json, accuracy.png, checkpoints); continue "
-                           f"that run with --resume {run}, choose a new --out, or pass --overwrite to delete "
-                           f"them first")
+                           f"metrics.jsonl, partition.json, summary.json, accuracy.png, checkpoints, 1 TensorBoard "
+                           f"event file); continue that run with --resume {run}, choose a new --out, or pass "
+                           f"--overwrite to delete them first")
     assert {p.name: p.read_bytes() for p in run.iterdir() if p.is_file()} == before
     assert checkpoint_rounds(run) == [2, 4]
 
     # --overwrite: a new 3-round run, which saves its own checkpoints (no round-4 one hides them)
     assert main(["run", *ARGS, "--rounds", "3", "--overwrite", "--out", str(run)]) == 0
     assert checkpoint_rounds(run) == [2, 3]
+    assert len(list(run.glob("events.out.tfevents.*"))) == 1  # the old run's were deleted
     assert metrics_text(run) == "".join(metrics_text(partial).splitlines(keepends=True)[:3])
     assert summary(run)["rounds"] == 3 and summary(run)["cumulative_bytes"] == json.loads(
         metrics_text(run).splitlines()[-1])["cumulative_bytes"]

@@ -96,6 +96,7 @@ import jax.numpy as jnp
 
 from fedjax_sparse.core.aggregation import masked_mean
 from fedjax_sparse.core.algorithm import AlgorithmSpec, BuildContext, FederatedAlgorithm, RoundInfo
+from fedjax_sparse.core.compilation import jit
 from fedjax_sparse.core.evaluation import population_batch_stats
 from fedjax_sparse.core.local_training import LocalObjective
 from fedjax_sparse.core.messages import Known, KnownMaskArray
@@ -267,7 +268,7 @@ def submodel_algorithm(name: str, context: BuildContext, options: SubmodelOption
         return {**server_state, "variables": {**variables,
                                               "batch_stats": recompute(variables, context.train)}}
 
-    recompute = jax.jit(lambda variables, split: population_batch_stats(model, variables, split))
+    recompute = jit(lambda variables, split: population_batch_stats(model, variables, split))
     return FederatedAlgorithm(
         name=name,
         init=init,

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from fedjax_sparse.core.algorithm import FederatedAlgorithm, RoundInfo
+from fedjax_sparse.core.compilation import jit
 from fedjax_sparse.core.messages import message_bytes
 from fedjax_sparse.core.streams import stream_key
 from fedjax_sparse.data.federated import FederatedSplit
@@ -123,7 +124,7 @@ def build_round(algorithm: FederatedAlgorithm, train: FederatedSplit, clients_pe
         client_states = jax.tree_util.tree_map(lambda a, new: a.at[ids].set(new), client_states, new_states)
         return server_state, client_states, RoundOutput(ids, up_bytes, down_bytes, metrics)
 
-    return jax.jit(round_fn, donate_argnums=(1,))
+    return jit(round_fn, donate_argnums=(1,))
 
 
 def default_client_chunk(variables: Any, clients_per_round: int, platform: str | None = None,

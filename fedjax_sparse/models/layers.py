@@ -131,8 +131,20 @@ def any_kept(unit_masks: dict | None, layers: Sequence[str]) -> jax.Array | None
 
 
 def max_pool2(x: jax.Array) -> jax.Array:
-    """2x2 max pooling, stride 2, floor (PyTorch's MaxPool2d(2))."""
-    return nn.max_pool(x, (2, 2), strides=(2, 2), padding="VALID")
+    """2x2 max pooling, stride 2, floor (PyTorch's MaxPool2d(2)).
+
+    Written as a max over the two axes of a reshape rather than `nn.max_pool`:
+    the same values, but its gradient is an elementwise mask, while XLA:CPU
+    runs the window-reduction gradient of `nn.max_pool` as a variadic
+    reduce-window over index tensors: about a tenth of a spafl_cnn training
+    step on 2 CPU cores (benchmarks/results/cnn_client_cpu.md). The gradients
+    differ only where a window holds tied maxima (reduce-window picks one, this
+    splits it among them), which after a ReLU happens only among zeros, whose
+    gradient the ReLU stops anyway.
+    """
+    n, h, w, c = x.shape
+    x = x[:, : h // 2 * 2, : w // 2 * 2, :].reshape(n, h // 2, 2, w // 2, 2, c)
+    return jnp.max(x, axis=(2, 4))
 
 
 def relu_pool2(x: jax.Array) -> jax.Array:

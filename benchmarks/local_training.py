@@ -1,0 +1,219 @@
+"""One CNN client's local training on this device: milliseconds per example-pass, and where they go.
+
+    python -m benchmarks.local_training [--quick] [--out DIR]
+
+For `spafl_cnn` under FedAvg and SpaFL, `resnet20` and `cnn4` (FedAvg), one
+client's `client_update` exactly as a round runs it (CIFAR-10 shapes, random
+crop and flip, batch 64, SGD with momentum 0.9, lr 0.001: the setting of
+issue 19, where the official SpaFL code takes 3.4 ms per example-pass on 2
+CPU cores with 2 threads). Two variants, interleaved in one process:
+
+  library       compiled as the library compiles (`core.compilation.jit`);
+  xla_defaults  plain `jax.jit`: XLA's default CPU options (YNNPACK convolutions).
+
+The profile: every convolution of the model at the step's batch, timed alone
+(forward, and forward plus both gradients through `models.conv.conv2d`'s
+custom VJP) under both variants, with the whole step's time beside their sum.
+Writes `local_training_<device>_<date>.{md,json}` in --out.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from typing import Sequence
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from benchmarks.common import (best, command_line, environment, environment_markdown, finish, fmt, interleaved,
+                               markdown_table)
+from benchmarks.common import parser as benchmark_parser
+from fedjax_sparse.algorithms import BuildContext, make_algorithm
+from fedjax_sparse.core.compilation import jit
+from fedjax_sparse.core.local_training import LocalSGD
+from fedjax_sparse.core.round import round_info
+from fedjax_sparse.data.federated import federated_split
+from fedjax_sparse.models import get_model
+from fedjax_sparse.models.conv import Conv2D, conv2d
+
+REFERENCE_MS = {"spafl_cnn": 3.4}  # official SpaFL code (PyTorch, 2 threads) on the 2-core CPU, issue 19
+CASES = (("spafl_cnn", "fedavg"), ("spafl_cnn", "spafl"), ("resnet20", "fedavg"), ("cnn4", "fedavg"))
+
+
+@dataclasses.dataclass(frozen=True)
+class Setting:
+    examples: int = 512  # about a client of CIFAR-10's 50,000 over 100 clients
+    epochs: int = 1
+    batch_size: int = 64
+    repeats: int = 3
+    profile: bool = True
+
+
+FULL = Setting()
+QUICK = Setting(examples=64, repeats=1, profile=False)
+
+
+def input_shape(model_name: str) -> tuple[int, int, int]:
+    """The MLP's digits shape; CIFAR's for the CNNs."""
+    return (8, 8, 1) if model_name == "mlp" else (32, 32, 3)
+
+
+def synthetic_split(model_name: str, counts: Sequence[int], seed: int = 0):
+    """Random uint8 images of the model's input shape for clients holding `counts` examples (CIFAR's
+    crop and flip on 32x32x3; the cost of a pass does not depend on pixel values)."""
+    shape = input_shape(model_name)
+    rng = np.random.default_rng(seed)
+    n = int(sum(counts))
+    x = rng.integers(0, 256, (n, *shape), dtype=np.uint8)
+    y = rng.integers(0, 10, n).astype(np.int32)
+    bounds = np.cumsum([0, *counts])
+    return federated_split(x, y, [np.arange(a, b) for a, b in zip(bounds, bounds[1:])], [0.5] * shape[-1],
+                           [0.25] * shape[-1], augment=shape == (32, 32, 3))
+
+
+def client_update_fn(model_name: str, algorithm_name: str, setting: Setting, seed: int = 0):
+    """A function of (server, client, key) running one client's local training, its arguments, the model
+    and its variables."""
+    model = get_model(model_name, input_shape(model_name), 10)
+    split = synthetic_split(model_name, [setting.examples], seed)
+    local = LocalSGD(model, 0.001, setting.epochs, setting.batch_size, momentum=0.9)
+    algorithm = make_algorithm(algorithm_name, BuildContext(local=local, num_clients=1, clients_per_round=1,
+                                                            train=split, num_classes=10, seed=seed))
+    variables = model.init(jax.random.key(seed))
+    server, clients = algorithm.init(jax.random.key(seed + 1), variables, 1)
+    client = jax.tree_util.tree_map(lambda a: a[0], clients)
+    ids = jnp.zeros((1,), jnp.int32)
+
+    def update(server, client, key):
+        info = round_info(seed, 0, ids)
+        up, state, metrics = algorithm.client_update(algorithm.broadcast(server, ids[0], info), client,
+                                                     split.client(ids[0]), key, info)
+        return up, state, metrics["loss"]
+
+    return update, (server, client, jax.random.key(seed + 2)), model, variables
+
+
+def conv_calls(model, variables, batch_size: int) -> list[dict]:
+    """Every Conv2D call of a training forward pass: input shape, kernel size, stride, padding."""
+    calls = []
+
+    def record(next_fun, args, kwargs, context):
+        if isinstance(context.module, Conv2D) and context.method_name == "__call__":
+            m = context.module
+            calls.append({"name": "/".join(context.module.path), "input": tuple(args[0].shape),
+                          "features": m.features, "kernel": m.kernel_size, "stride": m.stride, "padding": m.padding})
+        return next_fun(*args, **kwargs)
+
+    x = jnp.zeros((batch_size, *model.input_shape), jnp.float32)
+    with nn.intercept_methods(record):
+        jax.eval_shape(lambda v: model.apply(v, x, train=True, mask=jnp.ones(batch_size, bool)), variables)
+    return calls
+
+
+def profile_convolutions(model, variables, batch_size: int, repeats: int) -> list[dict]:
+    """Each convolution alone at the step's batch: forward, and forward + both gradients, in both variants."""
+    rows = []
+    for call in conv_calls(model, variables, batch_size):
+        k, s, p = call["kernel"], call["stride"], call["padding"]
+        x = jax.random.normal(jax.random.key(0), call["input"])
+        w = jax.random.normal(jax.random.key(1), (k, k, call["input"][-1], call["features"]))
+        out = jax.eval_shape(lambda x, w: conv2d(x, w, s, p), x, w)
+        g = jax.random.normal(jax.random.key(2), out.shape)
+
+        def forward(x, w):
+            return conv2d(x, w, s, p)
+
+        def backward(x, w):
+            y, vjp = jax.vjp(lambda x, w: conv2d(x, w, s, p), x, w)
+            return y, vjp(g)
+
+        runs = {}
+        for variant, make in (("library", jit), ("xla_defaults", jax.jit)):
+            f, b = make(forward), make(backward)
+            runs[f"{variant}_forward"] = lambda f=f: f(x, w)
+            runs[f"{variant}_train"] = lambda b=b: b(x, w)
+        times = {name: best(t)["wall"] * 1e3 for name, t in interleaved(runs, repeats).items()}
+        macs = int(np.prod(out.shape)) * k * k * call["input"][-1]
+        rows.append({**call, "output": tuple(out.shape), "forward_gflop": 2 * macs / 1e9, "ms": times})
+    return rows
+
+
+def run_case(model_name: str, algorithm_name: str, setting: Setting) -> dict:
+    update, args, model, variables = client_update_fn(model_name, algorithm_name, setting)
+    compiled = {"library": jit(update), "xla_defaults": jax.jit(update)}
+    times = interleaved({name: (lambda f=f: f(*args)) for name, f in compiled.items()}, setting.repeats)
+    passes = setting.examples * setting.epochs
+    record = {"model": model_name, "algorithm": algorithm_name, "examples": setting.examples,
+              "epochs": setting.epochs, "batch_size": setting.batch_size, "example_passes": passes,
+              "steps": setting.epochs * -(-setting.examples // setting.batch_size), "times": times}
+    for name, t in times.items():
+        b = best(t)
+        record[f"{name}_ms_per_example"] = 1e3 * b["wall"] / passes
+        record[f"{name}_cpu_ms_per_example"] = 1e3 * b["cpu"] / passes
+    record["library_over_xla_defaults"] = record["xla_defaults_ms_per_example"] / record["library_ms_per_example"]
+    reference = REFERENCE_MS.get(model_name)
+    record["reference_ms_per_example"] = reference
+    if reference is not None:
+        record["library_over_reference"] = reference / record["library_ms_per_example"]
+    stats = compiled["library"].lower(*args).compile().memory_analysis()
+    record["xla_temp_bytes"] = None if stats is None else int(stats.temp_size_in_bytes)
+    if setting.profile:
+        convs = profile_convolutions(model, variables, setting.batch_size, setting.repeats)
+        record["convolutions"] = convs
+        step_ms = 1e3 * best(times["library"])["wall"] / record["steps"]
+        record["library_step_ms"] = step_ms
+        record["library_convolutions_ms"] = sum(c["ms"]["library_train"] for c in convs)
+    return record
+
+
+def markdown(env: dict, records: list[dict]) -> str:
+    rows = []
+    for r in records:
+        rows.append([r["model"], r["algorithm"], r["example_passes"],
+                     fmt(r["library_ms_per_example"]), fmt(r["xla_defaults_ms_per_example"]),
+                     fmt(r["library_cpu_ms_per_example"]), f"{r['library_over_xla_defaults']:.2f}x",
+                     fmt(r["reference_ms_per_example"]),
+                     f"{r['library_over_reference']:.2f}x" if r.get("library_over_reference") else "-",
+                     fmt((r["xla_temp_bytes"] or 0) / 2**20)])
+    parts = ["# One client's local training", "", environment_markdown(env), "",
+             markdown_table(["model", "algorithm", "example-passes", "library ms/example", "xla_defaults ms/example",
+                             "library CPU-ms/example", "library speed / xla_defaults", "reference ms/example",
+                             "library speed / reference", "XLA temp MiB"], rows)]
+    for r in records:
+        if "convolutions" not in r:
+            continue
+        parts += ["", f"## Convolutions of {r['model']} at batch {r['batch_size']}, each alone (ms)", "",
+                  f"One training step of the whole client: {r['library_step_ms']:.1f} ms; its convolutions alone "
+                  f"(forward + both gradients, library): {r['library_convolutions_ms']:.1f} ms.", ""]
+        rows = [[c["name"], "x".join(map(str, c["input"][1:])), "x".join(map(str, c["output"][1:])),
+                 f"{c['kernel']}/{c['stride']}/{c['padding']}", f"{c['forward_gflop']:.2f}",
+                 fmt(c["ms"]["library_forward"]), fmt(c["ms"]["xla_defaults_forward"]),
+                 fmt(c["ms"]["library_train"]), fmt(c["ms"]["xla_defaults_train"])] for c in r["convolutions"]]
+        parts.append(markdown_table(["conv", "input", "output", "k/s/p", "forward GFLOP", "library fwd",
+                                     "xla_defaults fwd", "library fwd+grads", "xla_defaults fwd+grads"], rows))
+    return "\n".join(parts) + "\n"
+
+
+def main(argv: Sequence[str] | None = None) -> list[dict]:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = benchmark_parser("benchmarks.local_training", __doc__, "64 examples a client, one repeat, no profile")
+    parser.add_argument("--only", default=None, help="MODEL:ALGORITHM, e.g. spafl_cnn:fedavg")
+    args = parser.parse_args(argv)
+    env = environment(command_line("benchmarks.local_training", argv))
+    setting = QUICK if args.quick else FULL
+    cases = [c for c in CASES if args.only in (None, f"{c[0]}:{c[1]}")]
+    if not cases:
+        raise SystemExit(f"--only {args.only!r} matches none of: " + ", ".join(f"{m}:{a}" for m, a in CASES))
+    records = []
+    for model_name, algorithm_name in cases:
+        print(f"{model_name} / {algorithm_name} ...", file=sys.stderr, flush=True)
+        records.append(run_case(model_name, algorithm_name, setting))
+    finish(args.out, "local_training", env, records, lambda env: markdown(env, records))
+    return records
+
+
+if __name__ == "__main__":
+    main()
