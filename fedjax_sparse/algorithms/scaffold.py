@@ -44,12 +44,15 @@ def scaffold(local: LocalSGD, num_clients: int, server_lr: float = 1.0) -> Feder
     if not (server_lr > 0 and math.isfinite(server_lr)):
         raise ValueError(f"--server-lr must be a finite number > 0, got {server_lr}")
 
-    def init(key, variables, n):
+    def init_clients(key, variables, ids):
         del key
+        return replicate(tree_map(jnp.zeros_like, variables["params"]), len(ids))
+
+    def init(key, variables, n):
         if n != num_clients:
             raise ValueError(f"SCAFFOLD was built for {num_clients} clients, init got {n}")
         zeros = tree_map(jnp.zeros_like, variables["params"])
-        return {"variables": variables, "control": zeros}, replicate(zeros, n)
+        return {"variables": variables, "control": zeros}, init_clients(key, variables, jnp.arange(n))
 
     def client_update(down, client_control, data, key, info):
         server_control = down["control"]
@@ -76,6 +79,7 @@ def scaffold(local: LocalSGD, num_clients: int, server_lr: float = 1.0) -> Feder
     return FederatedAlgorithm(
         name="scaffold",
         init=init,
+        init_clients=init_clients,
         broadcast=lambda server_state, client_id, info: server_state,
         client_update=client_update,
         server_update=server_update,
