@@ -75,3 +75,25 @@ def test_command_line_writes_a_list_of_records(tmp_path, monkeypatch, capsys, sm
     assert "| mlp | 2 |" in capsys.readouterr().out
     with pytest.raises(SystemExit):
         rt.main(["--quick", "--only", "resnet20"])
+
+
+def test_client_scale_quick_run_measures_every_store(tmp_path):
+    """benchmarks.client_scale --quick: every store's round, its memory and (disk) file; the same
+    SCAFFOLD rounds whichever store (so the same final loss)."""
+    from benchmarks import client_scale
+
+    out = tmp_path / "scale.json"
+    client_scale.main(["--quick", "--json", str(out)])
+    result = json.loads(out.read_text())
+    records = {r["setting"]["store"]: r for r in result["records"]}
+    assert set(records) == {"device", "host", "disk"}
+    rows = client_scale.row_bytes("scaffold")
+    for store, r in records.items():
+        assert _positive_finite(r["round_seconds"]) and r["peak_rss_bytes"] >= r["rss_data_bytes"] > 0
+    assert records["device"]["store_bytes"] == 200 * rows  # every client on the device
+    for store in ("host", "disk"):
+        # the clients sampled in the warm-up and the timed round, and no others
+        assert 0 < records[store]["store_bytes"] <= 20 * rows and records[store]["store_bytes"] % rows == 0
+        assert records[store]["final_loss"] == records["device"]["final_loss"]
+    assert records["disk"]["store_file_bytes"] == records["disk"]["store_bytes"]
+    assert result["environment"]["command"].startswith("python -m benchmarks.client_scale --quick")

@@ -96,6 +96,9 @@ class StoreRound:
                              "(core.distributed.process_mesh())")
         self.store, self.data, self.seed, self.mesh = store, data, seed, mesh
         self.clients_per_round = clients_per_round
+        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
+        self._next: concurrent.futures.Future | None = None
+        self._next_generation = 0
         if isinstance(store, DeviceStore):
             if not isinstance(data, FederatedSplit):
                 raise ValueError("the device store trains on the population's FederatedSplit on the device")
@@ -107,8 +110,8 @@ class StoreRound:
                                      data.augment, seed, mesh, client_chunk)
         self._constants = replicated((jax.random.key_data(store.init_key), store.init_variables, data.mean,
                                       data.std), mesh)
-        self._pool = concurrent.futures.ThreadPoolExecutor(1) if prefetch else None
-        self._next: concurrent.futures.Future | None = None
+        if prefetch:
+            self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="prefetch")
 
     def __call__(self, server_state: Any, round_index: int, *, prefetch_next: bool = True) -> tuple[Any, RoundOutput]:
         """Runs round `round_index`; `prefetch_next=False` on the last round skips reading a next one."""
@@ -122,6 +125,7 @@ class StoreRound:
         server_state, new_rows, out = self._row_round(replicated(server_state, self.mesh), key_data, variables,
                                                       blocks, mean, std, inputs.ids, np.int32(round_index))
         if self._pool is not None and prefetch_next:
+            self._next_generation = self.store.generation
             self._next = self._pool.submit(self._prepare, round_index + 1)
         rows = np.asarray(new_rows)  # waits for the round; the next round's reads run meanwhile
         upcoming = self._next.result() if self._next is not None else None
@@ -142,10 +146,16 @@ class StoreRound:
         return _Inputs(round_index, self.store.generation, ids, rows, held, windows.x, windows.y, windows.counts)
 
     def _prefetched(self, round_index: int) -> _Inputs | None:
+        """The prefetched inputs if they are this round's and the store was not restored since."""
         future, self._next = self._next, None
         if future is None:
             return None
-        inputs = future.result()
+        try:
+            inputs = future.result()
+        except Exception:  # noqa: BLE001 - a read that raced a restore; any other failure is raised
+            if self._next_generation != self.store.generation:
+                return None
+            raise
         if inputs.round_index != round_index or inputs.generation != self.store.generation:
             return None
         return inputs
