@@ -273,6 +273,20 @@ def table(records: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def merge_repeats(records: list[dict]) -> list[dict]:
+    """One record per (setting, process): the median of its runs' round times (each run's own median),
+    the highest peak RSS; the other figures from its first run."""
+    groups: dict = {}
+    for r in records:
+        groups.setdefault((r["name"], r.get("process")), []).append(r)
+    merged = []
+    for runs in groups.values():
+        merged.append({**runs[0], "round_seconds": float(np.median([r["round_seconds"] for r in runs])),
+                       "round_seconds_runs": [r["round_seconds"] for r in runs],
+                       "peak_rss_bytes": max(r["peak_rss_bytes"] for r in runs)})
+    return merged
+
+
 def ratios(records: list[dict]) -> dict:
     """The issue's goals as measured ratios (None where a setting is missing)."""
     def seconds(algorithm, n, store, processes=1):
@@ -298,6 +312,8 @@ def main(argv: Sequence[str] | None = None) -> list[dict]:
     parser.add_argument("--quick", action="store_true", help="N = 200, K = 10, one timed round: a CI check")
     parser.add_argument("--json", metavar="FILE", help="write the records (and the environment) as JSON")
     parser.add_argument("--markdown", metavar="FILE", help="write the table as markdown")
+    parser.add_argument("--repeats", type=int, default=None, help="runs of every setting, interleaved (default 3; "
+                                                                   "1 with --quick): the table takes their median")
     parser.add_argument("--only", metavar="TEXT", help="run only the settings whose name contains TEXT, e.g. "
                                                         "'scaffold N=1,000'")
     parser.add_argument("--work-dir", help="folder for data and store files (default: a temporary one, removed)")
@@ -316,23 +332,26 @@ def main(argv: Sequence[str] | None = None) -> list[dict]:
     work = Path(args.work_dir) if args.work_dir else Path(tempfile.mkdtemp(prefix="client_scale_"))
     print(f"# client scale: {env['device']}, {env['cpu_count']} CPUs; jax {env['jax']}; "
           f"load average {env['load_average_at_start']}", flush=True)
+    repeats = args.repeats or (1 if args.quick else 3)
     records, skipped = [], []
     try:
-        for setting in settings:
-            fits, reason = device_fits(setting)
-            if setting.store == "device" and not fits:
-                skipped.append({"name": setting.name, "reason": reason})
-                print(f"# {setting.name}: skipped ({reason})", flush=True)
-                continue
-            data_dir = write_clients(work / f"data_{setting.num_clients}", setting.num_clients, setting.seed)
-            run_dir = work / "runs" / setting.name.replace(" ", "_").replace(",", "").replace("=", "")
-            print(f"# {setting.name} ...", flush=True)
-            if args.quick:
-                records.append(run_setting(setting, data_dir, run_dir))
-            else:
-                records.extend(measure(setting, data_dir, run_dir))
-            shutil.rmtree(run_dir, ignore_errors=True)
-            print(table(records[-setting.processes:]).splitlines()[-1], flush=True)
+        for repeat in range(repeats):
+            for setting in settings:
+                fits, reason = device_fits(setting)
+                if setting.store == "device" and not fits:
+                    if repeat == 0:
+                        skipped.append({"name": setting.name, "reason": reason})
+                        print(f"# {setting.name}: skipped ({reason})", flush=True)
+                    continue
+                data_dir = write_clients(work / f"data_{setting.num_clients}", setting.num_clients, setting.seed)
+                run_dir = work / "runs" / setting.name.replace(" ", "_").replace(",", "").replace("=", "")
+                print(f"# {setting.name}, run {repeat + 1} of {repeats} ...", flush=True)
+                runs = [run_setting(setting, data_dir, run_dir)] if args.quick else measure(setting, data_dir, run_dir)
+                for record in runs:
+                    record["repeat"] = repeat
+                records.extend(runs)
+                shutil.rmtree(run_dir, ignore_errors=True)
+                print(table(runs).splitlines()[-1], flush=True)
     finally:
         if not args.work_dir:
             shutil.rmtree(work, ignore_errors=True)
@@ -340,15 +359,16 @@ def main(argv: Sequence[str] | None = None) -> list[dict]:
         env["load_average_at_end"] = os.getloadavg()
     except OSError:
         pass
-    summary = ratios(records)
-    print(table(records))
+    merged = merge_repeats(records)
+    summary = ratios(merged)
+    print(table(merged))
     print(json.dumps(summary, indent=1))
     if args.json:
-        Path(args.json).write_text(json.dumps({"environment": env, "ratios": summary, "records": records,
-                                               "skipped": skipped}, indent=1))
+        Path(args.json).write_text(json.dumps({"environment": env, "ratios": summary, "settings": merged,
+                                               "runs": records, "skipped": skipped}, indent=1))
     if args.markdown:
-        Path(args.markdown).write_text(table(records) + "\n")
-    return records
+        Path(args.markdown).write_text(table(merged) + "\n")
+    return merged
 
 
 if __name__ == "__main__":

@@ -85,7 +85,7 @@ def test_client_scale_quick_run_measures_every_store(tmp_path):
     out = tmp_path / "scale.json"
     client_scale.main(["--quick", "--json", str(out)])
     result = json.loads(out.read_text())
-    records = {r["setting"]["store"]: r for r in result["records"]}
+    records = {r["setting"]["store"]: r for r in result["settings"]}
     assert set(records) == {"device", "host", "disk"}
     rows = client_scale.row_bytes("scaffold")
     for store, r in records.items():

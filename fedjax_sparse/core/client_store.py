@@ -32,6 +32,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -383,6 +384,8 @@ class RowStore(ClientStore):
         if not self.row_bytes:
             return
         ids = np.asarray(ids)
+        chex.assert_shape(rows, (len(ids), self.row_bytes))
+        chex.assert_type(rows, np.uint8)
         owned = np.flatnonzero(self.process.owns(ids))
         if len(owned):
             slots = self.slots.assign(self.process.local_index(ids[owned]))

@@ -16,6 +16,7 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Sequence
 
+import chex
 import numpy as np
 
 if TYPE_CHECKING:
@@ -73,6 +74,8 @@ class HostData:
 def host_data(x: np.ndarray, y: np.ndarray, client_indices: Sequence[np.ndarray], mean: Sequence[float],
               std: Sequence[float], augment: bool = False, process: "ProcessLayout | None" = None) -> HostData:
     """The clients of `client_indices` that this process owns, laid out like `federated_split`."""
+    chex.assert_rank(x, 4)
+    chex.assert_type(x, np.uint8)
     index, count = (process.index, process.count) if process is not None else (0, 1)
     sizes = np.array([len(ix) for ix in client_indices], np.int64)
     if len(sizes) == 0 or sizes.min() < 1:
