@@ -25,7 +25,8 @@ import numpy as np
 from jax.sharding import Mesh
 
 from fedjax_sparse.core.algorithm import FederatedAlgorithm
-from fedjax_sparse.core.client_store import ClientStore, DeviceStore, RowLayout, RowStore, materialize
+from fedjax_sparse.core.client_store import (ClientStore, DeviceStore, RowLayout, RowStore, materialize,
+                                             populated_rows)
 from fedjax_sparse.core.distributed import combine_blocks, process_blocks, replicated, replicated_sharding
 from fedjax_sparse.core.round import (RoundOutput, check_clients_per_round, device_round, round_step,
                                       sample_clients_host)
@@ -112,6 +113,9 @@ class StoreRound:
                                       data.std), mesh)
         if prefetch:
             self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="prefetch")
+        # Two row buffers, used by alternate rounds: a round's buffer is filled again two rounds
+        # later, when the round that copied it to the device has finished.
+        self._buffers = [populated_rows(clients_per_round, store.row_bytes) for _ in range(2)]
 
     def __call__(self, server_state: Any, round_index: int, *, prefetch_next: bool = True) -> tuple[Any, RoundOutput]:
         """Runs round `round_index`; `prefetch_next=False` on the last round skips reading a next one."""
@@ -141,7 +145,7 @@ class StoreRound:
 
     def _prepare(self, round_index: int) -> _Inputs:
         ids = sample_clients_host(self.seed, round_index, self.store.num_clients, self.clients_per_round)
-        rows, held = self.store.read(ids)
+        rows, held = self.store.read(ids, out=self._buffers[round_index % 2])
         windows = self.data.windows(ids)
         return _Inputs(round_index, self.store.generation, ids, rows, held, windows.x, windows.y, windows.counts)
 
