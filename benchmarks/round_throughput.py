@@ -463,7 +463,7 @@ def device_name() -> str:
     return f"{jax.device_count()} x {getattr(d, 'device_kind', d.platform)} ({d.platform})"
 
 
-def environment(argv: Sequence[str]) -> dict:
+def environment(argv: Sequence[str], program: str = "benchmarks.round_throughput") -> dict:
     try:
         load = os.getloadavg()
     except OSError:
@@ -478,7 +478,7 @@ def environment(argv: Sequence[str]) -> dict:
         "optax": optax.__version__,
         "numpy": np.__version__,
         "python": platform.python_version(),
-        "command": "python -m benchmarks.round_throughput " + " ".join(argv),
+        "command": f"python -m {program} " + " ".join(argv),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "load_average_at_start": load,
         "xla_flags": os.environ.get("XLA_FLAGS", ""),

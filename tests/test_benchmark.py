@@ -103,3 +103,25 @@ def test_suite_quick_writes_markdown_and_json_named_by_device_and_date(tmp_path)
     text = md.read_text()
     assert device_name() in text and env["command"] in text and "| mlp | 4 |" in text
     assert result["total_seconds"] > 0
+
+
+def test_client_scale_quick_run_measures_every_store(tmp_path):
+    """benchmarks.client_scale --quick: every store's round, its memory and (disk) file; the same
+    SCAFFOLD rounds whichever store (so the same final loss)."""
+    from benchmarks import client_scale
+
+    out = tmp_path / "scale.json"
+    client_scale.main(["--quick", "--json", str(out)])
+    result = json.loads(out.read_text())
+    records = {r["setting"]["store"]: r for r in result["settings"]}
+    assert set(records) == {"device", "host", "disk"}
+    rows = client_scale.row_bytes("scaffold")
+    for store, r in records.items():
+        assert _positive_finite(r["round_seconds"]) and r["peak_rss_bytes"] >= r["rss_data_bytes"] > 0
+    assert records["device"]["store_bytes"] == 200 * rows  # every client on the device
+    for store in ("host", "disk"):
+        # the clients sampled in the warm-up and the timed round, and no others
+        assert 0 < records[store]["store_bytes"] <= 20 * rows and records[store]["store_bytes"] % rows == 0
+        assert records[store]["final_loss"] == records["device"]["final_loss"]
+    assert records["disk"]["store_file_bytes"] == records["disk"]["store_bytes"]
+    assert result["environment"]["command"].startswith("python -m benchmarks.client_scale --quick")

@@ -1,4 +1,5 @@
-"""The sampled-clients axis sharded over 4 (forced host) devices gives the single-device round."""
+"""The sampled-clients axis sharded over 4 (forced host) devices gives the single-device round,
+with the device store (`build_round`) and with a host store (`StoreRound` on `process_mesh`)."""
 
 import os
 import subprocess
@@ -10,8 +11,12 @@ SCRIPT = textwrap.dedent("""
     assert jax.device_count() == 4, jax.devices()
     from fedjax_sparse.algorithms import fedavg, scaffold
     from fedjax_sparse.core.local_training import LocalSGD
+    from fedjax_sparse.core.client_store import initial_server_state, make_store
+    from fedjax_sparse.core.distributed import process_mesh
     from fedjax_sparse.core.round import build_round, clients_mesh
+    from fedjax_sparse.core.store_round import StoreRound
     from fedjax_sparse.data.federated import federated_split
+    from fedjax_sparse.data.windows import host_data
     from fedjax_sparse.models import get_model
 
     rng = np.random.default_rng(0)
@@ -19,7 +24,8 @@ SCRIPT = textwrap.dedent("""
     x = rng.integers(0, 256, size=(sum(counts), 8, 8, 1), dtype=np.uint8)
     y = rng.integers(0, 10, size=sum(counts))
     bounds = np.cumsum([0] + counts)
-    split = federated_split(x, y, [np.arange(a, b) for a, b in zip(bounds, bounds[1:])], [0.5], [0.25])
+    indices = [np.arange(a, b) for a, b in zip(bounds, bounds[1:])]
+    split = federated_split(x, y, indices, [0.5], [0.25])
     model = get_model("mlp", (8, 8, 1), 10)
     local = LocalSGD(model, 0.1, 2, 8)
     for algorithm in (fedavg(local), scaffold(local, 8)):
@@ -34,6 +40,16 @@ SCRIPT = textwrap.dedent("""
         jax.tree_util.tree_map(lambda u, v: np.testing.assert_allclose(u, v, atol=1e-5, rtol=1e-5), a, b)
         jax.tree_util.tree_map(lambda u, v: np.testing.assert_allclose(u, v, atol=1e-5, rtol=1e-5), ca, cb)
         np.testing.assert_array_equal(ba, bb)
+        if algorithm.name == "scaffold":  # the host store sharded over the processes x clients mesh
+            store = make_store("host", algorithm, jax.random.key(0), model.init(jax.random.key(1)), 8)
+            round_fn = StoreRound(algorithm, store, host_data(x, y, indices, [0.5], [0.25]), 4, seed=3,
+                                  mesh=process_mesh())
+            server = initial_server_state(algorithm, jax.random.key(0), model.init(jax.random.key(1)), 8)
+            for r in range(2):
+                server, out = round_fn(server, r)
+            states = store.client_states(np.arange(8))
+            jax.tree_util.tree_map(lambda u, v: np.testing.assert_allclose(u, v, atol=1e-5, rtol=1e-5),
+                                   (server, states), (a, ca))
     print("SHARDED_OK")
 """)
 

@@ -16,7 +16,7 @@ import dataclasses
 import jax.numpy as jnp
 
 from fedjax_sparse.core.aggregation import weighted_mean
-from fedjax_sparse.core.algorithm import AlgorithmSpec, BuildContext, FederatedAlgorithm
+from fedjax_sparse.core.algorithm import AlgorithmSpec, FederatedAlgorithm
 from fedjax_sparse.core.local_training import LocalSGD
 from fedjax_sparse.core.options import option
 from fedjax_sparse.core.server_optimizer import ServerOptimizer, ServerOptimizerOptions, from_options, server_optimizer

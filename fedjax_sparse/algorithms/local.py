@@ -6,14 +6,19 @@ There is no global model, so only personalized accuracy is reported.
 
 from __future__ import annotations
 
+import jax.numpy as jnp
+
 from fedjax_sparse.core.algorithm import AlgorithmSpec, FederatedAlgorithm, NoOptions, replicate
 from fedjax_sparse.core.local_training import LocalSGD
 
 
 def local_only(local: LocalSGD) -> FederatedAlgorithm:
-    def init(key, variables, num_clients):
+    def init_clients(key, variables, ids):
         del key
-        return {}, replicate(variables, num_clients)
+        return replicate(variables, len(ids))
+
+    def init(key, variables, num_clients):
+        return {}, init_clients(key, variables, jnp.arange(num_clients))
 
     def client_update(down, client_state, data, key, info):
         del down
@@ -23,6 +28,7 @@ def local_only(local: LocalSGD) -> FederatedAlgorithm:
     return FederatedAlgorithm(
         name="local",
         init=init,
+        init_clients=init_clients,
         broadcast=lambda server_state, client_id, info: {},
         client_update=client_update,
         server_update=lambda server_state, ups, weights, info: server_state,

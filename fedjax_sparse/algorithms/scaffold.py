@@ -33,12 +33,15 @@ def scaffold(local: LocalSGD, num_clients: int, server: ServerOptimizer | None =
     """`server`: the server optimizer (default: sgd at lr 1; the paper's eta_g is its lr)."""
     server = server or server_optimizer()
 
-    def init(key, variables, n):
+    def init_clients(key, variables, ids):
         del key
+        return replicate(tree_map(jnp.zeros_like, variables["params"]), len(ids))
+
+    def init(key, variables, n):
         if n != num_clients:
             raise ValueError(f"SCAFFOLD was built for {num_clients} clients, init got {n}")
         zeros = tree_map(jnp.zeros_like, variables["params"])
-        return {**server.init_state(variables), "control": zeros}, replicate(zeros, n)
+        return {**server.init_state(variables), "control": zeros}, init_clients(key, variables, jnp.arange(n))
 
     def client_update(down, client_control, data, key, info):
         server_control = down["control"]
@@ -67,6 +70,7 @@ def scaffold(local: LocalSGD, num_clients: int, server: ServerOptimizer | None =
     return FederatedAlgorithm(
         name="scaffold",
         init=init,
+        init_clients=init_clients,
         broadcast=lambda server_state, client_id, info: without_optimizer_state(server_state),
         client_update=client_update,
         server_update=server_update,

@@ -280,14 +280,18 @@ def _builder(local: LocalSGD, sparsity_coef: float, weight_bounds: bool, thresho
     structure = local.model.structure
     objective = local_objective(structure, sparsity_coef, weight_bounds)
 
-    def init(key, variables, num_clients):
+    def init_clients(key, variables, ids):
         del key
         check_params(structure, variables["params"])
         zeros = init_thresholds(structure)
         state = {"variables": variables, "thresholds": zeros, "train_flops": jnp.zeros((), jnp.float32)}
         if communicate:
             state["global_thresholds"] = zeros
-        return ({"thresholds": zeros} if communicate else {}), replicate(state, num_clients)
+        return replicate(state, len(ids))
+
+    def init(key, variables, num_clients):
+        server_state = {"thresholds": init_thresholds(structure)} if communicate else {}
+        return server_state, init_clients(key, variables, jnp.arange(num_clients))
 
     def client_update(down, state, data, key, info):
         variables = state["variables"]
@@ -328,6 +332,7 @@ def _builder(local: LocalSGD, sparsity_coef: float, weight_bounds: bool, thresho
     return FederatedAlgorithm(
         name="spafl" if communicate else "spafl_local",
         init=init,
+        init_clients=init_clients,
         broadcast=(lambda server_state, client_id, info: server_state["thresholds"]) if communicate
         else (lambda server_state, client_id, info: {}),
         client_update=client_update,

@@ -382,17 +382,21 @@ def spatl(context: BuildContext, options: SPATLOptions, policy: SalientPolicy | 
     def encoder_of(variables):
         return take_part(variables, labels, "encoder")
 
+    def init_clients(key, variables, ids):
+        m = len(ids)
+        zeros = tree_map(jnp.zeros_like, encoder_of(variables)["params"])
+        keys = jax.vmap(lambda i: jax.random.fold_in(key, i))(jnp.asarray(ids))
+        return {"variables": replicate(variables, m), "control": replicate(zeros, m),
+                "salient": replicate(full_unit_masks(structure), m), "policy": jax.vmap(policy.init)(keys),
+                "last_round": jnp.full((m,), NEVER, jnp.int32)}
+
     def init(key, variables, n):
         if n != num_clients:
             raise ValueError(f"SPATL was built for {num_clients} clients, init got {n}")
         encoder = encoder_of(variables)
         zeros = tree_map(jnp.zeros_like, encoder["params"])
-        keys = jax.random.split(key, n)
-        state = {"variables": replicate(variables, n), "control": replicate(zeros, n),
-                 "salient": replicate(full_unit_masks(structure), n), "policy": jax.vmap(policy.init)(keys),
-                 "last_round": jnp.full((n,), NEVER, jnp.int32)}
         return {**server.init_state(encoder, key="encoder"), "control": zeros,
-                "round": jnp.asarray(NEVER, jnp.int32)}, state
+                "round": jnp.asarray(NEVER, jnp.int32)}, init_clients(key, variables, jnp.arange(n))
 
     def client_update(down, state, data, key, info):
         variables = overlay(state["variables"], down["encoder"])
@@ -491,6 +495,7 @@ def spatl(context: BuildContext, options: SPATLOptions, policy: SalientPolicy | 
     return FederatedAlgorithm(
         name="spatl",
         init=init,
+        init_clients=init_clients,
         broadcast=lambda server_state, client_id, info: {"encoder": server_state["encoder"],
                                                          "control": server_state["control"]},
         client_update=client_update,

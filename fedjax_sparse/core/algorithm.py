@@ -43,6 +43,13 @@ class FederatedAlgorithm:
     init(key, variables, num_clients) -> (server_state, client_states)
         `variables` are the initial model variables; client states carry a
         leading [num_clients] axis (use `replicate`).
+    init_clients(key, variables, client_ids) -> client_states [len(client_ids), ...], optional
+        the initial states of these clients alone, a pure function of (key, id) so that it
+        does not depend on how many clients there are (`fold_in(key, id)`, never
+        `split(key, N)`); `init`'s client states are `init_clients(key, variables, arange(N))`.
+        The host and disk client stores (`core.client_store`) call it for clients they never
+        wrote, so 10^6 clients cost nothing until sampled. None: the algorithm keeps no
+        per-client state (`init`'s client states have no leaves).
     broadcast(server_state, client_id, info) -> down_message
         exactly what the server sends to one sampled client.
     client_update(down_message, client_state, data, key, info) -> (up_message, client_state, metrics)
@@ -78,6 +85,7 @@ class FederatedAlgorithm:
     server_update: Callable[[ServerState, Message, jax.Array, RoundInfo], ServerState]
     client_variables: Callable[[ServerState, ClientState], Variables]
     global_variables: Callable[[ServerState], Variables] | None = None
+    init_clients: Callable[[jax.Array, Variables, jax.Array], ClientState] | None = None
     select_uploads: Callable[[Message, jax.Array, RoundInfo], Message] | None = None
     diagnostics: Callable[[ServerState, ClientState], dict] | None = None
     evaluation_state: Callable[[ServerState], ServerState] | None = None

@@ -3,6 +3,11 @@
     seed, round -> sample clients -> gather their states -> vmap(broadcast, client_update)
                 -> server_update -> scatter client states -> per-client bytes and metrics
 
+`round_step` is the part every client store shares: the sampled clients' states and a
+view of their data in, new server state, their new states and the round's figures out.
+The device store wraps it with the gather and scatter in one jit (`build_round`); the
+host and disk stores feed it gathered rows and data windows (`core.store_round`).
+
 Clients are sampled by a pure function of (seed, round), so a resumed run
 samples the same clients. With a mesh, the sampled-clients axis is sharded over
 its `clients` axis and XLA turns the aggregation into a cross-device reduction.
@@ -10,11 +15,13 @@ its `clients` axis and XLA turns the aggregation into a cross-device reduction.
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable
 
 import flax.struct
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from fedjax_sparse.core.algorithm import FederatedAlgorithm, RoundInfo
@@ -42,6 +49,35 @@ def sample_clients(seed: int, round_index: jax.Array, num_clients: int, clients_
     return jnp.sort(jax.random.choice(key, num_clients, (clients_per_round,), replace=False))
 
 
+@functools.partial(jax.jit, static_argnums=1)
+def _sort_keys(key: jax.Array, num_clients: int) -> jax.Array:
+    return jax.random.bits(key, (num_clients,), jnp.uint32)
+
+
+def sample_clients_host(seed: int, round_index: int, num_clients: int, clients_per_round: int) -> np.ndarray:
+    """`sample_clients` computed on the host's CPU: the same ids, as int32 numpy.
+
+    The stores that gather on the host need the ids before the round. `jax.random.choice`
+    without replacement is the first K of `jax.random.permutation`: rounds of stable sorts of
+    the population by fresh 32-bit keys. XLA:CPU sorts 10^6 keys in ~0.4 s, numpy in ~0.03 s
+    (a stable sort by key equals an unstable sort of key << 32 | position), and nothing of
+    size N touches the accelerator. tests/test_client_store.py checks both agree.
+    """
+    check_clients_per_round(clients_per_round, num_clients)
+    cpu = jax.local_devices(backend="cpu")[0]
+    with jax.default_device(cpu):
+        key = jax.random.fold_in(stream_key(seed, "sampling"), round_index)
+        order = np.arange(num_clients)
+        position = np.arange(num_clients, dtype=np.uint64)
+        rounds = int(np.ceil(3 * np.log(max(1, num_clients)) / np.log(np.iinfo(np.uint32).max)))
+        for _ in range(rounds):
+            key, subkey = jax.random.split(key)
+            bits = np.asarray(_sort_keys(subkey, num_clients)).astype(np.uint64)
+            by_bits = np.sort((bits << np.uint64(32)) | position) & np.uint64(0xFFFFFFFF)
+            order = order[by_bits.astype(np.int64)]
+    return np.sort(order[:clients_per_round]).astype(np.int32)
+
+
 def client_keys(seed: int, round_index: jax.Array, client_ids: jax.Array) -> jax.Array:
     """Each client's randomness for a round, tied to (seed, round, client id)."""
     base = jax.random.fold_in(stream_key(seed, "clients"), round_index)
@@ -65,21 +101,12 @@ def clients_mesh(devices=None) -> Mesh:
     return Mesh(devices, (CLIENTS_AXIS,))
 
 
-def build_round(algorithm: FederatedAlgorithm, train: FederatedSplit, clients_per_round: int, *,
-                seed: int, mesh: Mesh | None = None,
-                client_chunk: int | None = None) -> Callable[[Any, Any, jax.Array], tuple[Any, Any, RoundOutput]]:
-    """Returns jitted `round(server_state, client_states, round_index)`.
-
-    `client_chunk=None` vmaps all K sampled clients at once (the accelerator
-    layout). `client_chunk=c` runs them c at a time (`lax.map` over vmapped
-    chunks): the same arithmetic in another order, which on a CPU keeps a
-    chunk's weights in cache and lets each chunk stop at its own busiest client
-    (see `default_client_chunk` and benchmarks/results). A mesh shards the full
-    vmap, so it takes no chunk.
-    """
-    num_clients = train.num_clients
+def check_clients_per_round(clients_per_round: int, num_clients: int) -> None:
     if not 1 <= clients_per_round <= num_clients:
         raise ValueError(f"clients per round must be in [1, {num_clients}], got {clients_per_round}")
+
+
+def _check_layout(clients_per_round: int, mesh: Mesh | None, client_chunk: int | None) -> None:
     if mesh is not None and clients_per_round % mesh.size:
         raise ValueError(f"clients per round ({clients_per_round}) must be a multiple of the "
                          f"{mesh.size} devices of the '{CLIENTS_AXIS}' mesh axis")
@@ -91,40 +118,95 @@ def build_round(algorithm: FederatedAlgorithm, train: FederatedSplit, clients_pe
             raise ValueError("a client chunk and a mesh do not combine: the mesh shards the vmap of all "
                              "sampled clients; leave the chunk unset when sharding")
 
+
+def round_step(algorithm: FederatedAlgorithm, clients_per_round: int, *, seed: int, mesh: Mesh | None = None,
+               client_chunk: int | None = None) -> Callable:
+    """The round over gathered inputs, for every client store (traceable, not jitted):
+
+        step(server_state, sampled_states, data, positions, ids, round_index)
+            -> (server_state, new_sampled_states, RoundOutput)
+
+    `sampled_states` are the K sampled clients' states ([K, ...], in the order of `ids`);
+    client k trains on `data.client(positions[k])`: the whole population's split with
+    positions = ids (the device store), or a split of the K gathered windows with
+    positions = arange(K) (host and disk stores). Aggregation weights are the view's counts.
+
+    `client_chunk=None` vmaps all K sampled clients at once (the accelerator
+    layout). `client_chunk=c` runs them c at a time (`lax.map` over vmapped
+    chunks): the same arithmetic in another order, which on a CPU keeps a
+    chunk's weights in cache and lets each chunk stop at its own busiest client
+    (see `default_client_chunk` and benchmarks/results). A mesh shards the full
+    vmap over all its axes (`clients`, or `processes` x `clients` across
+    processes), so it takes no chunk.
+    """
+    _check_layout(clients_per_round, mesh, client_chunk)
+
     def shard(tree):
         if mesh is None:
             return tree
-        spec = NamedSharding(mesh, PartitionSpec(CLIENTS_AXIS))
+        spec = NamedSharding(mesh, PartitionSpec(tuple(mesh.axis_names)))
         return jax.tree_util.tree_map(lambda x: jax.lax.with_sharding_constraint(x, spec), tree)
 
-    def one_client(server_state, client_state, client_id, key, info):
+    def one_client(server_state, client_state, client_id, position, key, data, info):
         down = algorithm.broadcast(server_state, client_id, info)
-        up, client_state, metrics = algorithm.client_update(down, client_state, train.client(client_id), key, info)
+        up, client_state, metrics = algorithm.client_update(down, client_state, data.client(position), key, info)
         return up, client_state, metrics, message_bytes(down)
 
-    def all_clients(server_state, sampled, ids, keys, info):
+    def all_clients(server_state, sampled, ids, positions, keys, data, info):
         if client_chunk is None:
-            return jax.vmap(one_client, in_axes=(None, 0, 0, 0, None))(server_state, sampled, ids, keys, info)
-        return jax.lax.map(lambda args: one_client(server_state, *args, info), (sampled, ids, keys),
+            return jax.vmap(one_client, in_axes=(None, 0, 0, 0, 0, None, None))(
+                server_state, sampled, ids, positions, keys, data, info)
+        return jax.lax.map(lambda args: one_client(server_state, *args, data, info), (sampled, ids, positions, keys),
                            batch_size=client_chunk)
 
-    def round_fn(server_state, client_states, round_index):
+    def step(server_state, sampled_states, data, positions, ids, round_index):
         round_index = jnp.asarray(round_index, jnp.int32)
-        ids = sample_clients(seed, round_index, num_clients, clients_per_round)
+        ids = jnp.asarray(ids, jnp.int32)
         keys = client_keys(seed, round_index, ids)
         info = round_info(seed, round_index, ids)
-        sampled = jax.tree_util.tree_map(lambda a: a[ids], client_states)
-        ids_sharded, keys, sampled = shard((ids, keys, sampled))
-        ups, new_states, metrics, down_bytes = all_clients(server_state, sampled, ids_sharded, keys, info)
-        weights = train.counts[ids].astype(jnp.float32)
+        ids_sharded, positions, keys, sampled = shard((ids, jnp.asarray(positions, jnp.int32), keys, sampled_states))
+        ups, new_states, metrics, down_bytes = all_clients(server_state, sampled, ids_sharded, positions, keys, data,
+                                                           info)
+        weights = data.counts[positions].astype(jnp.float32)
         if algorithm.select_uploads is not None:
             ups = algorithm.select_uploads(ups, weights, info)
         up_bytes = jax.vmap(message_bytes, axis_size=clients_per_round)(ups)
         server_state = algorithm.server_update(server_state, ups, weights, info)
-        client_states = jax.tree_util.tree_map(lambda a, new: a.at[ids].set(new), client_states, new_states)
-        return server_state, client_states, RoundOutput(ids, up_bytes, down_bytes, metrics)
+        return server_state, new_states, RoundOutput(ids, up_bytes, down_bytes, metrics)
 
-    return jit(round_fn, donate_argnums=(1,))
+    return step
+
+
+def device_round(algorithm: FederatedAlgorithm, clients_per_round: int, *, seed: int, mesh: Mesh | None = None,
+                 client_chunk: int | None = None) -> Callable:
+    """`round(server_state, client_states, train, round_index)` of the device store (traceable):
+    samples K of train's clients, gathers their states ([N, ...]), runs `round_step` and
+    scatters their new states."""
+    step = round_step(algorithm, clients_per_round, seed=seed, mesh=mesh, client_chunk=client_chunk)
+
+    def round_fn(server_state, client_states, train, round_index):
+        ids = sample_clients(seed, round_index, train.num_clients, clients_per_round)
+        sampled = jax.tree_util.tree_map(lambda a: a[ids], client_states)
+        server_state, new_states, out = step(server_state, sampled, train, ids, ids, round_index)
+        client_states = jax.tree_util.tree_map(lambda a, new: a.at[ids].set(new), client_states, new_states)
+        return server_state, client_states, out
+
+    return round_fn
+
+
+def build_round(algorithm: FederatedAlgorithm, train: FederatedSplit, clients_per_round: int, *,
+                seed: int, mesh: Mesh | None = None,
+                client_chunk: int | None = None) -> Callable[[Any, Any, jax.Array], tuple[Any, Any, RoundOutput]]:
+    """Returns jitted `round(server_state, client_states, round_index)`: the device store's round.
+
+    Every client's state ([N, ...]) and data (`train`) lie on the device; one jit samples,
+    gathers, trains, aggregates and scatters (`device_round`; the client states are donated).
+    See `round_step` for `client_chunk` and `mesh`; `core.store_round` for the other stores.
+    """
+    check_clients_per_round(clients_per_round, train.num_clients)
+    round_fn = device_round(algorithm, clients_per_round, seed=seed, mesh=mesh, client_chunk=client_chunk)
+    return jit(lambda server_state, client_states, round_index: round_fn(server_state, client_states, train,
+                                                                             round_index), donate_argnums=(1,))
 
 
 def default_client_chunk(variables: Any, clients_per_round: int, platform: str | None = None,

@@ -1,0 +1,204 @@
+"""Several processes, one run: JAX's multi-controller runtime (`jax.distributed`), no process pool.
+
+Every process runs the same program. `initialize` joins the processes (from an explicit
+coordinator address, process count and id, or from what JAX detects in a SLURM, Open MPI or
+TPU environment); afterwards `jax.devices()` lists every process's devices and one jitted
+round spans them all. Process p owns the clients with id % P == p (`ProcessLayout`) and
+holds only their data and states; the server state is replicated on every device.
+
+Inputs that only some processes hold reach the round as blocks: each process fills a
+[K, ...] block with its own clients' rows at their positions in the sampled list and zeros
+elsewhere; `process_blocks` makes the global [P, K, ...] array of them (one block per
+process) and the round takes the elementwise max over P, which is exact (every entry is
+held by exactly one process; rows are raw bytes, labels and counts are >= 0). The result is
+sharded over every device of the `processes` x `clients` mesh (`process_mesh`).
+
+On CPU, processes reach each other through gloo collectives, so two processes on one
+machine run the same code a multi-host GPU or TPU job runs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import socket
+import sys
+import threading
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from fedjax_sparse.core.round import CLIENTS_AXIS
+
+PROCESSES_AXIS = "processes"
+LAUNCH_FAILURE_EXIT = 3
+DEFAULT_TIMEOUT_S = 60
+
+
+@dataclasses.dataclass(frozen=True)
+class ProcessLayout:
+    """This process (`index` of `count`) and the clients it owns: id % count == index."""
+
+    index: int = 0
+    count: int = 1
+
+    def owns(self, client_ids) -> np.ndarray:
+        return np.asarray(client_ids) % self.count == self.index
+
+    def local_index(self, client_ids) -> np.ndarray:
+        """The position of owned clients among this process's clients."""
+        return np.asarray(client_ids) // self.count
+
+    def num_local(self, num_clients: int) -> int:
+        """How many of `num_clients` clients this process owns."""
+        return len(range(self.index, num_clients, self.count))
+
+    def tag(self) -> str:
+        """A file-name tag for what this process writes, e.g. '0-of-2'."""
+        return f"{self.index}-of-{self.count}"
+
+
+def current_process() -> ProcessLayout:
+    return ProcessLayout(jax.process_index(), jax.process_count())
+
+
+class LaunchError(ValueError):
+    """A bad multi-process launch, found before contacting the other processes."""
+
+
+def _parse_coordinator(coordinator: str) -> tuple[str, int]:
+    match = re.fullmatch(r"(.+):(\d+)", coordinator or "")
+    if match is None or not 1 <= int(match.group(2)) <= 65535:
+        raise LaunchError(f"--coordinator must be HOST:PORT with a port in 1..65535, got {coordinator!r}")
+    return match.group(1), int(match.group(2))
+
+
+def _check_port_free(port: int) -> None:
+    """The coordinator (process 0) binds PORT on every interface; JAX crashes if it cannot."""
+    family = socket.AF_INET6 if socket.has_ipv6 else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("::" if family == socket.AF_INET6 else "", port))
+        except OSError as e:
+            raise LaunchError(f"--coordinator port {port} is not free on this machine ({e.strerror}); "
+                              f"choose another port") from None
+
+
+def check_launch(coordinator: str | None, num_processes: int | None, process_id: int | None) -> bool:
+    """Validates the launch flags; True when they ask for several processes, False for one process
+    or for JAX's cluster detection (all three unset)."""
+    given = {"--coordinator": coordinator, "--num-processes": num_processes, "--process-id": process_id}
+    missing = [name for name, value in given.items() if value is None]
+    if len(missing) == 3:
+        return False
+    if missing:
+        raise LaunchError(f"{', '.join(missing)} missing: give --coordinator, --num-processes and --process-id "
+                          f"together, or none of them to let JAX detect a SLURM, Open MPI or TPU cluster")
+    _parse_coordinator(coordinator)
+    if not isinstance(num_processes, int) or num_processes < 1:
+        raise LaunchError(f"--num-processes must be an integer >= 1, got {num_processes!r}")
+    if not isinstance(process_id, int) or not 0 <= process_id < num_processes:
+        raise LaunchError(f"--process-id must be in 0..{num_processes - 1} (--num-processes {num_processes}), "
+                          f"got {process_id!r}")
+    return True
+
+
+def _fail_launch(message: str) -> None:
+    sys.stderr.write(message + "\n")
+    sys.stderr.flush()
+    os._exit(LAUNCH_FAILURE_EXIT)
+
+
+def initialize(coordinator: str | None = None, num_processes: int | None = None, process_id: int | None = None,
+               *, timeout_s: int = DEFAULT_TIMEOUT_S, cluster: bool = False) -> ProcessLayout:
+    """Joins this process to the run's other processes and returns where it stands.
+
+    Give `coordinator` ('HOST:PORT' of process 0), `num_processes` and `process_id`, or none
+    of them with `cluster=True` for JAX's own detection (SLURM, Open MPI, TPU pods); none of
+    them without `cluster` is a one-process run (nothing to join). Must run before any other
+    JAX call. Selects gloo for CPU collectives.
+
+    Failures are one line on stderr: flags that cannot be right (an id outside 0..P-1, a
+    missing flag, a taken port on process 0) raise `LaunchError` at once; processes that do
+    not all meet within `timeout_s` seconds (one not started, two with the same id, a wrong
+    coordinator address) end this process with exit status 3 after one line. JAX offers no
+    way back from a failed rendezvous (its own deadline aborts the process with a stack
+    trace), so a watchdog ends the process first, `timeout_s` after the call.
+    """
+    explicit = check_launch(coordinator, num_processes, process_id)
+    if not explicit and not cluster:
+        return ProcessLayout()
+    if explicit and num_processes == 1:
+        return ProcessLayout()
+    if explicit and process_id == 0:
+        _check_port_free(_parse_coordinator(coordinator)[1])
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    where = f"at {coordinator}" if explicit else "through cluster detection"
+    who = f"process {process_id} of {num_processes}" if explicit else "this process"
+    watchdog = threading.Timer(timeout_s, _fail_launch, args=(
+        f"fedjax_sparse: {who} did not meet all the other processes {where} within {timeout_s} s: start every "
+        f"process with the same --coordinator and --num-processes and a distinct --process-id in "
+        f"0..{(num_processes or 1) - 1}, within {timeout_s} s of each other",))
+    watchdog.daemon = True
+    watchdog.start()
+    try:
+        jax.distributed.initialize(coordinator_address=coordinator, num_processes=num_processes,
+                                   process_id=process_id, initialization_timeout=timeout_s + 60)
+        jax.devices()  # the collectives backend connects here
+    except Exception as e:  # noqa: BLE001 - JAX raises several kinds; the user gets one line either way
+        watchdog.cancel()
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise LaunchError(f"jax.distributed could not start {where}: {first}") from None
+    watchdog.cancel()
+    return current_process()
+
+
+def process_mesh(devices=None) -> Mesh:
+    """Every device of the run as a `processes` x `clients` grid (one row per process)."""
+    devices = jax.devices() if devices is None else devices
+    devices = sorted(devices, key=lambda d: (d.process_index, d.id))
+    count = len({d.process_index for d in devices})
+    return Mesh(np.array(devices, dtype=object).reshape(count, -1), (PROCESSES_AXIS, CLIENTS_AXIS))
+
+
+def _block_spec(mesh: Mesh) -> PartitionSpec:
+    if PROCESSES_AXIS in mesh.axis_names:
+        return PartitionSpec(PROCESSES_AXIS, tuple(a for a in mesh.axis_names if a != PROCESSES_AXIS))
+    return PartitionSpec(None, tuple(mesh.axis_names))
+
+
+def process_blocks(local: Any, mesh: Mesh | None) -> Any:
+    """This process's [K, ...] blocks as global [P, K, ...] arrays, one block per process."""
+    if mesh is None:
+        return jax.tree_util.tree_map(lambda x: jax.device_put(np.asarray(x)[None]), local)
+    count = mesh.shape.get(PROCESSES_AXIS, 1)
+    sharding = NamedSharding(mesh, _block_spec(mesh))
+    return jax.tree_util.tree_map(lambda x: jax.make_array_from_process_local_data(
+        sharding, np.asarray(x)[None], (count, *np.shape(x))), local)
+
+
+def combine_blocks(blocks: Any) -> Any:
+    """[P, K, ...] blocks -> [K, ...] (traceable): exact, since each entry is non-zero in one block."""
+    return jax.tree_util.tree_map(lambda b: b[0] if b.shape[0] == 1 else b.max(axis=0), blocks)
+
+
+def replicated(tree: Any, mesh: Mesh | None) -> Any:
+    """`tree` on every device of `mesh` (no-op without a mesh); every process must give the same values."""
+    if mesh is None:
+        return tree
+    sharding = NamedSharding(mesh, PartitionSpec())
+
+    def place(x):
+        if isinstance(x, jax.Array) and x.sharding.is_equivalent_to(sharding, x.ndim):
+            return x
+        return jax.make_array_from_process_local_data(sharding, np.asarray(x), np.shape(x))
+
+    return jax.tree_util.tree_map(place, tree)
+
+
+def replicated_sharding(mesh: Mesh | None) -> NamedSharding | None:
+    return None if mesh is None else NamedSharding(mesh, PartitionSpec())

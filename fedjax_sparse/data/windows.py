@@ -1,0 +1,117 @@
+"""Client data off the device: each process holds its own clients' examples on the host
+(in memory, or memory-mapped .npy files), and a round gathers the K sampled clients' windows.
+
+The gathered windows form a small `FederatedSplit` ([K x max_count] examples, client k at
+offset k x max_count) that the jitted round indexes exactly as it indexes the whole
+population's split on the device. `max_count` is the whole population's largest client,
+which fixes the scan lengths and shuffles, so a client trains identically either way.
+Several processes: each holds the clients it owns (`ProcessLayout`: id % P == p, local
+index id // P) and fills only their windows; the others stay zero (combined in the round).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import TYPE_CHECKING, Sequence
+
+import chex
+import numpy as np
+
+if TYPE_CHECKING:
+    from fedjax_sparse.core.distributed import ProcessLayout
+
+
+@dataclasses.dataclass(frozen=True)
+class Windows:
+    """The sampled clients' examples: x [K x max_count, ...] uint8, y [K x max_count] int32, counts [K]."""
+
+    x: np.ndarray
+    y: np.ndarray
+    counts: np.ndarray
+
+
+@dataclasses.dataclass(frozen=True)
+class HostData:
+    """This process's clients' examples, client after client (offsets, counts: by local index)."""
+
+    x: np.ndarray
+    y: np.ndarray
+    offsets: np.ndarray
+    counts: np.ndarray
+    mean: np.ndarray
+    std: np.ndarray
+    max_count: int
+    num_clients: int
+    augment: bool = False
+    process_index: int = 0
+    process_count: int = 1
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of examples this process holds (on disk for memory-mapped data)."""
+        return int(self.x.nbytes + self.y.nbytes)
+
+    def windows(self, ids: np.ndarray) -> Windows:
+        """The windows of the sampled `ids` this process owns; zeros at the other positions."""
+        ids = np.asarray(ids)
+        m = self.max_count
+        x = np.zeros((len(ids) * m, *self.x.shape[1:]), self.x.dtype)
+        y = np.zeros(len(ids) * m, np.int32)
+        counts = np.zeros(len(ids), np.int32)
+        for k, client in enumerate(ids.tolist()):
+            if client % self.process_count != self.process_index:
+                continue
+            local = client // self.process_count
+            start, n = int(self.offsets[local]), int(self.counts[local])
+            x[k * m:k * m + n] = self.x[start:start + n]
+            y[k * m:k * m + n] = self.y[start:start + n]
+            counts[k] = n
+        return Windows(x, y, counts)
+
+
+def host_data(x: np.ndarray, y: np.ndarray, client_indices: Sequence[np.ndarray], mean: Sequence[float],
+              std: Sequence[float], augment: bool = False, process: "ProcessLayout | None" = None) -> HostData:
+    """The clients of `client_indices` that this process owns, laid out like `federated_split`."""
+    chex.assert_rank(x, 4)
+    chex.assert_type(x, np.uint8)
+    index, count = (process.index, process.count) if process is not None else (0, 1)
+    sizes = np.array([len(ix) for ix in client_indices], np.int64)
+    if len(sizes) == 0 or sizes.min() < 1:
+        raise ValueError("every client needs at least one example")
+    own = [np.asarray(client_indices[i], np.int64) for i in range(index, len(client_indices), count)]
+    counts = sizes[index::count].astype(np.int32)
+    order = np.concatenate(own) if own else np.zeros(0, np.int64)
+    return HostData(x=np.ascontiguousarray(x[order]), y=np.asarray(y[order], np.int32),
+                    offsets=np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64), counts=counts,
+                    mean=np.asarray(mean, np.float32), std=np.asarray(std, np.float32),
+                    max_count=int(sizes.max()), num_clients=len(client_indices), augment=augment,
+                    process_index=index, process_count=count)
+
+
+def save_host_data(data: HostData, directory: str | Path) -> Path:
+    """Writes `data` as .npy files (x, y, offsets, counts) and meta.json, to open memory-mapped."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    for name in ("x", "y", "offsets", "counts"):
+        np.save(directory / f"{name}.npy", getattr(data, name))
+    meta = {"mean": data.mean.tolist(), "std": data.std.tolist(), "max_count": data.max_count,
+            "num_clients": data.num_clients, "augment": data.augment, "process_index": data.process_index,
+            "process_count": data.process_count}
+    (directory / "meta.json").write_text(json.dumps(meta))
+    return directory
+
+
+def open_host_data(directory: str | Path, mmap: bool = True) -> HostData:
+    """Data written by `save_host_data` (or built file by file with the same names); memory-mapped by
+    default, so only the windows a round reads come into memory."""
+    directory = Path(directory)
+    if not (directory / "meta.json").exists():
+        raise FileNotFoundError(f"no client data under {directory} (meta.json missing)")
+    meta = json.loads((directory / "meta.json").read_text())
+    arrays = {name: np.load(directory / f"{name}.npy", mmap_mode="r" if mmap else None)
+              for name in ("x", "y", "offsets", "counts")}
+    return HostData(**arrays, mean=np.asarray(meta["mean"], np.float32), std=np.asarray(meta["std"], np.float32),
+                    max_count=meta["max_count"], num_clients=meta["num_clients"], augment=meta["augment"],
+                    process_index=meta["process_index"], process_count=meta["process_count"])
