@@ -480,20 +480,23 @@ def test_conv2d_refuses_what_it_does_not_implement():
 
 @pytest.mark.parametrize("shape", [(2, 8, 8, 3), (2, 7, 9, 2)])
 def test_max_pool2_equals_flax_max_pool_in_values_and_gradients(shape):
-    """The reshape max pool is nn.max_pool(2, stride 2, floor), odd sizes included, gradients too."""
+    """The library max pool is nn.max_pool(2, stride 2, floor), odd sizes included, gradients too (ties: one
+    element of the window gets the gradient, the first maximum)."""
     from fedjax_sparse.models.layers import max_pool2
 
-    x = jax.random.normal(jax.random.key(0), shape)
     g = jax.random.normal(jax.random.key(1), (shape[0], shape[1] // 2, shape[2] // 2, shape[3]))
 
     def reference(x):
         return nn.max_pool(x, (2, 2), strides=(2, 2), padding="VALID")
 
-    for fn in (max_pool2, reference):
-        assert fn(x).shape == g.shape
-    np.testing.assert_array_equal(max_pool2(x), reference(x))
-    grad = lambda fn: jax.grad(lambda x: jnp.sum(fn(x) * g))(x)  # noqa: E731
-    np.testing.assert_array_equal(grad(max_pool2), grad(reference))
+    x = jax.random.normal(jax.random.key(0), shape)
+    for x in (x, jnp.round(x), jax.nn.relu(x)):  # the last two full of tied maxima (zeros after a ReLU)
+        for fn in (max_pool2, reference):
+            assert fn(x).shape == g.shape
+        np.testing.assert_array_equal(max_pool2(x), reference(x))
+        for fn in (lambda f: f, jax.jit):
+            grad = lambda pool: fn(jax.grad(lambda x: jnp.sum(pool(x) * g)))(x)  # noqa: E731
+            np.testing.assert_array_equal(grad(max_pool2), grad(reference))
 
 
 def test_library_jit_keeps_cpu_convolutions_out_of_ynnpack():

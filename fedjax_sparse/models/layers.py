@@ -131,20 +131,23 @@ def any_kept(unit_masks: dict | None, layers: Sequence[str]) -> jax.Array | None
 
 
 def max_pool2(x: jax.Array) -> jax.Array:
-    """2x2 max pooling, stride 2, floor (PyTorch's MaxPool2d(2)).
+    """2x2 max pooling, stride 2, floor (PyTorch's MaxPool2d(2)); the gradient goes to one element of
+    each window, the first maximum (as `nn.max_pool`'s and PyTorch's do).
 
-    Written as a max over the two axes of a reshape rather than `nn.max_pool`:
-    the same values, but its gradient is an elementwise mask, while XLA:CPU
-    runs the window-reduction gradient of `nn.max_pool` as a variadic
-    reduce-window over index tensors: about a tenth of a spafl_cnn training
-    step on 2 CPU cores (benchmarks/results/cnn_client_cpu.md). The gradients
-    differ only where a window holds tied maxima (reduce-window picks one, this
-    splits it among them), which after a ReLU happens only among zeros, whose
-    gradient the ReLU stops anyway.
+    Written with the window's four strided slices, the index of their maximum and a one-hot
+    selection rather than `nn.max_pool`: the same values and gradients, but its gradient is an
+    elementwise product, while XLA:CPU runs the window-reduction gradient of `nn.max_pool` as a
+    variadic reduce-window over index tensors (about a tenth of a spafl_cnn training step on 2 CPU
+    cores, benchmarks/results/cnn_client_cpu.md). The gradient follows the index computed in the
+    forward pass, never an equality test between the output and a recomputed input: XLA may
+    compute one value in two fusions with different rounding, and a `jnp.max` over a reshape
+    (whose gradient tests `x == max(x)`) then lost whole units' gradients under jit.
     """
     n, h, w, c = x.shape
-    x = x[:, : h // 2 * 2, : w // 2 * 2, :].reshape(n, h // 2, 2, w // 2, 2, c)
-    return jnp.max(x, axis=(2, 4))
+    x = x[:, : h // 2 * 2, : w // 2 * 2, :]
+    windows = jnp.stack([x[:, i::2, j::2, :] for i in (0, 1) for j in (0, 1)], axis=-1)
+    pick = jax.nn.one_hot(jnp.argmax(windows, axis=-1), 4, dtype=x.dtype)
+    return jnp.sum(windows * jax.lax.stop_gradient(pick), axis=-1)
 
 
 def relu_pool2(x: jax.Array) -> jax.Array:
