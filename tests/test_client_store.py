@@ -195,6 +195,29 @@ def test_slots_a_checkpoint_needs_are_never_overwritten():
     np.testing.assert_array_equal(kept_two.assign(np.array([0])), [2])  # slots 0 and 1 both still pinned
 
 
+def test_a_restored_disk_store_leaves_the_older_checkpoints_rows_intact(setting, tmp_path):
+    """Checkpoints c1 and c2 kept (keep=2); a crash, a restore from c2 and more writes: c1 still reads
+    back as saved, so deleting a damaged c2 and resuming from c1 stays exact."""
+    alg, key, variables = scaffold(setting["local"], 6), jax.random.key(0), setting["variables"]
+    rng = np.random.default_rng(2)
+    a, b, c = (rng.integers(0, 64, (2, 340_008), dtype=np.uint8) for _ in range(3))
+    ids = np.array([0, 1])
+    store = make_store("disk", alg, key, variables, 6, directory=tmp_path / "rows", keep=2)
+    store.write(ids, a)
+    store.snapshot(tmp_path / "c1")
+    store.write(ids, b)
+    store.snapshot(tmp_path / "c2")
+    store.close()
+    resumed = make_store("disk", alg, key, variables, 6, directory=tmp_path / "rows", keep=2)
+    resumed.restore(tmp_path / "c2")
+    np.testing.assert_array_equal(resumed.read(ids)[0], b)
+    resumed.write(ids, c)
+    resumed.write(ids, c)
+    older = make_store("disk", alg, key, variables, 6, directory=tmp_path / "rows", keep=2)
+    older.restore(tmp_path / "c1")
+    np.testing.assert_array_equal(older.read(ids)[0], a)
+
+
 def test_disk_store_file_stays_near_the_clients_written():
     """Clients written + keep x K x rounds between checkpoints bounds the rows in the file."""
     rng = np.random.default_rng(1)
