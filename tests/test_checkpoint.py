@@ -32,6 +32,7 @@ def test_resumed_run_extends_to_the_uninterrupted_metrics(tmp_path):
 def test_checkpoint_of_another_configuration_is_refused(tmp_path, capsys):
     run = tmp_path / "run"
     assert main(["run", *BASE, "--rounds", "2", "--checkpoint-every", "1", "--out", str(run)]) == 0
+    capsys.readouterr()
     assert main(["run", "--resume", str(run), "--lr", "0.2", "--no-progress"]) == 2
     err = capsys.readouterr().err
     assert "lr: checkpoint has 0.1, this run has 0.2" in err and len(err.strip().splitlines()) == 1

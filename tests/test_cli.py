@@ -21,11 +21,11 @@ SMALL = ["--num-clients", "6", "--clients-per-round", "3", "--rounds", "3", "--l
 
 def saved_final_state(out):
     """The experiment of run directory `out` and the states of its last checkpoint."""
-    config = RunConfig.from_dict(json.loads((out / "config.json").read_text()))
+    config = RunConfig.from_dict(json.loads((out / "config.json").read_text())).replace(client_store="device")
     exp = build_experiment(config)
-    rounds_done, server, clients, _ = RunCheckpointer(out).restore(exp.server_state, exp.client_states)
+    rounds_done, server, _ = RunCheckpointer(out).restore(exp.server_state, exp.store)
     assert rounds_done == config.rounds
-    return exp, server, clients
+    return exp, server, exp.store.states
 
 
 def hand_scores(model, variables, x, y, mean, std):

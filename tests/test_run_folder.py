@@ -222,11 +222,20 @@ def test_a_rerun_into_a_finished_folder_is_refused_and_overwrite_starts_afresh(p
 
 def test_a_save_that_cannot_happen_is_an_error(tmp_path):
     """orbax skips, without a word, a step that is not above the latest one on disk."""
+    import jax
+    from conftest import linear_model
+    from fedjax_sparse.algorithms import fedavg
+    from fedjax_sparse.core.client_store import make_store
+    from fedjax_sparse.core.local_training import LocalSGD
+
+    model = linear_model()
+    store = make_store("device", fedavg(LocalSGD(model, 0.1, 1, 2)), jax.random.key(0), model.init(jax.random.key(1)),
+                       2)
     state = {"w": np.arange(3.0)}
-    RunCheckpointer(tmp_path).save(4, state, state, {"config": {}, "counters": {}})
+    RunCheckpointer(tmp_path).save(4, state, store, {"config": {}, "counters": {}})
     with pytest.raises(CheckpointError, match="cannot save the checkpoint of round 2 .* already holds one of "
                                               "round 4"):
-        RunCheckpointer(tmp_path).save(2, state, state, {"config": {}, "counters": {}})
+        RunCheckpointer(tmp_path).save(2, state, store, {"config": {}, "counters": {}})
     assert checkpoint_rounds(tmp_path) == [4]
 
 
