@@ -232,14 +232,15 @@ def build_experiment(config: RunConfig, progress: bool = True, *, process: Proce
     context = BuildContext(local=local, num_clients=config.num_clients, clients_per_round=config.clients_per_round,
                            train=None, num_classes=dataset.num_classes, seed=config.seed,
                            labels_per_client=config.labels_per_client if config.partition == "labels" else None)
-    variables = model.init(stream_key(config.seed, "model_init"))
-    key = stream_key(config.seed, "algorithm_init")
     try:  # built without the clients' data first: most algorithms never read them
         algorithm, needs_device = make_algorithm(config.algorithm, context, config.algorithm_options), None
     except NeedsDeviceData as e:
         algorithm, needs_device = None, e
-    backend = client_store_backend(config, process, needs_device, snapshot, algorithm, key, variables,
+    key = stream_key(config.seed, "algorithm_init")
+    backend = client_store_backend(config, process, needs_device, snapshot, algorithm, key,
+                                   jax.eval_shape(model.init, stream_key(config.seed, "model_init")),
                                    _data_bytes(dataset, client_indices, test_indices))
+    variables = model.init(stream_key(config.seed, "model_init"))
     if backend == "device":
         train = federated_split(dataset.x_train, dataset.y_train, client_indices, dataset.mean, dataset.std,
                                 augment=dataset.augment)
@@ -282,7 +283,7 @@ def client_store_backend(config: RunConfig, process: ProcessLayout, needs_device
                          snapshot: str | None, algorithm, key, variables, data_bytes: int) -> str:
     """The store `config.client_store` gives for this run, or a one-line error where that store cannot
     hold it. `auto` says what it chose and why, unless it is the device (today's layout; summary.json
-    names the store of every run)."""
+    names the store of every run). `variables`: the model's (their shapes suffice)."""
     wanted, prefix = config.client_store, f"process {process.tag()}: " if process.count > 1 else ""
     if needs_device is not None:
         if wanted not in ("auto", "device") or process.count > 1:
