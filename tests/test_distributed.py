@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 import distributed_job
+from conftest import SCAFFOLD_ARGS
 from fedjax_sparse.cli import main
 from fedjax_sparse.core import distributed
 from fedjax_sparse.core.round import sample_clients_host
@@ -91,11 +92,9 @@ def test_each_process_holds_about_half_the_data(two_processes, one_process):
 
 
 # ---------------------------------------------------------------------------------------------
-# Through the command line: SCAFFOLD, 6 clients, 4 a round (2 on each process's device)
+# Through the command line: conftest's SCAFFOLD run, 4 clients, 2 a round (1 on each process's device)
 
-RUN = ["--algorithm", "scaffold", "--num-clients", "6", "--clients-per-round", "4", "--local-epochs", "1",
-       "--max-train-examples", "300", "--max-test-examples", "100", "--checkpoint-every", "2", "--no-progress"]
-ROUNDS = 4
+RUN, ROUNDS = SCAFFOLD_ARGS, 4
 
 
 def launch_cli(process_id, port, *args, timeout=None) -> subprocess.Popen:
@@ -116,16 +115,14 @@ def run_two(*args):
 
 
 @pytest.fixture(scope="module")
-def cli_runs(tmp_path_factory):
+def cli_runs(tmp_path_factory, scaffold_reference):
     """Two processes run 2 rounds (auto picks the host store: several processes never use the device's)
-    and save; two processes resume them to 4 rounds on the disk store. One process runs the 4 rounds
-    on the device store."""
-    root = tmp_path_factory.mktemp("cli")
-    one, two = root / "one", root / "two"
+    and save; two processes resume them to 4 rounds on the disk store. One process ran the rounds on
+    the device store (conftest's reference, checkpointed at round 4)."""
+    two = tmp_path_factory.mktemp("cli") / "two"
     first = run_two(*RUN, "--rounds", 2, "--out", two)
     resumed = run_two("--resume", two, "--rounds", ROUNDS, "--client-store", "disk", "--no-progress")
-    assert main(["run", *RUN, "--rounds", str(ROUNDS), "--out", str(one)]) == 0
-    return one, two, first, resumed
+    return scaffold_reference, two, first, resumed
 
 
 def records(run):
@@ -134,7 +131,7 @@ def records(run):
 
 def test_two_processes_through_the_cli_write_the_one_process_metrics(cli_runs):
     one, two, _, _ = cli_runs
-    expected, got = records(one), records(two)
+    expected, got = records(one)[:ROUNDS], records(two)
     assert [r["round"] for r in got] == list(range(1, ROUNDS + 1))
     for mine, theirs in zip(got, expected):
         assert mine.keys() == theirs.keys()
@@ -149,11 +146,11 @@ def test_two_processes_through_the_cli_write_the_one_process_metrics(cli_runs):
 
 def test_process_0_reports_the_run_as_the_console_entry_point_does(cli_runs):
     """`python -m fedjax_sparse run` (each process here) ends with process 0's one line on the run.
-    SCAFFOLD sends the model and its control variate both ways: 4 clients x 2 x 85,002 float32s a round."""
+    SCAFFOLD sends the model and its control variate both ways: 2 clients x 2 x 85,002 float32s a round."""
     _, two, _, resumed = cli_runs
     summary = json.loads((two / "summary.json").read_text())
-    assert summary["total_uplink_bytes"] == summary["total_downlink_bytes"] == ROUNDS * 4 * 2 * 85002 * 4
-    assert summary["cumulative_bytes"] == 2 * ROUNDS * 4 * 2 * 85002 * 4
+    assert summary["total_uplink_bytes"] == summary["total_downlink_bytes"] == ROUNDS * 2 * 2 * 85002 * 4
+    assert summary["cumulative_bytes"] == 2 * ROUNDS * 2 * 2 * 85002 * 4
     stdout = resumed[0][1]
     assert (f"done: test accuracy {summary['final_test_accuracy']:.4f}, personalized accuracy "
             f"{summary['final_personalized_accuracy']:.4f}, {summary['cumulative_bytes']:,} bytes in ") in stdout
@@ -184,7 +181,7 @@ def test_each_process_keeps_the_states_of_its_own_clients(cli_runs):
     one, two, _, _ = cli_runs
     final = one / "checkpoints" / str(ROUNDS) / "client_states" / "client_states.0-of-1"
     single = np.load(final / "rows.npy")
-    sampled = set(np.concatenate([sample_clients_host(0, r, 6, 4) for r in range(ROUNDS)]).tolist())
+    sampled = set(np.concatenate([sample_clients_host(0, r, 4, 2) for r in range(ROUNDS)]).tolist())
     held = []
     for p in range(2):
         snapshot = two / "checkpoints" / str(ROUNDS) / "client_states" / f"client_states.{p}-of-2"

@@ -21,14 +21,13 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from conftest import SCAFFOLD_ARGS, SCAFFOLD_ROUNDS
 from fedjax_sparse.checkpoint import CheckpointError, RunCheckpointer
 from fedjax_sparse.cli import main
 from fedjax_sparse.data.sources import load_image_folder
 from fedjax_sparse.run_folder import hold_run_folder
 
-ROUNDS = 6
-ARGS = ["--algorithm", "scaffold", "--num-clients", "4", "--clients-per-round", "2", "--local-epochs", "1",
-        "--max-train-examples", "200", "--max-test-examples", "100", "--checkpoint-every", "2", "--no-progress"]
+ROUNDS, ARGS = SCAFFOLD_ROUNDS, SCAFFOLD_ARGS
 DISK = ["--client-store", "disk"]
 WALL_CLOCK = ("first_round_seconds", "wall_seconds", "client_store")
 
@@ -60,12 +59,10 @@ def assert_same_as(run, reference):
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory):
+def reference(scaffold_reference):
     """The uninterrupted run every interrupted one must end up equal to."""
-    run = tmp_path_factory.mktemp("reference") / "run"
-    assert main(["run", *ARGS, "--rounds", str(ROUNDS), "--out", str(run)]) == 0
-    assert len(metrics_text(run).splitlines()) == ROUNDS and summary(run)["status"] == "completed"
-    return run
+    assert summary(scaffold_reference)["status"] == "completed"
+    return scaffold_reference
 
 
 @pytest.fixture(scope="module")

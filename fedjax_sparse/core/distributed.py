@@ -146,10 +146,11 @@ def initialize(coordinator: str | None = None, num_processes: int | None = None,
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     where = f"at {coordinator}" if explicit else "through cluster detection"
     who = f"process {process_id} of {num_processes}" if explicit else "this process"
+    how = (f"start every process with the same --coordinator and --num-processes and a distinct --process-id in "
+           f"0..{num_processes - 1}" if explicit else "check that the job started all its processes (tasks)")
     watchdog = threading.Timer(timeout_s, _fail_launch, args=(
-        f"fedjax_sparse: {who} did not meet all the other processes {where} within {timeout_s} s: start every "
-        f"process with the same --coordinator and --num-processes and a distinct --process-id in "
-        f"0..{(num_processes or 1) - 1}, within {timeout_s} s of each other",))
+        f"fedjax_sparse: {who} did not meet all the other processes {where} within {timeout_s} s: {how}, within "
+        f"{timeout_s} s of each other",))
     watchdog.daemon = True
     watchdog.start()
     try:
@@ -159,6 +160,9 @@ def initialize(coordinator: str | None = None, num_processes: int | None = None,
     except Exception as e:  # noqa: BLE001 - JAX raises several kinds; the user gets one line either way
         watchdog.cancel()
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        if not explicit:
+            raise LaunchError(f"--cluster: JAX found no SLURM, Open MPI or TPU pod job to take the processes from "
+                              f"({first}); give --coordinator, --num-processes and --process-id instead") from None
         raise LaunchError(f"jax.distributed could not start {where}: {first}") from None
     watchdog.cancel()
     return current_process()
