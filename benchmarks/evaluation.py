@@ -95,20 +95,20 @@ def run_issue_setting(cifar10: Path, repeats: int) -> dict:
     config = RunConfig.create(algorithm="spafl", dataset=f"imagefolder:{cifar10}", model="spafl_cnn",
                               num_clients=100, clients_per_round=10, rounds=1, local_epochs=5, batch_size=64,
                               lr=0.001, momentum=0.9, partition="dirichlet", alpha=0.2, out="unused",
-                              compilation_cache=False)
+                              compilation_cache=False, client_store="device")
     rss_start = rss_bytes()
     exp = build_experiment(config, progress=False)
     rss_built = rss_bytes()
-    server, clients = exp.server_state, exp.client_states
+    server, clients = exp.server_state, exp.store.states
     start = time.perf_counter()
-    jax.block_until_ready(exp.evaluate_personalized(server, clients))
+    jax.block_until_ready(exp.evaluate_personalized(server, clients, exp.local_test))
     first = time.perf_counter() - start
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
-        evaluate(exp, server, clients)  # as the runner evaluates: personalized, plus SpaFL's diagnostics
+        evaluate(exp, server)  # as the runner evaluates: personalized, plus SpaFL's diagnostics
         times.append(time.perf_counter() - start)
-    stats = exp.evaluate_personalized.lower(server, clients).compile().memory_analysis()
+    stats = exp.evaluate_personalized.lower(server, clients, exp.local_test).compile().memory_analysis()
     nbytes = lambda tree: sum(x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(tree))  # noqa: E731
     seconds = min(times)
     return {"config": config.to_dict(), "local_test_examples": int(np.asarray(exp.local_test.counts).sum()),

@@ -100,7 +100,7 @@ def transfer(config: RunConfig, run_dir: Path, *, epochs: int | None = None, bat
     """
     epochs, batch_size = epochs or TRANSFER_EPOCHS, batch_size or TRANSFER_BATCH
     exp = build_experiment(config, progress=False)
-    _, server, _, _ = RunCheckpointer(run_dir).restore(exp.server_state, exp.client_states)
+    _, server, _ = RunCheckpointer(run_dir).restore(exp.server_state, exp.store)
     data = exp.dataset
     order = np.random.default_rng(stream_seed(config.seed, "local_test")).permutation(len(data.y_test))
     cut = int(TRANSFER_TRAIN_SHARE * len(order))

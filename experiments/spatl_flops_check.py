@@ -139,7 +139,8 @@ def main(argv=None) -> int:
     start = time.perf_counter()
     summary = run_experiment(cfg, overwrite=True)
     exp = build_experiment(cfg, progress=False)
-    _, _, client_states, _ = RunCheckpointer(cfg.out).restore(exp.server_state, exp.client_states)
+    RunCheckpointer(cfg.out).restore(exp.server_state, exp.store)
+    client_states = exp.store.client_states(np.arange(cfg.num_clients))
     command = ("python -m experiments.spatl_flops_check --rounds "
                f"{args.rounds} --max-train-examples {args.max_train_examples} --out {args.out}")
     write(Path(cfg.out), cfg, summary, flops_rows(exp, client_states, 64), holdout_rows(exp), command)

@@ -1,10 +1,18 @@
 """Whole-run checkpoints with orbax, for exact resume.
 
-A checkpoint holds the server state, the stacked client states (optimizer and
-control variates included, whatever the algorithm keeps), the number of rounds
-done and the run's byte counters. Randomness needs no saving: clients, batches
-and augmentation are drawn from keys derived from (seed, round, client), so a
+A checkpoint holds the server state, the client states (optimizer and control
+variates included, whatever the algorithm keeps), the number of rounds done and
+the run's byte counters. Randomness needs no saving: clients, batches and
+augmentation are drawn from keys derived from (seed, round, client), so a
 resumed run draws exactly what the uninterrupted run would have.
+
+The client states are their store's snapshot (`core.client_store`), an item of
+the checkpoint that every process writes for the clients it holds
+(`client_states/client_states.{p}-of-{P}`) before orbax commits the checkpoint;
+the disk store's snapshot is its slot map, its rows staying in the store's file
+under the run folder. Device and host snapshots restore into any store; a disk
+snapshot only into the disk store. With several processes orbax saves the
+replicated server state once and every process takes part in each save.
 
 A save either commits a checkpoint that reads back or raises `CheckpointError`:
 orbax silently skips a step that is not above the latest one on disk, which
@@ -13,6 +21,7 @@ would leave a run believing it had saved.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 from typing import Any
@@ -20,11 +29,40 @@ from typing import Any
 import jax
 import orbax.checkpoint as ocp
 
+from fedjax_sparse.core.client_store import ClientStore, DeviceStore
 from fedjax_sparse.faults import fault_point
 
-# Config fields a resumed run may change without changing its results.
+# Config fields a resumed run may change without changing its results. The client store may change
+# (each holds the same states), except that a disk store's checkpoint restores only into the disk
+# store (the runner refuses the others, and `auto` picks disk then).
 RESUMABLE_CHANGES = ("rounds", "out", "checkpoint_every", "shard_clients", "compilation_cache", "data_dir", "download",
-                     "tensorboard")
+                     "tensorboard", "client_store")
+KEEP = 2  # checkpoints kept; the disk client store never overwrites the rows they refer to
+CLIENT_STATES = "client_states"  # the checkpoint's item holding the client-state snapshots
+
+
+class ClientStatesHandler(ocp.CheckpointHandler):
+    """A checkpoint's client states: each process saves its store's snapshot into the item's
+    folder (durable before orbax commits the checkpoint) and restores its store from it."""
+
+    def save(self, directory, args: "ClientStatesSave") -> None:
+        args.store.snapshot(Path(directory))
+
+    def restore(self, directory, args: "ClientStatesRestore") -> str:
+        args.store.restore(Path(directory))
+        return args.store.backend
+
+
+@ocp.args.register_with_handler(ClientStatesHandler, for_save=True)
+@dataclasses.dataclass
+class ClientStatesSave(ocp.args.CheckpointArgs):
+    store: ClientStore
+
+
+@ocp.args.register_with_handler(ClientStatesHandler, for_restore=True)
+@dataclasses.dataclass
+class ClientStatesRestore(ocp.args.CheckpointArgs):
+    store: ClientStore
 
 
 class CheckpointError(RuntimeError):
@@ -46,18 +84,18 @@ def has_checkpoints(run_dir: str | Path) -> bool:
 class RunCheckpointer:
     """Keeps the latest checkpoints of one run under RUN_DIR/checkpoints/<rounds done>."""
 
-    def __init__(self, run_dir: str | Path, max_to_keep: int = 2):
+    def __init__(self, run_dir: str | Path, max_to_keep: int = KEEP):
         self.run_dir = Path(run_dir)
         self.directory = self.run_dir.resolve() / "checkpoints"
         self._manager = ocp.CheckpointManager(self.directory,
                                               options=ocp.CheckpointManagerOptions(max_to_keep=max_to_keep))
 
-    def save(self, rounds_done: int, server_state: Any, client_states: Any, meta: dict) -> Path:
+    def save(self, rounds_done: int, server_state: Any, store: ClientStore, meta: dict) -> Path:
         """Writes the checkpoint of `rounds_done` rounds, waits for it and reads its meta back."""
         latest = self.latest_round()
-        state = {"server_state": server_state, "client_states": client_states}
         if not self._manager.save(rounds_done, args=ocp.args.Composite(
-                state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta))):
+                state=ocp.args.StandardSave({"server_state": server_state}), meta=ocp.args.JsonSave(meta),
+                **{CLIENT_STATES: ClientStatesSave(store)})):
             raise CheckpointError(f"cannot save the checkpoint of round {rounds_done} in {self.directory}: it "
                                   f"already holds one of round {latest}, from another run or an earlier "
                                   f"attempt; start again with --overwrite or choose a new --out")
@@ -74,26 +112,43 @@ class RunCheckpointer:
     def latest_round(self) -> int | None:
         return self._manager.latest_step()
 
+    def client_states_dir(self) -> Path | None:
+        """The folder of the latest checkpoint's client-state snapshots (None: no checkpoint, or one
+        saved before the client stores, which kept the device's client states in its state item)."""
+        rounds_done = self.latest_round()
+        path = None if rounds_done is None else self.directory / str(rounds_done) / CLIENT_STATES
+        return path if path is not None and path.is_dir() else None
+
     def _unreadable(self, rounds_done: int, err: Exception) -> CheckpointError:
         return CheckpointError(f"the checkpoint {self.directory / str(rounds_done)} cannot be read "
                                f"({' '.join(str(err).split())[:160]}); delete that folder to resume from "
                                f"the one before, or start again with --overwrite")
 
-    def restore(self, server_like: Any, clients_like: Any) -> tuple[int, Any, Any, dict]:
-        """The latest checkpoint, restored into the shapes and dtypes of the given states."""
+    def restore(self, server_like: Any, store: ClientStore) -> tuple[int, Any, dict]:
+        """The latest checkpoint: (rounds done, the server state restored into the shapes, dtypes and
+        shardings of `server_like`, its meta); `store` takes the client states."""
         rounds_done = self.latest_round()
         if rounds_done is None:
             raise FileNotFoundError(f"no checkpoint under {self.directory}; run with --checkpoint-every "
                                     f"to make one")
-        like = {"server_state": server_like, "client_states": clients_like}
+        like = {"server_state": server_like}
+        items = {CLIENT_STATES: ClientStatesRestore(store)}
+        if self.client_states_dir() is None:  # saved before the client stores: client states beside the server's
+            if not isinstance(store, DeviceStore):
+                raise CheckpointError(f"the checkpoint {self.directory / str(rounds_done)} keeps the client states "
+                                      f"the way runs before the client stores did; resume it with --client-store "
+                                      f"device")
+            like["client_states"], items = store.states, {}
         abstract = jax.tree_util.tree_map(ocp.utils.to_shape_dtype_struct, like)
         try:
             restored = self._manager.restore(rounds_done, args=ocp.args.Composite(
-                state=ocp.args.StandardRestore(abstract), meta=ocp.args.JsonRestore()))
+                state=ocp.args.StandardRestore(abstract), meta=ocp.args.JsonRestore(), **items))
         except Exception as err:  # orbax raises many kinds; each means this folder cannot be used
             raise self._unreadable(rounds_done, err) from err
         state = restored["state"]
-        return rounds_done, state["server_state"], state["client_states"], restored["meta"]
+        if "client_states" in state:
+            store.states = state["client_states"]
+        return rounds_done, state["server_state"], restored["meta"]
 
     def read_meta(self) -> dict | None:
         """The meta (config and counters) of the latest checkpoint, None when there is none."""

@@ -4,7 +4,10 @@ The flags are built from the option declarations: the run's shared options
 (`runner.RunConfig`) and each algorithm's own dataclass. A flag is refused
 when the chosen algorithm does not read it, or when its other options make it
 ignore it (`core.options.refuse_ignored`), so a mistyped setting never passes
-silently.
+silently. The launch flags of a run over several processes (`--coordinator`,
+`--num-processes`, `--process-id`, `--cluster`, `--launch-timeout`) belong to
+the process, not the run: they are not saved with its config, and a resumed
+run gives them again.
 """
 
 from __future__ import annotations
@@ -17,10 +20,12 @@ from pathlib import Path
 from fedjax_sparse.stopping import stop_start_up_at_once
 
 _HELP_EPILOG = "Algorithm options list, in brackets, the algorithms that read them."
+LAUNCH_FLAGS = ("coordinator", "num_processes", "process_id", "cluster", "launch_timeout")
 
 
 def _run_parser(sub) -> argparse.ArgumentParser:
     from fedjax_sparse.algorithms import ALGORITHMS, option_users
+    from fedjax_sparse.core.distributed import DEFAULT_TIMEOUT_S, LAUNCH_FAILURE_EXIT
     from fedjax_sparse.core.options import add_flags
     from fedjax_sparse.runner import RunConfig
 
@@ -43,6 +48,19 @@ def _run_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--overwrite", action="store_true",
                    help="delete the files of another run in --out first (without it such a folder is refused)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    launch = p.add_argument_group(
+        "several processes (one run over every process's devices; start each process with the same flags "
+        "but --process-id; see README)")
+    launch.add_argument("--coordinator", metavar="HOST:PORT", default=None,
+                        help="address of process 0, where the processes meet")
+    launch.add_argument("--num-processes", metavar="P", type=int, default=None, help="how many processes")
+    launch.add_argument("--process-id", metavar="I", type=int, default=None, help="this process, 0..P-1")
+    launch.add_argument("--cluster", action="store_true",
+                        help="let JAX find the processes of a SLURM, Open MPI or TPU pod job itself (instead of "
+                             "the three flags above)")
+    launch.add_argument("--launch-timeout", metavar="S", type=int, default=DEFAULT_TIMEOUT_S,
+                        help=f"seconds within which all processes must meet, else each ends with one line and "
+                             f"exit code {LAUNCH_FAILURE_EXIT} (default {DEFAULT_TIMEOUT_S})")
     return p
 
 
@@ -64,7 +82,7 @@ def _config(args: argparse.Namespace):
     from fedjax_sparse.runner import SHARED_OPTIONS, RunConfig
 
     given = {k: v for k, v in vars(args).items() if k not in ("command", "config", "resume", "overwrite",
-                                                               "no_progress")}
+                                                               "no_progress", *LAUNCH_FLAGS)}
     base = {}
     if args.config is not None:
         if args.resume is not None:
@@ -113,12 +131,26 @@ def main(argv: list[str] | None = None) -> int:
         return _main(argv)
 
 
+def _launch(args: argparse.Namespace) -> int:
+    """Joins the run's other processes (before any other JAX call); returns this process's index."""
+    from fedjax_sparse.core.distributed import LaunchError, initialize
+
+    if args.launch_timeout < 1:
+        raise LaunchError(f"--launch-timeout must be >= 1 second, got {args.launch_timeout}")
+    if args.cluster and args.coordinator is not None:
+        raise LaunchError("--cluster lets JAX find the processes; give it or --coordinator, --num-processes and "
+                          "--process-id, not both")
+    return initialize(args.coordinator, args.num_processes, args.process_id, timeout_s=args.launch_timeout,
+                      cluster=args.cluster).index
+
+
 def _main(argv: list[str] | None) -> int:
     args = _parser().parse_args(argv)
 
     from fedjax_sparse.checkpoint import CheckpointError
     from fedjax_sparse.runner import DivergenceError, Interrupted, run_experiment
     try:
+        lead = _launch(args) == 0
         config = _config(args)
         summary = run_experiment(config, progress=not args.no_progress, resume=args.resume is not None,
                                  overwrite=args.overwrite)
@@ -128,6 +160,8 @@ def _main(argv: list[str] | None) -> int:
     except Interrupted as e:
         print(f"fedjax-sparse: {e}", file=sys.stderr)
         return 128 + e.signum
+    if not lead:  # process 0 reports the run
+        return 0
     if summary["has_global_model"]:
         accuracy = f"test accuracy {summary['final_test_accuracy']:.4f}"
     else:

@@ -21,7 +21,9 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 LOCK_FILE = ".lock"
-RUN_FILES = ("config.json", "metrics.jsonl", "partition.json", "summary.json", "accuracy.png", "checkpoints")
+# "client_store": the disk client store's rows (`core.client_store.DiskStore`), part of the run's state
+RUN_FILES = ("config.json", "metrics.jsonl", "partition.json", "summary.json", "accuracy.png", "checkpoints",
+             "client_store")
 TENSORBOARD_EVENTS = "events.out.tfevents.*"  # `tensorboard_log.TensorBoardWriter`'s files
 
 

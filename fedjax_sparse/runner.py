@@ -5,6 +5,7 @@ The Python loop here is over rounds only; each round is one jitted call.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import os
@@ -14,21 +15,28 @@ from pathlib import Path
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from fedjax_sparse.algorithms import ALGORITHM_NAMES, make_algorithm, make_options, option_users, options_dict
-from fedjax_sparse.checkpoint import RunCheckpointer, config_mismatches, has_checkpoints
-from fedjax_sparse.core.algorithm import BuildContext
+from fedjax_sparse.checkpoint import KEEP, RunCheckpointer, config_mismatches, has_checkpoints
+from fedjax_sparse.core.algorithm import BuildContext, NeedsDeviceData
+from fedjax_sparse.core.client_store import (BACKENDS, DeviceStore, RowLayout, choose_store, client_state_shapes,
+                                             initial_server_state, make_store, snapshot_backend)
 from fedjax_sparse.core.compilation import release_compiler_memory
-from fedjax_sparse.core.evaluation import AUTO, global_evaluator, personalized_evaluator
+from fedjax_sparse.core.distributed import (ProcessLayout, agree, current_process, max_over_processes, process_local,
+                                            process_mesh, replicated)
+from fedjax_sparse.core.evaluation import (AUTO, all_finite, global_evaluator, population_diagnostics,
+                                           split_evaluator)
 from fedjax_sparse.core.flops import forward_flops
 from fedjax_sparse.core.local_training import LocalSGD
 from fedjax_sparse.core.options import option, option_fields, validate
-from fedjax_sparse.core.round import build_round, clients_mesh, default_client_chunk
+from fedjax_sparse.core.round import clients_mesh, default_client_chunk
+from fedjax_sparse.core.store_evaluation import evaluate_store
+from fedjax_sparse.core.store_round import StoreRound
 from fedjax_sparse.core.streams import stream_key, stream_seed
 from fedjax_sparse.data import load_dataset, local_test_split, partition, partition_summary
 from fedjax_sparse.data.federated import federated_split, padded_step_fraction
+from fedjax_sparse.data.windows import host_data
 from fedjax_sparse.faults import fault_point
 from fedjax_sparse.models import MODEL_NAMES, get_model
 from fedjax_sparse.reporting import RunWriter, device_description, progress_bar, say
@@ -79,6 +87,11 @@ class RunConfig:
                                      low=0.0, low_open=True, high=1.0)
     seed: int = option(0, "seed of every random stream of the run", low=0)
     eval_every: int = option(1, "evaluate every this many rounds", low=1)
+    client_store: str = option("auto", "where the clients' states and data live: device (all on the device, the "
+                                       "fastest), host (host memory), disk (files in the run folder) or auto "
+                                       "(device when they fit in half the device's memory, else host when they "
+                                       "fit in half the host's, else disk; says what it chose)",
+                               choices=(*BACKENDS, "auto"))
     shard_clients: bool = option(False, "shard the sampled clients over all local devices")
     client_chunk: int | None = option(None, "train the sampled clients this many at a time (0: all at once, one "
                                             "vmap); default: all at once on an accelerator, a cache-sized chunk "
@@ -156,7 +169,15 @@ SHARED_OPTIONS = tuple(f.name for f in option_fields(RunConfig))
 
 @dataclasses.dataclass
 class Experiment:
-    """Everything a run builds before its first round (also what tests poke at)."""
+    """Everything a run builds before its first round (also what tests poke at).
+
+    store: where the client states live (`core.client_store`); train, local_test: the
+    clients' data, on the device (`FederatedSplit`) with the device store, else this
+    process's clients' (`data.windows.HostData`); round_fn: `core.store_round.StoreRound`,
+    `round_fn(server_state, r) -> (server_state, RoundOutput)`; evaluate_personalized:
+    `core.evaluation.split_evaluator`, given local_test with the device store (every client),
+    a chunk of the clients' test windows otherwise.
+    """
 
     config: RunConfig
     dataset: Any
@@ -165,19 +186,38 @@ class Experiment:
     train: Any
     local_test: Any
     client_indices: list
+    train_counts: np.ndarray
+    store: Any
     round_fn: Any
     evaluate_global: Any
     evaluate_personalized: Any
     server_state: Any
-    client_states: Any
     num_params: int
     client_chunk: int | None
+    process: ProcessLayout
+
+    def close(self) -> None:
+        self.round_fn.close()
+        self.store.close()
 
 
-def build_experiment(config: RunConfig, progress: bool = True) -> Experiment:
-    config.validate()
+def load_run_dataset(config: RunConfig, progress: bool = True):
     dataset = load_dataset(config.dataset, data_dir=config.data_dir, download=config.download, progress=progress)
-    dataset = dataset.subset(config.max_train_examples, config.max_test_examples, config.seed)
+    return dataset.subset(config.max_train_examples, config.max_test_examples, config.seed)
+
+
+def build_experiment(config: RunConfig, progress: bool = True, *, process: ProcessLayout | None = None,
+                     snapshot: str | None = None, dataset: Any = None) -> Experiment:
+    """The run's data, model, algorithm, client store and round, for this process (default: the
+    one `jax.distributed` says it is). `snapshot`: the backend of the client-state snapshot a
+    resumed run restores (a disk store's restores only into the disk store); `dataset`: the
+    loaded data set (default: loaded here)."""
+    config.validate()
+    process = process or current_process()
+    if process.count > 1 and config.client_chunk:
+        raise ValueError(f"--client-chunk {config.client_chunk} and {process.count} processes do not combine: the "
+                         f"round shards all sampled clients over every process's devices; leave it unset")
+    dataset = dataset if dataset is not None else load_run_dataset(config, progress)
     if config.partition == "labels" and config.labels_per_client > dataset.num_classes:
         raise ValueError(f"--labels-per-client {config.labels_per_client} exceeds the "
                          f"{dataset.num_classes} classes of {config.dataset}")
@@ -187,29 +227,84 @@ def build_experiment(config: RunConfig, progress: bool = True) -> Experiment:
                                labels_per_client=config.labels_per_client, min_examples=config.min_examples)
     test_indices = local_test_split(client_indices, dataset.y_train, dataset.y_test, dataset.num_classes,
                                     seed=stream_seed(config.seed, "local_test"), ratio=config.local_test_ratio)
-    train = federated_split(dataset.x_train, dataset.y_train, client_indices, dataset.mean, dataset.std,
-                            augment=dataset.augment)
-    local_test = federated_split(dataset.x_test, dataset.y_test, test_indices, dataset.mean, dataset.std)
     local = LocalSGD(model, config.lr, config.local_epochs, config.batch_size, config.momentum,
                      config.weight_decay, config.lr_decay)
     context = BuildContext(local=local, num_clients=config.num_clients, clients_per_round=config.clients_per_round,
-                           train=train, num_classes=dataset.num_classes, seed=config.seed,
+                           train=None, num_classes=dataset.num_classes, seed=config.seed,
                            labels_per_client=config.labels_per_client if config.partition == "labels" else None)
-    algorithm = make_algorithm(config.algorithm, context, config.algorithm_options)
+    try:  # built without the clients' data first: most algorithms never read them
+        algorithm, needs_device = make_algorithm(config.algorithm, context, config.algorithm_options), None
+    except NeedsDeviceData as e:
+        algorithm, needs_device = None, e
+    key = stream_key(config.seed, "algorithm_init")
+    backend = client_store_backend(config, process, needs_device, snapshot, algorithm, key,
+                                   jax.eval_shape(model.init, stream_key(config.seed, "model_init")),
+                                   _data_bytes(dataset, client_indices, test_indices))
     variables = model.init(stream_key(config.seed, "model_init"))
-    server_state, client_states = algorithm.init(stream_key(config.seed, "algorithm_init"), variables,
-                                                 config.num_clients)
-    mesh = clients_mesh() if config.shard_clients else None
-    chunk = resolve_client_chunk(config, variables)
-    round_fn = build_round(algorithm, train, config.clients_per_round, seed=config.seed, mesh=mesh,
-                           client_chunk=chunk)
+    if backend == "device":
+        train = federated_split(dataset.x_train, dataset.y_train, client_indices, dataset.mean, dataset.std,
+                                augment=dataset.augment)
+        local_test = federated_split(dataset.x_test, dataset.y_test, test_indices, dataset.mean, dataset.std)
+    else:
+        train = host_data(dataset.x_train, dataset.y_train, client_indices, dataset.mean, dataset.std,
+                          augment=dataset.augment, process=process)
+        local_test = host_data(dataset.x_test, dataset.y_test, test_indices, dataset.mean, dataset.std,
+                               process=process)
+    if algorithm is None:
+        algorithm = make_algorithm(config.algorithm, dataclasses.replace(context, train=train),
+                                   config.algorithm_options)
+    store = make_store(backend, algorithm, key, variables, config.num_clients,
+                       directory=Path(config.out) / "client_store", process=process, keep=KEEP)
+    mesh = None
+    if process.count > 1 or (config.shard_clients and backend != "device"):
+        mesh = process_mesh()
+    elif config.shard_clients:
+        mesh = clients_mesh()
+    chunk = None if mesh is not None else resolve_client_chunk(config, variables)
+    round_fn = StoreRound(algorithm, store, train, config.clients_per_round, seed=config.seed, mesh=mesh,
+                          client_chunk=chunk)
     evaluate_global = (global_evaluator(model, dataset.x_test, dataset.y_test, dataset.mean, dataset.std)
                        if algorithm.global_variables is not None else None)
-    evaluate_personalized = personalized_evaluator(model, algorithm.client_variables, local_test,
-                                                   client_chunk=evaluation_chunk(config))
-    return Experiment(config, dataset, model, algorithm, train, local_test, client_indices, round_fn,
-                      evaluate_global, evaluate_personalized, server_state, client_states,
-                      model.num_params(variables), chunk)
+    evaluate_personalized = split_evaluator(model, algorithm.client_variables, client_chunk=evaluation_chunk(config))
+    server_state = initial_server_state(algorithm, key, variables, config.num_clients)
+    return Experiment(config, dataset, model, algorithm, train, local_test, client_indices,
+                      np.array([len(ix) for ix in client_indices], np.int64), store, round_fn,
+                      evaluate_global, evaluate_personalized, server_state, model.num_params(variables), chunk,
+                      process)
+
+
+def _data_bytes(dataset, client_indices: list, test_indices: list) -> int:
+    """Bytes of the clients' training and test examples (images and int32 labels)."""
+    example = int(np.prod(dataset.input_shape)) * dataset.x_train.itemsize + 4
+    return example * (sum(len(ix) for ix in client_indices) + sum(len(ix) for ix in test_indices))
+
+
+def client_store_backend(config: RunConfig, process: ProcessLayout, needs_device: NeedsDeviceData | None,
+                         snapshot: str | None, algorithm, key, variables, data_bytes: int) -> str:
+    """The store `config.client_store` gives for this run, or a one-line error where that store cannot
+    hold it. `auto` says what it chose and why, unless it is the device (today's layout; summary.json
+    names the store of every run). `variables`: the model's (their shapes suffice)."""
+    wanted, prefix = config.client_store, f"process {process.tag()}: " if process.count > 1 else ""
+    if needs_device is not None:
+        if wanted not in ("auto", "device") or process.count > 1:
+            raise needs_device
+        backend, reason = "device", None
+    elif wanted != "auto":
+        backend, reason = wanted, None
+    elif snapshot == "disk":
+        backend, reason = "disk", "disk: the checkpoint's client states are rows in the disk store's files"
+    else:
+        row_bytes = RowLayout(client_state_shapes(algorithm, key, variables, config.num_clients)).row_bytes
+        backend, reason = choose_store(config.num_clients, row_bytes, data_bytes, processes=process.count)
+    if backend == "device" and process.count > 1:
+        raise ValueError(f"--client-store device keeps every client on one process's device; with {process.count} "
+                         f"processes use host, disk or auto")
+    if snapshot == "disk" and backend != "disk":
+        raise ValueError(f"--client-store {backend}: the checkpoint's client states are rows in the disk store's "
+                         f"files ({Path(config.out) / 'client_store'}); resume with --client-store disk or auto")
+    if backend != "device" and reason is not None:
+        say(f"{prefix}--client-store auto chose {reason}")
+    return backend
 
 
 def resolve_client_chunk(config: RunConfig, variables) -> int | None:
@@ -230,21 +325,38 @@ def evaluation_chunk(config: RunConfig) -> int | None | str:
     return AUTO
 
 
-def evaluate(exp: Experiment, server_state, client_states) -> dict:
+def evaluate(exp: Experiment, server_state) -> tuple[dict, bool]:
+    """The figures of an evaluation, and whether every client's state is finite. With a host or
+    disk store the clients are evaluated a round's worth at a time through the store, each process
+    its own (every process must call this)."""
+    on_device = isinstance(exp.store, DeviceStore)
+    if not on_device:
+        server_state = process_local(server_state)  # each process evaluates on its own device
     if exp.algorithm.evaluation_state is not None:
         server_state = exp.algorithm.evaluation_state(server_state)
     out = {"test_accuracy": None, "test_loss": None}
     if exp.evaluate_global is not None:
         scores = exp.evaluate_global(exp.algorithm.global_variables(server_state))
         out = {"test_accuracy": float(scores["accuracy"]), "test_loss": float(scores["loss"])}
-    evaluated = client_states
-    if exp.algorithm.evaluation_clients is not None:
-        evaluated = exp.algorithm.evaluation_clients(server_state, client_states)
-    accuracies = np.asarray(exp.evaluate_personalized(server_state, evaluated))
+    if on_device:
+        client_states = exp.store.states
+        finite = bool(all_finite(client_states))
+        evaluated = client_states
+        if exp.algorithm.evaluation_clients is not None:
+            evaluated = exp.algorithm.evaluation_clients(server_state, client_states)
+        accuracies = np.asarray(exp.evaluate_personalized(server_state, evaluated, exp.local_test))
+        diagnostics = None if exp.algorithm.diagnostics is None else population_diagnostics(
+            exp.algorithm, server_state, client_states)
+    else:
+        population = evaluate_store(exp.algorithm, exp.store, exp.local_test, server_state,
+                                    exp.evaluate_personalized, exp.config.clients_per_round)
+        accuracies, finite = population.accuracies, population.finite
+        diagnostics = None if exp.algorithm.diagnostics is None else exp.algorithm.diagnostics(
+            server_state, population.diagnostics)
     out["personalized_accuracy"] = float(accuracies.mean())
-    if exp.algorithm.diagnostics is not None:
-        out.update(jax.tree_util.tree_map(_to_python, exp.algorithm.diagnostics(server_state, client_states)))
-    return out
+    if diagnostics is not None:
+        out.update(jax.tree_util.tree_map(_to_python, diagnostics))
+    return out, finite
 
 
 def client_metrics(metrics: dict) -> dict:
@@ -257,13 +369,6 @@ def client_metrics(metrics: dict) -> dict:
 def _to_python(x):
     x = np.asarray(x)
     return x.item() if x.ndim == 0 else x.tolist()
-
-
-@jax.jit
-def _all_finite(tree) -> jax.Array:
-    leaves = [jnp.all(jnp.isfinite(x)) for x in jax.tree_util.tree_leaves(tree)
-              if jnp.issubdtype(x.dtype, jnp.inexact)]
-    return jnp.all(jnp.stack(leaves)) if leaves else jnp.asarray(True)
 
 
 def likely_culprit(config: RunConfig) -> str:
@@ -331,6 +436,11 @@ def run_experiment(config: RunConfig, *, progress: bool = True, resume: bool = F
     SIGINT or SIGTERM during the rounds finishes the current round, saves it and raises
     `Interrupted` after writing summary.json with status "interrupted". A non-finite loss or model
     stops the run with `DivergenceError` after writing what was measured so far.
+
+    Several processes (`core.distributed.initialize` first): every process calls this with the
+    same config. Process 0 alone holds the lock, claims the folder and writes the run's files;
+    every process loads the data, holds its own clients, and takes part in every round,
+    evaluation and checkpoint. Where a step fails in some process, all stop (`agree`).
     """
     start = time.perf_counter()
     config.validate()
@@ -338,46 +448,93 @@ def run_experiment(config: RunConfig, *, progress: bool = True, resume: bool = F
     if resume and not out.is_dir():
         raise FileNotFoundError(f"--resume {out}: no such folder")
     use_compilation_cache(config.compilation_cache)
-    with hold_run_folder(out):
-        if not resume:
-            claim_run_folder(out, overwrite)
-        fault_point("start_up")
-        counters = Counters()
-        if resume:
-            saved_meta = RunCheckpointer(out).read_meta() if has_checkpoints(out) else None
-            if saved_meta is None:
-                raise RunFolderError(f"--resume {out}: no checkpoint in {out / 'checkpoints'} (the run stopped "
-                                     f"before its first); start it again with --overwrite")
-            # normalized first: a config saved by an older version lacks newer options (at their defaults)
-            mismatches = config_mismatches(RunConfig.from_dict(saved_meta["config"]).to_dict(), config.to_dict())
-            if mismatches:
-                raise ValueError(f"--resume {out}: the checkpoint was made with another configuration ("
-                                 + "; ".join(mismatches) + "); drop those flags, or start a new run with "
-                                 "another --out")
-            done = saved_meta["counters"]["rounds_done"]
-            if config.rounds < done:
-                raise ValueError(f"--rounds {config.rounds} is below the {done} rounds the run in {out} has "
-                                 f"done; give --rounds {done} or more")
-        exp = build_experiment(config, progress=progress)
-        server_state, client_states = exp.server_state, exp.client_states
-        records = []
-        if resume:
-            _, server_state, client_states, meta = RunCheckpointer(out).restore(server_state, client_states)
-            counters = Counters(**meta["counters"])
-            records = recover_metrics(out / "metrics.jsonl", counters.rounds_done, say)
-        with StopAfterRound() as stop:
-            return _run_rounds(exp, config, out, counters, records, server_state, client_states, stop,
-                               progress, start)
+    process = current_process()
+    lead = process.index == 0
+    with hold_run_folder(out) if lead else contextlib.nullcontext(out):
+        failure, snapshot, dataset, counters = None, None, None, Counters()
+        try:  # the folder made this run's (by process 0) before any process writes into it
+            if lead and not resume:
+                claim_run_folder(out, overwrite)
+            fault_point("start_up")
+            if resume:
+                snapshot = _check_resume(config, out, process)
+            if lead:  # first, so that a data set prepared on first use is prepared once
+                dataset = load_run_dataset(config, progress)
+        except Exception as e:  # noqa: BLE001 - raised below, in every process
+            failure = e
+        agree(failure, "preparing the run folder")
+        exp, failure = None, None
+        try:
+            exp = build_experiment(config, progress=progress and lead, process=process, snapshot=snapshot,
+                                   dataset=dataset)
+        except Exception as e:  # noqa: BLE001
+            failure = e
+        agree(failure, "during start-up")
+        try:
+            server_state, records = exp.server_state, []
+            if resume:
+                server_state, counters, records = _restore(exp, out, lead)
+            with StopAfterRound() as stop:
+                return _run_rounds(exp, config, out, counters, records, server_state, stop,
+                                   progress and lead, start)
+        finally:
+            exp.close()
+
+
+def _check_resume(config: RunConfig, out: Path, process: ProcessLayout) -> str | None:
+    """Refuses a resume that cannot continue the run in `out` as it was; the backend of this process's
+    client-state snapshot in its latest checkpoint (None: a checkpoint from before the client stores)."""
+    checkpointer = RunCheckpointer(out) if has_checkpoints(out) else None
+    saved_meta = checkpointer.read_meta() if checkpointer is not None else None
+    if saved_meta is None:
+        raise RunFolderError(f"--resume {out}: no checkpoint in {out / 'checkpoints'} (the run stopped "
+                             f"before its first); start it again with --overwrite")
+    # normalized first: a config saved by an older version lacks newer options (at their defaults)
+    mismatches = config_mismatches(RunConfig.from_dict(saved_meta["config"]).to_dict(), config.to_dict())
+    if mismatches:
+        raise ValueError(f"--resume {out}: the checkpoint was made with another configuration ("
+                         + "; ".join(mismatches) + "); drop those flags, or start a new run with "
+                         "another --out")
+    done = saved_meta["counters"]["rounds_done"]
+    if config.rounds < done:
+        raise ValueError(f"--rounds {config.rounds} is below the {done} rounds the run in {out} has "
+                         f"done; give --rounds {done} or more")
+    processes = saved_meta.get("processes", 1)
+    if processes != process.count:
+        raise ValueError(f"--resume {out}: the checkpoint holds the client states of {processes} process"
+                         f"{'es' if processes > 1 else ''}, each its own clients'; resume it with --num-processes "
+                         f"{processes}")
+    states = checkpointer.client_states_dir()
+    return None if states is None else snapshot_backend(states, process)
+
+
+def _restore(exp: Experiment, out: Path, lead: bool) -> tuple[Any, Counters, list]:
+    """The latest checkpoint's server state (the store takes its client states), counters and, in
+    process 0, the metrics records it covers."""
+    failure = None
+    try:
+        # several processes: restored replicated over all of them, as the rounds hold it
+        server_like = replicated(exp.server_state, exp.round_fn.mesh) if exp.process.count > 1 else exp.server_state
+        _, server_state, meta = RunCheckpointer(out).restore(server_like, exp.store)
+        counters = Counters(**meta["counters"])
+        records = recover_metrics(out / "metrics.jsonl", counters.rounds_done, say) if lead else []
+    except Exception as e:  # noqa: BLE001
+        failure = e
+    agree(failure, "restoring the checkpoint")
+    return server_state, counters, records
 
 
 def _run_rounds(exp: Experiment, config: RunConfig, out: Path, counters: Counters, history: list,
-                server_state, client_states, stop: StopAfterRound, progress: bool, start: float) -> dict:
-    """The rounds of `run_experiment` from `counters.rounds_done` on, and the files they leave."""
-    writer = RunWriter(out, history)
-    writer.write_config(config.to_dict())
-    writer.write_partition(partition_summary(exp.client_indices, exp.dataset.y_train,
-                                             exp.dataset.num_classes))
-    board = TensorBoardWriter(out, first_round=counters.rounds_done + 1) if config.tensorboard else None
+                server_state, stop: StopAfterRound, progress: bool, start: float) -> dict:
+    """The rounds of `run_experiment` from `counters.rounds_done` on, and the files they leave
+    (process 0's; every process runs the rounds, evaluations and checkpoints)."""
+    lead = exp.process.index == 0
+    writer = RunWriter(out, history) if lead else None
+    if lead:
+        writer.write_config(config.to_dict())
+        writer.write_partition(partition_summary(exp.client_indices, exp.dataset.y_train,
+                                                 exp.dataset.num_classes))
+    board = TensorBoardWriter(out, first_round=counters.rounds_done + 1) if config.tensorboard and lead else None
     title = f"{config.algorithm} / {config.model} / {config.dataset}"
     checkpointer, saved = None, {}  # saved: rounds done -> the checkpoint this process wrote of them
 
@@ -385,8 +542,8 @@ def _run_rounds(exp: Experiment, config: RunConfig, out: Path, counters: Counter
         nonlocal checkpointer
         checkpointer = checkpointer or RunCheckpointer(out)
         before, stop.waiting_for = stop.waiting_for, f"the checkpoint of round {counters.rounds_done} to be saved"
-        saved[counters.rounds_done] = checkpointer.save(counters.rounds_done, server_state, client_states, {
-            "config": config.to_dict(), "counters": dataclasses.asdict(counters)})
+        saved[counters.rounds_done] = checkpointer.save(counters.rounds_done, server_state, exp.store, {
+            "config": config.to_dict(), "counters": dataclasses.asdict(counters), "processes": exp.process.count})
         stop.waiting_for = before
         return saved[counters.rounds_done]
 
@@ -396,15 +553,16 @@ def _run_rounds(exp: Experiment, config: RunConfig, out: Path, counters: Counter
             board.close()
         summary = {**_summary(exp, history, _totals(counters), first_round_seconds, time.perf_counter() - start),
                    "status": status, **extra}
-        writer.write_summary(summary)
-        writer.plot(history, title=title)
+        if lead:
+            writer.write_summary(summary)
+            writer.plot(history, title=title)
         return summary
 
     def diverged(message: str) -> DivergenceError:
         finish("diverged", error=message)
         return DivergenceError(message)
 
-    counts = np.asarray(exp.train.counts)
+    counts = exp.train_counts
     dense_forward = forward_flops(exp.model.structure)
     first_round_seconds = None
     start_round = counters.rounds_done
@@ -413,7 +571,7 @@ def _run_rounds(exp: Experiment, config: RunConfig, out: Path, counters: Counter
     for r in range(counters.rounds_done, config.rounds):
         stop.round, stop.waiting_for = r + 1, f"round {r + 1} to finish"
         t0 = time.perf_counter()
-        server_state, client_states, round_out = exp.round_fn(server_state, client_states, r)
+        server_state, round_out = exp.round_fn(server_state, r, prefetch_next=r + 1 < config.rounds)
         ids = np.asarray(round_out.client_ids)
         if first_round_seconds is None:
             first_round_seconds = time.perf_counter() - t0
@@ -421,7 +579,7 @@ def _run_rounds(exp: Experiment, config: RunConfig, out: Path, counters: Counter
         if not math.isfinite(train_loss):
             raise diverged(f"round {r + 1}: the training loss is {train_loss}; the run diverged "
                            f"({likely_culprit(config)})")
-        if not bool(_all_finite(server_state)):
+        if not bool(all_finite(process_local(server_state))):
             raise diverged(f"round {r + 1}: the server's model is not finite; the run diverged "
                            f"({likely_culprit(config)})")
         uplink = int(np.asarray(round_out.uplink_bytes, np.int64).sum())
@@ -434,16 +592,17 @@ def _run_rounds(exp: Experiment, config: RunConfig, out: Path, counters: Counter
         counters.padded_step_fractions.append(
             padded_step_fraction(counts[ids], config.batch_size, exp.client_chunk))
         if (r + 1) % config.eval_every == 0 or r + 1 == config.rounds:
-            if not bool(_all_finite(client_states)):
+            figures, finite = evaluate(exp, server_state)
+            if not finite:
                 raise diverged(f"round {r + 1}: a client's model is not finite; the run diverged "
                                f"({likely_culprit(config)})")
             record = {"round": r + 1, "train_loss": train_loss, "uplink_bytes": uplink,
                       "downlink_bytes": downlink, "cumulative_bytes": counters.cumulative_bytes,
                       "dense_train_flops": counters.dense_train_flops_total / config.num_clients,
                       "padded_step_fraction": counters.padded_step_fractions[-1],
-                      **client_metrics(round_out.metrics),
-                      **evaluate(exp, server_state, client_states)}
-            writer.append_metrics(record)
+                      **client_metrics(round_out.metrics), **figures}
+            if lead:
+                writer.append_metrics(record)
             if board is not None:
                 board.write(record)
             history.append(record)
@@ -458,13 +617,14 @@ def _run_rounds(exp: Experiment, config: RunConfig, out: Path, counters: Counter
         if config.checkpoint_every and ((r + 1) % config.checkpoint_every == 0 or r + 1 == config.rounds):
             save()
         fault_point("round_end")
-        if stop.signum is not None and r + 1 < config.rounds:
+        signum = max_over_processes(stop.signum or 0)  # a signal to one process stops them all
+        if signum and r + 1 < config.rounds:
             path = saved.get(r + 1) or save()
-            name = signal.Signals(stop.signum).name
+            name = signal.Signals(signum).name
             stop.waiting_for = "the summary to be written"
             finish("interrupted", signal=name)
             raise Interrupted(f"{name}: stopped after round {r + 1} of {config.rounds}; checkpoint saved in "
-                              f"{path}; continue with --resume {out}", stop.signum)
+                              f"{path}; continue with --resume {out}", signum)
     return finish("completed")
 
 
@@ -498,7 +658,9 @@ def _summary(exp: Experiment, history: list, totals: dict, first_round_seconds: 
         **totals,
         "num_params": exp.num_params,
         "client_chunk": exp.client_chunk,
-        "num_train_examples": int(np.asarray(exp.train.counts).sum()),
+        "client_store": exp.store.backend,
+        "processes": exp.process.count,
+        "num_train_examples": int(exp.train_counts.sum()),
         "first_round_seconds": first_round_seconds,
         "wall_seconds": wall,
         "device": device_description(),

@@ -64,3 +64,22 @@ def linear_model() -> Model:
     """A linear softmax model on 2x2x1 inputs with 3 classes, simple enough to differentiate by hand."""
     return Model(name="linear", module=_Linear(LINEAR_CLASSES), input_shape=(2, 2, 1), num_classes=LINEAR_CLASSES,
                  structure=ModelStructure(()))
+
+
+# A small SCAFFOLD run (its clients keep state) on the device store, uninterrupted: what the run-folder
+# tests' interrupted runs and the two-process runs must reproduce (tests/test_run_folder.py,
+# tests/test_distributed.py).
+SCAFFOLD_ARGS = ["--algorithm", "scaffold", "--num-clients", "4", "--clients-per-round", "2", "--local-epochs", "1",
+                 "--max-train-examples", "200", "--max-test-examples", "100", "--checkpoint-every", "2",
+                 "--no-progress"]
+SCAFFOLD_ROUNDS = 6
+
+
+@pytest.fixture(scope="session")
+def scaffold_reference(tmp_path_factory):
+    from fedjax_sparse.cli import main
+
+    run = tmp_path_factory.mktemp("reference") / "run"
+    assert main(["run", *SCAFFOLD_ARGS, "--rounds", str(SCAFFOLD_ROUNDS), "--out", str(run)]) == 0
+    assert len((run / "metrics.jsonl").read_text().splitlines()) == SCAFFOLD_ROUNDS
+    return run

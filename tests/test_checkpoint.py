@@ -2,6 +2,12 @@
 
 import json
 
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+
+from fedjax_sparse.checkpoint import CheckpointError, RunCheckpointer
 from fedjax_sparse.cli import main
 from test_tensorboard import assert_same_scalars, expected_scalars, read_scalars
 
@@ -32,6 +38,7 @@ def test_resumed_run_extends_to_the_uninterrupted_metrics(tmp_path):
 def test_checkpoint_of_another_configuration_is_refused(tmp_path, capsys):
     run = tmp_path / "run"
     assert main(["run", *BASE, "--rounds", "2", "--checkpoint-every", "1", "--out", str(run)]) == 0
+    capsys.readouterr()
     assert main(["run", "--resume", str(run), "--lr", "0.2", "--no-progress"]) == 2
     err = capsys.readouterr().err
     assert "lr: checkpoint has 0.1, this run has 0.2" in err and len(err.strip().splitlines()) == 1
@@ -78,3 +85,31 @@ def test_a_config_saved_before_options_moved_beside_their_algorithms_still_loads
     assert config_mismatches(RunConfig.from_dict(old).to_dict(), RunConfig.create(**{
         k: v for k, v in old.items() if k not in ("mu", "server_lr", "sparsity_coef", "weight_bounds",
                                                  "threshold_update")}).to_dict()) == []
+
+
+def test_a_checkpoint_saved_before_the_client_stores_restores_on_the_device(tmp_path):
+    """Runs before the client stores kept the client states beside the server's in the state item: the
+    device store takes them; another store is refused in one line saying what would work."""
+    from conftest import linear_model
+    from fedjax_sparse.algorithms import scaffold
+    from fedjax_sparse.core.client_store import make_store
+    from fedjax_sparse.core.local_training import LocalSGD
+
+    model = linear_model()
+    alg, key, variables = scaffold(LocalSGD(model, 0.1, 1, 2), 3), jax.random.key(0), model.init(jax.random.key(1))
+    store = make_store("device", alg, key, variables, 3)
+    server = {"w": np.arange(3.0)}
+    clients = jax.tree_util.tree_map(lambda a: np.random.default_rng(0).normal(size=a.shape).astype(a.dtype),
+                                     store.states)
+    meta = {"config": {}, "counters": {"rounds_done": 2}}
+    with ocp.CheckpointManager((tmp_path / "checkpoints").resolve()) as manager:  # the layout of those runs
+        manager.save(2, args=ocp.args.Composite(state=ocp.args.StandardSave({"server_state": server,
+                                                                             "client_states": clients}),
+                                                meta=ocp.args.JsonSave(meta)))
+    rounds, restored, saved_meta = RunCheckpointer(tmp_path).restore(server, store)
+    assert rounds == 2 and saved_meta == meta
+    np.testing.assert_array_equal(restored["w"], server["w"])
+    jax.tree_util.tree_map(np.testing.assert_array_equal, store.states, clients)
+    with pytest.raises(CheckpointError, match="keeps the client states the way runs before the client stores did; "
+                                              "resume it with --client-store device"):
+        RunCheckpointer(tmp_path).restore(server, make_store("host", alg, key, variables, 3))

@@ -1,8 +1,6 @@
 """The command line end to end on digits, and its one-line errors."""
 
 import json
-import subprocess
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -21,11 +19,11 @@ SMALL = ["--num-clients", "6", "--clients-per-round", "3", "--rounds", "3", "--l
 
 def saved_final_state(out):
     """The experiment of run directory `out` and the states of its last checkpoint."""
-    config = RunConfig.from_dict(json.loads((out / "config.json").read_text()))
+    config = RunConfig.from_dict(json.loads((out / "config.json").read_text())).replace(client_store="device")
     exp = build_experiment(config)
-    rounds_done, server, clients, _ = RunCheckpointer(out).restore(exp.server_state, exp.client_states)
+    rounds_done, server, _ = RunCheckpointer(out).restore(exp.server_state, exp.store)
     assert rounds_done == config.rounds
-    return exp, server, clients
+    return exp, server, exp.store.states
 
 
 def hand_scores(model, variables, x, y, mean, std):
@@ -119,6 +117,17 @@ def test_local_run_has_no_global_accuracy_and_no_bytes(tmp_path):
     (["--client-chunk", "-1"], "--client-chunk must be >= 0, got -1"),
     (["--client-chunk", "11"], "--client-chunk must be in [0, 3]"),
     (["--algorithm", "spafl", "--server-optimizer", "adam"], "--server-optimizer is an option of fedavg"),
+    # methods that read every client's data on the device, with a store that keeps them off it
+    (["--algorithm", "fedgse", "--significant-labels", "2", "--client-store", "host"],
+     "--algorithm fedgse draws its public set and its clients' label answers from every client's training data, "
+     "which needs every client's data on one device: run it with --client-store device (or auto) in one process"),
+    (["--algorithm", "spatl", "--client-store", "disk"], "--algorithm spatl fits predictors for never-sampled "
+     "clients on their training data at each evaluation (partial participation), which needs every client's data "
+     "on one device: run it with --client-store device (or auto) in one process, or --salient-policy fixed with "
+     "--clients-per-round equal to --num-clients"),
+    (["--algorithm", "heterofl", "--model", "cnn4", "--client-store", "host"], "--algorithm heterofl recomputes the "
+     "global model's BatchNorm statistics over every client's training data (static BN), which needs every "
+     "client's data on one device: run it with --client-store device (or auto) in one process, or --no-static-bn"),
 ])
 def test_bad_arguments_get_a_one_line_error(tmp_path, capsys, args, fragment):
     assert main(["run", *SMALL, *args, "--out", str(tmp_path / "bad")]) == 2
@@ -126,15 +135,14 @@ def test_bad_arguments_get_a_one_line_error(tmp_path, capsys, args, fragment):
     assert len(err.splitlines()) == 1 and fragment in err, err
 
 
-def test_console_entry_point_runs_as_a_module(tmp_path):
-    out = tmp_path / "module"
-    proc = subprocess.run([sys.executable, "-m", "fedjax_sparse", "run", *SMALL, "--rounds", "1",
-                           "--algorithm", "scaffold", "--out", str(out)],
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    summary = json.loads((out / "summary.json").read_text())
-    assert summary["total_uplink_bytes"] == 3 * 2 * 85002 * 4  # SCAFFOLD: model and control, both ways
-    assert summary["cumulative_bytes"] == 2 * 3 * 2 * 85002 * 4
-    assert (f"done: test accuracy {summary['final_test_accuracy']:.4f}, personalized accuracy "
-            f"{summary['final_personalized_accuracy']:.4f}, {summary['cumulative_bytes']:,} bytes in ") in proc.stdout
-    assert proc.stdout.strip().endswith(f"results in {out}")
+def test_auto_says_what_it_chose_and_keeps_on_the_device_what_needs_it(tmp_path, monkeypatch, capsys):
+    """With 1 kB of host memory available, auto puts FedAvg's clients on disk and says why; FedGSE, which
+    reads every client's data on the device, stays on the device (the only store it runs with)."""
+    from fedjax_sparse.core import client_store
+    monkeypatch.setattr(client_store, "available_host_memory", lambda: 1000)
+    base = dict(num_clients=6, clients_per_round=3, out=str(tmp_path / "run"))
+    assert build_experiment(RunConfig.create(**base), progress=False).store.backend == "disk"
+    err = capsys.readouterr().err
+    assert err.startswith("fedjax-sparse: --client-store auto chose disk: ") and "of available host memory" in err
+    exp = build_experiment(RunConfig.create(**base, algorithm="fedgse", significant_labels=2), progress=False)
+    assert exp.store.backend == "device" and capsys.readouterr().err == ""

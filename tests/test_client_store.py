@@ -195,6 +195,29 @@ def test_slots_a_checkpoint_needs_are_never_overwritten():
     np.testing.assert_array_equal(kept_two.assign(np.array([0])), [2])  # slots 0 and 1 both still pinned
 
 
+def test_a_restored_disk_store_leaves_the_older_checkpoints_rows_intact(setting, tmp_path):
+    """Checkpoints c1 and c2 kept (keep=2); a crash, a restore from c2 and more writes: c1 still reads
+    back as saved, so deleting a damaged c2 and resuming from c1 stays exact."""
+    alg, key, variables = scaffold(setting["local"], 6), jax.random.key(0), setting["variables"]
+    rng = np.random.default_rng(2)
+    a, b, c = (rng.integers(0, 64, (2, 340_008), dtype=np.uint8) for _ in range(3))
+    ids = np.array([0, 1])
+    store = make_store("disk", alg, key, variables, 6, directory=tmp_path / "rows", keep=2)
+    store.write(ids, a)
+    store.snapshot(tmp_path / "c1")
+    store.write(ids, b)
+    store.snapshot(tmp_path / "c2")
+    store.close()
+    resumed = make_store("disk", alg, key, variables, 6, directory=tmp_path / "rows", keep=2)
+    resumed.restore(tmp_path / "c2")
+    np.testing.assert_array_equal(resumed.read(ids)[0], b)
+    resumed.write(ids, c)
+    resumed.write(ids, c)
+    older = make_store("disk", alg, key, variables, 6, directory=tmp_path / "rows", keep=2)
+    older.restore(tmp_path / "c1")
+    np.testing.assert_array_equal(older.read(ids)[0], a)
+
+
 def test_disk_store_file_stays_near_the_clients_written():
     """Clients written + keep x K x rounds between checkpoints bounds the rows in the file."""
     rng = np.random.default_rng(1)
@@ -225,13 +248,25 @@ def test_auto_picks_device_then_host_then_disk():
     assert choose_store(10**4, 10**6, 0, processes=2, device_free=None, host_available=12 * gib)[0] == "host"
 
 
-def test_a_snapshot_of_another_run_is_refused(setting, tmp_path):
+def test_a_snapshot_restores_into_another_store_but_not_into_another_run(setting, tmp_path):
+    """A host snapshot's rows restore into the disk store (a resumed run may change stores); a disk
+    snapshot, whose rows stay in the store's file, only into the disk store; another run's never."""
     key, variables = jax.random.key(0), setting["variables"]
-    host = make_store("host", scaffold(setting["local"], 6), key, variables, 6)
-    host.snapshot(tmp_path)
+    alg = scaffold(setting["local"], 6)
+    host = make_store("host", alg, key, variables, 6)
+    rows = np.random.default_rng(0).integers(0, 64, (2, host.row_bytes), dtype=np.uint8)
+    host.write(np.array([1, 4]), rows)
+    host.snapshot(tmp_path / "host")
     with pytest.raises(ValueError, match=r"another run \(num_clients: 6 there, 7 here\)"):
-        make_store("host", scaffold(setting["local"], 7), key, variables, 7).restore(tmp_path)
-    with pytest.raises(ValueError, match="is a host store's; restore it with the host store"):
-        make_store("disk", scaffold(setting["local"], 6), key, variables, 6, directory=tmp_path / "d").restore(tmp_path)
+        make_store("host", scaffold(setting["local"], 7), key, variables, 7).restore(tmp_path / "host")
+    disk = make_store("disk", alg, key, variables, 6, directory=tmp_path / "d")
+    disk.write(np.array([0]), rows[:1])  # rows of its own, which the restore replaces
+    disk.restore(tmp_path / "host")
+    np.testing.assert_array_equal(disk.held_clients, [1, 4])
+    np.testing.assert_array_equal(disk.read(np.array([1, 4]))[0], rows)
+    assert disk.disk_bytes == 2 * disk.row_bytes
+    disk.snapshot(tmp_path / "disk")
+    with pytest.raises(ValueError, match="is a disk store's .* restore it with the disk store"):
+        make_store("host", alg, key, variables, 6).restore(tmp_path / "disk")
     with pytest.raises(FileNotFoundError, match="no client-state snapshot of process 0-of-1"):
         host.restore(tmp_path / "nothing")

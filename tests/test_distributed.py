@@ -1,6 +1,9 @@
 """Two processes on JAX's distributed runtime (gloo on CPU) against one: the same rounds, each
-process holding half the clients; bad launches end with one line within the stated timeout."""
+process holding half the clients, in the library and through the command line (where only
+process 0 writes the run's files, and a two-process run resumes); bad launches end with one line
+within the stated timeout."""
 
+import json
 import os
 import socket
 import subprocess
@@ -12,7 +15,10 @@ import numpy as np
 import pytest
 
 import distributed_job
+from conftest import SCAFFOLD_ARGS
+from fedjax_sparse.cli import main
 from fedjax_sparse.core import distributed
+from fedjax_sparse.core.round import sample_clients_host
 
 ROOT = Path(__file__).resolve().parents[1]
 JOB = Path(__file__).resolve().parent / "distributed_job.py"
@@ -59,8 +65,8 @@ def one_process(tmp_path_factory):
     return distributed_job.run(distributed.ProcessLayout(), None, tmp_path_factory.mktemp("one"))
 
 
-@pytest.mark.parametrize("name", ["fedavg", "scaffold"])
-def test_two_processes_compute_the_one_process_rounds(two_processes, one_process, name):
+def test_two_processes_compute_the_one_process_rounds(two_processes, one_process):
+    name = "fedavg"
     single = one_process[name]
     for result in two_processes:
         np.testing.assert_allclose(result[f"{name}/loss"], single["loss"], rtol=1e-5, atol=1e-6)
@@ -78,31 +84,155 @@ def test_two_processes_compute_the_one_process_rounds(two_processes, one_process
     np.testing.assert_allclose(rows.view(np.float32), single["rows"].view(np.float32), rtol=1e-5, atol=1e-6)
 
 
-def test_each_process_holds_about_half_the_clients(two_processes, one_process):
-    """The bytes of client state (SCAFFOLD's rows) and of data each process holds."""
-    for kind in ("state_bytes", "data_bytes"):
-        single = one_process["scaffold"][kind]
-        shares = [int(r[f"scaffold/{kind}"]) for r in two_processes]
-        assert sum(shares) == single, kind
-        assert all(0.3 * single <= s <= 0.7 * single for s in shares), (kind, shares, single)
-    assert one_process["scaffold"]["state_bytes"] > 0
+def test_each_process_holds_about_half_the_data(two_processes, one_process):
+    """The bytes of training data each process holds (its clients' states: in the command-line test below)."""
+    single = one_process["fedavg"]["data_bytes"]
+    shares = [int(r["fedavg/data_bytes"]) for r in two_processes]
+    assert sum(shares) == single and all(0.3 * single <= s <= 0.7 * single for s in shares), (shares, single)
+
+
+# ---------------------------------------------------------------------------------------------
+# Through the command line: conftest's SCAFFOLD run, 4 clients, 2 a round (1 on each process's device)
+
+RUN, ROUNDS = SCAFFOLD_ARGS, 4
+
+
+def launch_cli(process_id, port, *args, timeout=None) -> subprocess.Popen:
+    launch = ["--coordinator", f"127.0.0.1:{port}", "--num-processes", "2", "--process-id", str(process_id)]
+    if timeout is not None:
+        launch = [*launch, "--launch-timeout", str(timeout)]
+    return subprocess.Popen([sys.executable, "-m", "fedjax_sparse", "run", *map(str, args), *launch], cwd=ROOT,
+                            env=dict(os.environ, JAX_PLATFORMS="cpu"), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+
+def run_two(*args):
+    port = free_port()
+    results = finish([launch_cli(i, port, *args) for i in range(2)], timeout=400)
+    for rc, stdout, stderr in results:
+        assert rc == 0, stderr[-3000:]
+    return results
+
+
+@pytest.fixture(scope="module")
+def cli_runs(tmp_path_factory, scaffold_reference):
+    """Two processes run 2 rounds (auto picks the host store: several processes never use the device's)
+    and save; two processes resume them to 4 rounds on the disk store. One process ran the rounds on
+    the device store (conftest's reference, checkpointed at round 4)."""
+    two = tmp_path_factory.mktemp("cli") / "two"
+    first = run_two(*RUN, "--rounds", 2, "--out", two)
+    resumed = run_two("--resume", two, "--rounds", ROUNDS, "--client-store", "disk", "--no-progress")
+    return scaffold_reference, two, first, resumed
+
+
+def records(run):
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_two_processes_through_the_cli_write_the_one_process_metrics(cli_runs):
+    one, two, _, _ = cli_runs
+    expected, got = records(one)[:ROUNDS], records(two)
+    assert [r["round"] for r in got] == list(range(1, ROUNDS + 1))
+    for mine, theirs in zip(got, expected):
+        assert mine.keys() == theirs.keys()
+        for name, value in theirs.items():
+            if isinstance(value, float):
+                assert mine[name] == pytest.approx(value, rel=1e-5, abs=1e-6), name
+            else:
+                assert mine[name] == value, name
+    summary = json.loads((two / "summary.json").read_text())
+    assert summary["processes"] == 2 and summary["client_store"] == "disk" and summary["status"] == "completed"
+
+
+def test_process_0_reports_the_run_as_the_console_entry_point_does(cli_runs):
+    """`python -m fedjax_sparse run` (each process here) ends with process 0's one line on the run.
+    SCAFFOLD sends the model and its control variate both ways: 2 clients x 2 x 85,002 float32s a round."""
+    _, two, _, resumed = cli_runs
+    summary = json.loads((two / "summary.json").read_text())
+    assert summary["total_uplink_bytes"] == summary["total_downlink_bytes"] == ROUNDS * 2 * 2 * 85002 * 4
+    assert summary["cumulative_bytes"] == 2 * ROUNDS * 2 * 2 * 85002 * 4
+    stdout = resumed[0][1]
+    assert (f"done: test accuracy {summary['final_test_accuracy']:.4f}, personalized accuracy "
+            f"{summary['final_personalized_accuracy']:.4f}, {summary['cumulative_bytes']:,} bytes in ") in stdout
+    assert stdout.strip().endswith(f"results in {two}")
+
+
+def test_only_process_0_writes_the_run_files(cli_runs):
+    """Each launch left one TensorBoard file (process 0's); process 0 alone reports; each process says
+    which store auto chose for it; both saved their clients' states into every checkpoint."""
+    _, two, first, resumed = cli_runs
+    events = sorted(p.name for p in two.glob("events.out.tfevents.*"))
+    assert sorted(p.name for p in two.iterdir()) == sorted(
+        [".lock", "accuracy.png", "checkpoints", "client_store", "config.json", "metrics.jsonl", "partition.json",
+         "summary.json", *events]) and len(events) == 2
+    for launch in (first, resumed):
+        assert "done: " in launch[0][1] and "done: " not in launch[1][1]
+    for i in range(2):
+        assert f"fedjax-sparse: process {i}-of-2: --client-store auto chose host: " in first[i][2]
+    for rounds in (2, 4):
+        assert sorted(p.name for p in (two / "checkpoints" / str(rounds) / "client_states").glob("client_states.*")) \
+            == ["client_states.0-of-2", "client_states.1-of-2"]
+    assert json.loads((two / "config.json").read_text())["client_store"] == "disk"
+
+
+def test_each_process_keeps_the_states_of_its_own_clients(cli_runs):
+    """After round 4, process p's disk store holds the rows of its clients ever sampled (id % 2 == p)
+    and nothing else, about half of them, and they are the one process's final client states."""
+    one, two, _, _ = cli_runs
+    final = one / "checkpoints" / str(ROUNDS) / "client_states" / "client_states.0-of-1"
+    single = np.load(final / "rows.npy")
+    sampled = set(np.concatenate([sample_clients_host(0, r, 4, 2) for r in range(ROUNDS)]).tolist())
+    held = []
+    for p in range(2):
+        snapshot = two / "checkpoints" / str(ROUNDS) / "client_states" / f"client_states.{p}-of-2"
+        slots = np.load(snapshot / "slots.npy")
+        rows = np.fromfile(two / "client_store" / f"client_rows.{p}-of-2.bin", np.uint8).reshape(-1, single.shape[1])
+        assert len(rows) == (slots >= 0).sum()  # a row for each client it trained, no more
+        assert 0.3 * len(sampled) <= len(rows) <= 0.7 * len(sampled)
+        for local in np.flatnonzero(slots >= 0):
+            client = local * 2 + p
+            held.append(client)
+            np.testing.assert_allclose(rows[slots[local]].view(np.float32), single[client].view(np.float32),
+                                       rtol=1e-5, atol=1e-6)
+    assert sorted(held) == sorted(sampled)
+
+
+def test_a_two_process_checkpoint_resumes_only_with_two_processes(cli_runs, capsys):
+    _, two, _, _ = cli_runs
+    assert main(["run", "--resume", str(two), "--rounds", "5", "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and (f"--resume {two}: the checkpoint holds the client states of 2 processes, "
+                                      f"each its own clients'; resume it with --num-processes 2") in err
 
 
 def test_a_missing_process_fails_with_one_line_within_the_timeout(tmp_path):
-    """Process 0 of 2 started alone: one line on stderr and exit status 3 after the 3 s timeout."""
-    script = ("import sys; sys.path.insert(0, '.'); from fedjax_sparse.core import distributed; "
-              f"distributed.initialize('127.0.0.1:{free_port()}', 2, 0, timeout_s=3)")
+    """Process 0 of 2 started alone through the command line: one line on stderr and exit status 3
+    after the 3 s --launch-timeout, nothing written in the run folder."""
     start = time.monotonic()
-    [(rc, stdout, stderr)] = finish([subprocess.Popen([sys.executable, "-c", script], cwd=ROOT, text=True,
-                                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE)], timeout=60)
+    [(rc, stdout, stderr)] = finish([launch_cli(0, free_port(), *RUN, "--out", tmp_path / "run", timeout=3)],
+                                    timeout=90)
     elapsed = time.monotonic() - start
     assert rc == distributed.LAUNCH_FAILURE_EXIT, stderr
     lines = [line for line in stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and "process 0 of 2 did not meet all the other processes" in lines[0], stderr
-    assert 3 <= elapsed < 3 + 30  # the timeout, plus starting Python and importing JAX
+    assert 3 <= elapsed < 3 + 45  # the timeout, plus starting Python and importing the library
+    assert not (tmp_path / "run").exists()
 
 
-def test_bad_launch_flags_fail_at_once_with_one_line():
+def test_bad_launch_flags_fail_at_once_with_one_line(tmp_path, capsys):
+    out = ["--out", str(tmp_path / "run"), "--no-progress"]
+    for flags, message in [(["--coordinator", "127.0.0.1:1234", "--num-processes", "2", "--process-id", "2"],
+                            "--process-id must be in 0..1 (--num-processes 2), got 2"),
+                           (["--coordinator", "127.0.0.1:1234", "--process-id", "0"], "--num-processes missing"),
+                           (["--cluster", "--coordinator", "127.0.0.1:1234"], "--cluster lets JAX find the processes"),
+                           (["--launch-timeout", "0"], "--launch-timeout must be >= 1 second, got 0")]:
+        assert main(["run", *flags, *out]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and err.startswith("fedjax-sparse: error: ") and message in err, err
+    assert not (tmp_path / "run").exists()
+
+
+def test_bad_launch_flags_of_the_library_fail_at_once_with_one_line():
     cases = [(("127.0.0.1:1234", 2, 2), r"--process-id must be in 0\.\.1 \(--num-processes 2\), got 2"),
              (("127.0.0.1:1234", 2, -1), r"--process-id must be in 0\.\.1 .* got -1"),
              (("127.0.0.1:1234", 0, 0), r"--num-processes must be an integer >= 1, got 0"),

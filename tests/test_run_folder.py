@@ -3,7 +3,10 @@
 Every interrupted run, once resumed, must write the metrics of the uninterrupted run line for line
 (and its summary, wall-clock fields aside). Processes are stopped at exact points through the
 test-only hook `fedjax_sparse.faults` (kill -9 itself, or pause until the test lets it go), so
-nothing here depends on timing.
+nothing here depends on timing. The runs are SCAFFOLD's, whose clients keep state: the reference
+keeps it on the device, the killed runs and the damaged ones in the disk store (rows in the run
+folder), the signalled one in host memory, resumed on the device; all must write the reference's
+metrics.
 """
 
 import json
@@ -18,15 +21,15 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from conftest import SCAFFOLD_ARGS, SCAFFOLD_ROUNDS
 from fedjax_sparse.checkpoint import CheckpointError, RunCheckpointer
 from fedjax_sparse.cli import main
 from fedjax_sparse.data.sources import load_image_folder
 from fedjax_sparse.run_folder import hold_run_folder
 
-ROUNDS = 6
-ARGS = ["--num-clients", "4", "--clients-per-round", "2", "--local-epochs", "1", "--max-train-examples", "200",
-        "--max-test-examples", "100", "--checkpoint-every", "2", "--no-progress"]
-WALL_CLOCK = ("first_round_seconds", "wall_seconds")
+ROUNDS, ARGS = SCAFFOLD_ROUNDS, SCAFFOLD_ARGS
+DISK = ["--client-store", "disk"]
+WALL_CLOCK = ("first_round_seconds", "wall_seconds", "client_store")
 
 
 def cli(capsys, *args):
@@ -56,19 +59,18 @@ def assert_same_as(run, reference):
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory):
+def reference(scaffold_reference):
     """The uninterrupted run every interrupted one must end up equal to."""
-    run = tmp_path_factory.mktemp("reference") / "run"
-    assert main(["run", *ARGS, "--rounds", str(ROUNDS), "--out", str(run)]) == 0
-    assert len(metrics_text(run).splitlines()) == ROUNDS and summary(run)["status"] == "completed"
-    return run
+    assert summary(scaffold_reference)["status"] == "completed"
+    return scaffold_reference
 
 
 @pytest.fixture(scope="module")
 def partial(tmp_path_factory):
     """A run stopped cleanly after 4 of its rounds (checkpoints of rounds 2 and 4); tests damage copies."""
     run = tmp_path_factory.mktemp("partial") / "run"
-    assert main(["run", *ARGS, "--rounds", "4", "--out", str(run)]) == 0
+    assert main(["run", *ARGS, *DISK, "--rounds", "4", "--out", str(run)]) == 0
+    assert summary(run)["client_store"] == "disk"
     return run
 
 
@@ -114,7 +116,7 @@ def test_kill_9_at_seeded_moments_then_resume_writes_the_uninterrupted_metrics(r
     done = 0
     for i, point in enumerate(rng.permutation(["round_end", "checkpoint_write", "metrics_write"])):
         n = kill_moments(rng, done)[point]
-        first = [*ARGS, "--rounds", str(ROUNDS), "--out", str(run)]
+        first = [*ARGS, *DISK, "--rounds", str(ROUNDS), "--out", str(run)]
         proc = start(first if i == 0 else ["--resume", str(run), "--no-progress"], f"{point}:{n}:kill", flag)
         _, err = proc.communicate(timeout=240)
         assert proc.returncode == -signal.SIGKILL, err[-3000:]
@@ -126,6 +128,7 @@ def test_kill_9_at_seeded_moments_then_resume_writes_the_uninterrupted_metrics(r
         assert 2 <= done < ROUNDS
     assert main(["run", "--resume", str(run), "--no-progress"]) == 0
     assert_same_as(run, reference)
+    assert summary(run)["client_store"] == "disk" and (run / "client_store" / "client_rows.0-of-1.bin").exists()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -141,7 +144,8 @@ def test_sigterm_saves_and_a_second_signal_waits_for_the_save_and_a_second_run_i
     run, flag = tmp_path / "run", tmp_path / "flag"
     at = ARGS.index("--checkpoint-every")
     args = [*ARGS[:at], *ARGS[at + 2:], "--rounds", str(ROUNDS)]
-    proc = start([*args, "--out", str(run)], "round_end:3:pause,checkpoint_write:1:pause", flag)
+    proc = start([*args, "--client-store", "host", "--out", str(run)], "round_end:3:pause,checkpoint_write:1:pause",
+                 flag)
     wait_for_pause(proc, flag, "round_end")
 
     code, err = cli(capsys, *args, "--out", str(run))
@@ -169,7 +173,8 @@ def test_sigterm_saves_and_a_second_signal_waits_for_the_save_and_a_second_run_i
     assert stopped["status"] == "interrupted" and stopped["signal"] == "SIGTERM" and stopped["rounds_done"] == 3
     assert metrics_text(run) == "".join(metrics_text(reference).splitlines(keepends=True)[:3])
 
-    assert main(["run", "--resume", str(run), "--no-progress"]) == 0
+    # the host store's checkpoint resumes on the device (the stores hold the same states)
+    assert main(["run", "--resume", str(run), "--client-store", "device", "--no-progress"]) == 0
     assert_same_as(run, reference)
 
 
@@ -203,15 +208,17 @@ def test_a_rerun_into_a_finished_folder_is_refused_and_overwrite_starts_afresh(p
     code, err = cli(capsys, *ARGS, "--rounds", "3", "--out", str(run))
     assert code == 2
     assert err.strip() == (f"fedjax-sparse: error: --out {run} already holds another run's files (config.json, "
-                           f"metrics.jsonl, partition.json, summary.json, accuracy.png, checkpoints, 1 TensorBoard "
-                           f"event file); continue that run with --resume {run}, choose a new --out, or pass "
-                           f"--overwrite to delete them first")
+                           f"metrics.jsonl, partition.json, summary.json, accuracy.png, checkpoints, client_store, 1 "
+                           f"TensorBoard event file); continue that run with --resume {run}, choose a new --out, or "
+                           f"pass --overwrite to delete them first")
     assert {p.name: p.read_bytes() for p in run.iterdir() if p.is_file()} == before
     assert checkpoint_rounds(run) == [2, 4]
 
-    # --overwrite: a new 3-round run, which saves its own checkpoints (no round-4 one hides them)
+    # --overwrite: a new 3-round run, which saves its own checkpoints (no round-4 one hides them) and
+    # keeps its clients on the device: the disk store's rows went with the old run
     assert main(["run", *ARGS, "--rounds", "3", "--overwrite", "--out", str(run)]) == 0
     assert checkpoint_rounds(run) == [2, 3]
+    assert not (run / "client_store").exists() and summary(run)["client_store"] == "device"
     assert len(list(run.glob("events.out.tfevents.*"))) == 1  # the old run's were deleted
     assert metrics_text(run) == "".join(metrics_text(partial).splitlines(keepends=True)[:3])
     assert summary(run)["rounds"] == 3 and summary(run)["cumulative_bytes"] == json.loads(
@@ -222,11 +229,20 @@ def test_a_rerun_into_a_finished_folder_is_refused_and_overwrite_starts_afresh(p
 
 def test_a_save_that_cannot_happen_is_an_error(tmp_path):
     """orbax skips, without a word, a step that is not above the latest one on disk."""
+    import jax
+    from conftest import linear_model
+    from fedjax_sparse.algorithms import fedavg
+    from fedjax_sparse.core.client_store import make_store
+    from fedjax_sparse.core.local_training import LocalSGD
+
+    model = linear_model()
+    store = make_store("device", fedavg(LocalSGD(model, 0.1, 1, 2)), jax.random.key(0), model.init(jax.random.key(1)),
+                       2)
     state = {"w": np.arange(3.0)}
-    RunCheckpointer(tmp_path).save(4, state, state, {"config": {}, "counters": {}})
+    RunCheckpointer(tmp_path).save(4, state, store, {"config": {}, "counters": {}})
     with pytest.raises(CheckpointError, match="cannot save the checkpoint of round 2 .* already holds one of "
                                               "round 4"):
-        RunCheckpointer(tmp_path).save(2, state, state, {"config": {}, "counters": {}})
+        RunCheckpointer(tmp_path).save(2, state, store, {"config": {}, "counters": {}})
     assert checkpoint_rounds(tmp_path) == [4]
 
 

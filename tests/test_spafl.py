@@ -474,6 +474,9 @@ def test_cli_spafl_on_digits_logs_density_flops_and_threshold_bytes(tmp_path, ca
     assert last["dense_train_flops"] > rows[0]["dense_train_flops"] > 0
     summary = json.loads((out / "summary.json").read_text())
     assert summary["cumulative_bytes"] == 3 * 2 * 3 * MLP_THRESHOLDS * 4
+    # the clients in host memory, evaluated and diagnosed a round's three at a time: the same figures
+    assert main([*args[:-1], str(tmp_path / "host"), "--client-store", "host"]) == 0
+    assert (tmp_path / "host" / "metrics.jsonl").read_text() == (out / "metrics.jsonl").read_text()
 
     assert main([*args[:-1], str(tmp_path / "bad"), "--sparsity-coef", "-1"]) == 2
     err = capsys.readouterr().err.strip().splitlines()

@@ -311,6 +311,7 @@ def test_partial_participation_evaluates_the_global_encoder_and_reports_the_roun
     diagnostics describe the one upload of the round, by hand: fc1 keeps 64 of 256 units, fc2 64 of
     256 and only their inputs, so (64 x 64 + 64 + 64 x 64 + 64) / 82,432 encoder weights, and the
     model's FLOPs fall from 64 x 256 + 256 x 256 + 256 x 10 to 64 x 64 + 64 x 64 + 64 x 10."""
+    from fedjax_sparse.core.evaluation import population_diagnostics
     from fedjax_sparse.core.layer_groups import overlay
     from fedjax_sparse.core.streams import stream_key
     split = make_split([12, 16, 12, 20])
@@ -336,7 +337,7 @@ def test_partial_participation_evaluates_the_global_encoder_and_reports_the_roun
             assert_trees_close(mine["variables"], fitted)
             assert float(jnp.abs(fitted["params"]["fc3"]["kernel"] - variables["params"]["fc3"]["kernel"]).max()) > 0
             assert_trees_close(mine["salient"], full_unit_masks(mlp.structure), atol=0, rtol=0)
-    figures = alg.diagnostics(server, clients)
+    figures = population_diagnostics(alg, server, clients)
     np.testing.assert_allclose(figures["salient_kept_weights"], (2 * 64 * 64 + 128) / MLP_ENCODER, rtol=1e-6)
     reduction = 1 - (64 * 64 + 64 * 64 + 64 * 10) / (64 * 256 + 256 * 256 + 256 * 10)
     np.testing.assert_allclose(figures["flops_reduction_mean"], reduction, rtol=1e-6)

@@ -133,7 +133,10 @@ def fedgse(context: BuildContext, options: FedGSEOptions) -> FederatedAlgorithm:
                          "partition is not 'labels' (whose --labels-per-client it uses by default)")
     if not 1 <= s <= context.num_classes:
         raise ValueError(f"--significant-labels must be in [1, {context.num_classes}] (the classes), got {s}")
-    public = public_set(context.train, options.public_fraction, context.seed)
+    # (SPL's memory, [num_clients x classes] in the server state, would also be replicated on every process)
+    train = context.device_train("fedgse", "draws its public set and its clients' label answers from every "
+                                           "client's training data")
+    public = public_set(train, options.public_fraction, context.seed)
     num_classes = context.num_classes
     dtype = label_dtype(num_classes)
     stats_shapes = jax.eval_shape(model.init, jax.random.key(0))["batch_stats"]
@@ -141,7 +144,7 @@ def fedgse(context: BuildContext, options: FedGSEOptions) -> FederatedAlgorithm:
     def client_labels(data):
         return top_labels(client_label_counts(data, num_classes), s)
 
-    answers = jax.jit(jax.vmap(lambda i: client_labels(context.train.client(i))))(
+    answers = jax.jit(jax.vmap(lambda i: client_labels(train.client(i))))(
         jnp.arange(context.num_clients))  # what each client answers when asked (CSL)
 
     def spl_labels(memory, client_id, key):

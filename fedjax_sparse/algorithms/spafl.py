@@ -251,27 +251,27 @@ def _check_alpha(sparsity_coef: float) -> None:
 
 def _diagnostics(structure: ModelStructure):
     @jax.jit
-    def densities(client_states):
+    def client_diagnostics(server_state, client_states):
         def one(state):
             masks = threshold_masks(structure, state["variables"]["params"], state["thresholds"])
             overall, per_layer = density(structure, masks)
-            return overall, per_layer, layer_mean_density(structure, masks)
+            return {"weight_density": overall, "density_per_layer": per_layer,
+                    "mean_layer_density": layer_mean_density(structure, masks)}
 
-        return jax.vmap(one)(client_states)
+        return {**jax.vmap(one)(client_states), "train_flops": client_states["train_flops"]}
 
-    def diagnostics(server_state, client_states):
-        overall, per_layer, layer_mean = densities(client_states)
-        # float64 sums on the host: totals reach ~1e14
-        flops = np.asarray(client_states["train_flops"], np.float64)
-        out = {"weight_density": jnp.mean(overall), "mean_layer_density": jnp.mean(layer_mean),
-               "density_per_layer": {k: jnp.mean(v) for k, v in per_layer.items()},
+    def diagnostics(server_state, figures):
+        flops = np.asarray(figures["train_flops"], np.float64)  # float64 sums: totals reach ~1e14
+        out = {"weight_density": float(np.mean(figures["weight_density"])),
+               "mean_layer_density": float(np.mean(figures["mean_layer_density"])),
+               "density_per_layer": {k: float(np.mean(v)) for k, v in figures["density_per_layer"].items()},
                "train_flops": float(flops.mean()), "train_flops_total": float(flops.sum())}
         if "thresholds" in server_state:
             leaves = jax.tree_util.tree_leaves(server_state["thresholds"])
-            out["mean_threshold"] = sum(jnp.sum(t) for t in leaves) / sum(t.size for t in leaves)
+            out["mean_threshold"] = float(sum(np.sum(np.asarray(t)) for t in leaves) / sum(t.size for t in leaves))
         return out
 
-    return diagnostics
+    return client_diagnostics, diagnostics
 
 
 def _builder(local: LocalSGD, sparsity_coef: float, weight_bounds: bool, threshold_update: bool,
@@ -279,6 +279,7 @@ def _builder(local: LocalSGD, sparsity_coef: float, weight_bounds: bool, thresho
     _check_alpha(sparsity_coef)
     structure = local.model.structure
     objective = local_objective(structure, sparsity_coef, weight_bounds)
+    client_diagnostics, diagnostics = _diagnostics(structure)
 
     def init_clients(key, variables, ids):
         del key
@@ -340,7 +341,8 @@ def _builder(local: LocalSGD, sparsity_coef: float, weight_bounds: bool, thresho
         client_variables=lambda server_state, state: masked_variables(structure, state["variables"],
                                                                       state["thresholds"]),
         global_variables=None,
-        diagnostics=_diagnostics(structure),
+        client_diagnostics=client_diagnostics,
+        diagnostics=diagnostics,
     )
 
 

@@ -371,7 +371,13 @@ def spatl(context: BuildContext, options: SPATLOptions, policy: SalientPolicy | 
         ratio = options.salient_keep if options.salient_keep is not None else \
             uniform_keep_ratio(structure, layers, options.flops_reduction)
         policy = fixed_policy(layers, ratio)
-    held = agent_holdout(context.train, policy.holdout, context.seed)
+    reads = [why for why, reads_train in (
+        ("marks each client's held-out share for its agent on the whole training split", policy.holdout > 0),
+        ("fits predictors for never-sampled clients on their training data at each evaluation (partial "
+         "participation)", context.clients_per_round < num_clients)) if reads_train]
+    train = context.device_train("spatl", " and ".join(reads), "--salient-policy fixed with --clients-per-round "
+                                                               "equal to --num-clients") if reads else None
+    held = agent_holdout(train, policy.holdout, context.seed) if policy.holdout else None
     dense_flops = float(sum(layer_forward_flops(structure).values()))
     dense_encoder_flops = float(encoder_flops(structure, full_unit_masks(structure), layers))
     encoder_weights = float(sum(np.prod(s.shape) for s in jax.tree_util.tree_leaves(
@@ -449,7 +455,7 @@ def spatl(context: BuildContext, options: SPATLOptions, policy: SalientPolicy | 
         return {**state["variables"], "unit_masks": state["salient"]}
 
     @jax.jit
-    def diagnostics_of(client_states):
+    def client_diagnostics(server_state, client_states):
         def one(variables, masks):
             kept = encoder_of(variable_masks(structure, variables, masks))["params"]
             per_layer = layer_forward_flops(structure, masks, count_inputs=True)
@@ -457,18 +463,19 @@ def spatl(context: BuildContext, options: SPATLOptions, policy: SalientPolicy | 
                     1.0 - sum(per_layer.values()) / dense_flops,
                     1.0 - sum(per_layer[n] for n in layers) / dense_encoder_flops)
 
-        return jax.vmap(one)(client_states["variables"], client_states["salient"])
+        kept, reduction, encoder_reduction = jax.vmap(one)(client_states["variables"], client_states["salient"])
+        return {"kept": kept, "reduction": reduction, "encoder_reduction": encoder_reduction,
+                "uploaded": client_states["last_round"] == server_state["round"]}  # the last round's senders
 
-    def diagnostics(server_state, client_states):
-        kept, reduction, encoder_reduction = diagnostics_of(client_states)
-        uploaded = client_states["last_round"] == server_state["round"]  # the last round's senders
+    def diagnostics(server_state, figures):
+        uploaded = figures["uploaded"]
 
         def mean(values):
-            return jnp.sum(jnp.where(uploaded, values, 0.0)) / jnp.maximum(jnp.sum(uploaded), 1)
+            return float(np.sum(np.where(uploaded, values, 0.0)) / max(int(np.sum(uploaded)), 1))
 
-        return {"salient_kept_weights": mean(kept), "flops_reduction_mean": mean(reduction),
-                "flops_reduction_max": jnp.max(jnp.where(uploaded, reduction, -jnp.inf)),
-                "encoder_flops_reduction_mean": mean(encoder_reduction)}
+        return {"salient_kept_weights": mean(figures["kept"]), "flops_reduction_mean": mean(figures["reduction"]),
+                "flops_reduction_max": float(np.max(np.where(uploaded, figures["reduction"], -np.inf))),
+                "encoder_flops_reduction_mean": mean(figures["encoder_reduction"])}
 
     fit_key = stream_key(context.seed, "predictor_fit")
 
@@ -480,7 +487,7 @@ def spatl(context: BuildContext, options: SPATLOptions, policy: SalientPolicy | 
             state, client = args
 
             def fitted():  # eq. 4: a predictor for a client that never trained one
-                training, _ = split_holdout(context.train.client(client), held)
+                training, _ = split_holdout(train.client(client), held)
                 return fit_predictor(local, state["variables"], encoder, training,
                                      jax.random.fold_in(fit_key, client))[0]
 
@@ -502,6 +509,7 @@ def spatl(context: BuildContext, options: SPATLOptions, policy: SalientPolicy | 
         server_update=server_update,
         client_variables=client_variables,
         global_variables=None,
+        client_diagnostics=client_diagnostics,
         diagnostics=diagnostics,
         evaluation_clients=evaluation_clients if context.clients_per_round < num_clients else None,
     )

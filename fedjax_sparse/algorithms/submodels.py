@@ -263,10 +263,13 @@ def submodel_algorithm(name: str, context: BuildContext, options: SubmodelOption
             state["memory"] = memory.update(server_state["memory"], ups, info)
         return state
 
+    static_bn = options.static_bn and bool(jax.tree_util.tree_leaves(stats_shapes))  # a model without BN: nothing to do
+    train = context.device_train(name, "recomputes the global model's BatchNorm statistics over every client's "
+                                       "training data (static BN)", "--no-static-bn") if static_bn else None
+
     def evaluation_state(server_state):
         variables = server_state["variables"]
-        return {**server_state, "variables": {**variables,
-                                              "batch_stats": recompute(variables, context.train)}}
+        return {**server_state, "variables": {**variables, "batch_stats": recompute(variables, train)}}
 
     recompute = jit(lambda variables, split: population_batch_stats(model, variables, split))
     return FederatedAlgorithm(
@@ -277,7 +280,7 @@ def submodel_algorithm(name: str, context: BuildContext, options: SubmodelOption
         server_update=server_update,
         client_variables=lambda server_state, client_state: server_state["variables"],
         global_variables=lambda server_state: server_state["variables"],
-        evaluation_state=evaluation_state if options.static_bn else None,
+        evaluation_state=evaluation_state if static_bn else None,
     )
 
 

@@ -64,8 +64,13 @@ class FederatedAlgorithm:
         for methods where the server tells clients what to upload after seeing
         their feedback (FedLDF): returns what is really sent, which is what the
         uplink bytes are counted on and what server_update receives.
-    diagnostics(server_state, client_states) -> dict of scalars, optional
-        extra figures logged with each evaluation (density, FLOPs, ...).
+    client_diagnostics(server_state, client_states) -> dict of per-client figures, optional
+        each a [M] array (or a dict of them) over the M clients given (traceable); the engine
+        takes them chunk by chunk and process by process where the client states live off
+        the device (`core.client_store`), so nothing here may look at another client.
+    diagnostics(server_state, figures) -> dict of scalars, optional (with client_diagnostics)
+        the extra figures logged with each evaluation (density, FLOPs, ...), from every
+        client's `client_diagnostics` as numpy arrays in client-id order.
     evaluation_state(server_state) -> server_state, optional
         what the evaluations read instead of the server state itself (HeteroFL's
         static BatchNorm recomputes the global model's statistics first); called
@@ -87,9 +92,14 @@ class FederatedAlgorithm:
     global_variables: Callable[[ServerState], Variables] | None = None
     init_clients: Callable[[jax.Array, Variables, jax.Array], ClientState] | None = None
     select_uploads: Callable[[Message, jax.Array, RoundInfo], Message] | None = None
-    diagnostics: Callable[[ServerState, ClientState], dict] | None = None
+    client_diagnostics: Callable[[ServerState, ClientState], dict] | None = None
+    diagnostics: Callable[[ServerState, dict], dict] | None = None
     evaluation_state: Callable[[ServerState], ServerState] | None = None
     evaluation_clients: Callable[[ServerState, ClientState], ClientState] | None = None
+
+
+class NeedsDeviceData(ValueError):
+    """An algorithm, as configured, reads every client's data on the device, and the run keeps them off it."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,8 +107,10 @@ class BuildContext:
     """What a run gives an algorithm's builder besides its options.
 
     local: the local trainer (model, optimizer, epochs, batch size);
-    train: the clients' training data (methods whose server needs facts about
-      the clients' data, e.g. FedGSE's public set and its clients' label answers);
+    train: every client's training data on the device (methods whose server needs
+      facts about the clients' data, e.g. FedGSE's public set and its clients' label
+      answers), or None where the run keeps them off the device (host and disk client
+      stores, several processes): such methods take it through `device_train`;
     seed: the run's seed (for randomness fixed at build time);
     labels_per_client: the partition's labels per client, when it has one.
     """
@@ -106,10 +118,20 @@ class BuildContext:
     local: LocalSGD
     num_clients: int
     clients_per_round: int
-    train: FederatedSplit
+    train: FederatedSplit | None
     num_classes: int
     seed: int = 0
     labels_per_client: int | None = None
+
+    def device_train(self, algorithm: str, why: str, otherwise: str = "") -> FederatedSplit:
+        """`train`, for a method that reads every client's data on the device (`why`: what for);
+        `NeedsDeviceData` where the run keeps them off it. `otherwise`: the method's options
+        that would not read them, named in the error."""
+        if self.train is None:
+            raise NeedsDeviceData(f"--algorithm {algorithm} {why}, which needs every client's data on one device: "
+                                  f"run it with --client-store device (or auto) in one process"
+                                  + (f", or {otherwise}" if otherwise else ""))
+        return self.train
 
 
 @dataclasses.dataclass(frozen=True)

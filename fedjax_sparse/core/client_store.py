@@ -183,7 +183,7 @@ class SlotMap:
         self.live = np.full(num_local, -1, np.int64)
         self.keep = keep
         self.num_slots = 0
-        self._kept: list[np.ndarray] = []
+        self._kept: list[np.ndarray] = []  # the slots each kept checkpoint refers to, oldest first
         self._pinned = np.zeros(0, bool)
         self._free: list[int] = []
 
@@ -203,21 +203,27 @@ class SlotMap:
     def commit(self) -> np.ndarray:
         """Pins the current map (a checkpoint's) and frees slots no kept map refers to."""
         saved = self.live.copy()
-        self._kept = (self._kept + [saved])[-self.keep:] if self.keep else []
+        self._kept = (self._kept + [saved[saved >= 0]])[-self.keep:] if self.keep else []
         self._refresh()
         return saved
 
-    def load(self, live: np.ndarray, num_slots: int) -> None:
-        """Restores a checkpoint's map; slots up to `num_slots` that it does not use are free."""
+    def older_pins(self) -> np.ndarray:
+        """The slots the kept checkpoints before the latest refer to."""
+        return np.unique(np.concatenate([np.zeros(0, np.int64), *self._kept[:-1]]))
+
+    def load(self, live: np.ndarray, num_slots: int, older: np.ndarray | None = None) -> None:
+        """Restores a checkpoint's map, its slots and `older` (those of the checkpoints kept before it,
+        `older_pins`) pinned; other slots up to `num_slots` are free."""
         self.live = np.asarray(live, np.int64).copy()
         self.num_slots = max(int(num_slots), int(self.live.max(initial=-1)) + 1)
-        self._kept = [self.live.copy()] if self.keep else []
+        kept = ([] if older is None else [np.asarray(older, np.int64)]) + [self.live[self.live >= 0]]
+        self._kept = kept[-self.keep:] if self.keep else []
         self._refresh()
 
     def _refresh(self) -> None:
         self._pinned = np.zeros(self.num_slots, bool)
         for kept in self._kept:
-            self._pinned[kept[kept >= 0]] = True
+            self._pinned[kept] = True
         used = self._pinned.copy()
         used[self.live[self.live >= 0]] = True
         self._free = np.flatnonzero(~used)[::-1].tolist()  # pop() takes the lowest
@@ -274,6 +280,9 @@ class ClientStore:
     @property
     def row_bytes(self) -> int:
         return self.layout.row_bytes
+
+    def close(self) -> None:
+        """Releases what the store holds open (the disk store's file)."""
 
     def _merge(self, rows: np.ndarray, held: np.ndarray, ids: np.ndarray) -> Any:
         """States of clients `ids` on the device: their rows where held, else their initial states."""
@@ -343,6 +352,12 @@ def _read_rows_snapshot(path: Path, meta: dict) -> tuple[np.ndarray, np.ndarray]
     return np.load(path / "slots.npy"), np.load(path / "rows.npy", mmap_mode="r")
 
 
+def snapshot_backend(directory: str | Path, process: ProcessLayout) -> str | None:
+    """The backend of the store whose snapshot of `process`'s clients is in `directory` (None: none there)."""
+    meta = Path(directory) / f"client_states.{process.tag()}" / "meta.json"
+    return json.loads(meta.read_text())["backend"] if meta.exists() else None
+
+
 class RowStore(ClientStore):
     """A store of byte rows in slots: only clients ever written hold a row (host and disk)."""
 
@@ -396,6 +411,16 @@ class RowStore(ClientStore):
         if len(owned):
             slots = self.slots.assign(self.process.local_index(ids[owned]))
             self._write_rows(slots, rows, owned)
+
+    def _load_rows(self, slots: np.ndarray, rows: np.ndarray, chunk: int = 1024) -> None:
+        """Makes a device or host snapshot's rows this store's only rows (`slots`: each local client's
+        row in `rows`, -1: none), `chunk` rows at a time (`rows` may be memory-mapped)."""
+        self.slots = SlotMap(self.num_local, self.keep)
+        local = np.flatnonzero(slots >= 0)
+        for start in range(0, len(local) if self.row_bytes else 0, chunk):
+            part = local[start:start + chunk]
+            self._write_rows(self.slots.assign(part), np.asarray(rows[slots[part]]), np.arange(len(part)))
+        self.generation += 1
 
     def client_states(self, ids) -> Any:
         """These (own) clients' states on the device, initial states where never written."""
@@ -462,10 +487,7 @@ class HostStore(RowStore):
         path, meta = self._read_meta(directory)
         slots, rows = _read_rows_snapshot(path, meta)
         self._chunks = []
-        self.slots = SlotMap(self.num_local, self.keep)
-        local = np.flatnonzero(slots >= 0)
-        self._write_rows(self.slots.assign(local), rows[slots[local]], np.arange(len(local)))
-        self.generation += 1
+        self._load_rows(slots, rows)
 
 
 class DiskStore(RowStore):
@@ -489,7 +511,7 @@ class DiskStore(RowStore):
         self._stale = True  # rows left by an earlier run: dropped at the first write unless restored
 
     def close(self) -> None:
-        if self._fd is not None:
+        if getattr(self, "_fd", None) is not None:
             os.close(self._fd)
             self._fd = None
 
@@ -520,20 +542,22 @@ class DiskStore(RowStore):
                 view, offset = view[n:], offset + n
 
     def snapshot(self, directory: str | Path) -> Path:
-        """Flushes the rows to disk and writes the slot map; the rows themselves stay in the store's file."""
+        """Flushes the rows to disk and writes the slot map, and the slots of the older checkpoints kept
+        (which a restore keeps intact too); the rows themselves stay in the store's file."""
         os.fsync(self._fd)
-        saved = self.slots.live.copy()
-        path = _save_snapshot(Path(directory), self._snapshot_name(),
+        saved = self.slots.commit()
+        return _save_snapshot(Path(directory), self._snapshot_name(),
                               {**self._meta(), "rows_file": self.path.name, "num_slots": self.slots.num_slots},
-                              {"slots.npy": saved})
-        self.slots.commit()
-        return path
+                              {"slots.npy": saved, "older_slots.npy": self.slots.older_pins()})
 
     def restore(self, directory: str | Path) -> None:
+        """From this store's own snapshot (a slot map into its file), or a device or host store's (whose
+        rows it writes into its file)."""
         path, meta = self._read_meta(directory)
         if meta["backend"] != "disk":
-            raise ValueError(f"the client-state snapshot in {path} is a {meta['backend']} store's; restore it with "
-                             f"the {meta['backend']} store")
+            self._stale = True  # the file's rows are not this snapshot's
+            self._load_rows(*_read_rows_snapshot(path, meta))
+            return
         if meta["rows_file"] != self.path.name:
             raise ValueError(f"the client-state snapshot in {path} refers to rows in {meta['rows_file']}, but this "
                              f"store's rows are in {self.path.name}")
@@ -542,7 +566,7 @@ class DiskStore(RowStore):
         if size < meta["num_slots"] * self.row_bytes:
             raise ValueError(f"{self.path} holds {size} bytes, fewer than the {meta['num_slots']} rows of "
                              f"{self.row_bytes} bytes the snapshot in {path} refers to")
-        self.slots.load(slots, size // max(self.row_bytes, 1))
+        self.slots.load(slots, size // max(self.row_bytes, 1), np.load(path / "older_slots.npy"))
         self._stale = False
         self.generation += 1
 

@@ -13,6 +13,12 @@ process) and the round takes the elementwise max over P, which is exact (every e
 held by exactly one process; rows are raw bytes, labels and counts are >= 0). The result is
 sharded over every device of the `processes` x `clients` mesh (`process_mesh`).
 
+What is not a round (evaluation, a run's decisions) runs in each process on its own device,
+and the small results every process needs are exchanged with `jax.experimental.multihost_utils`:
+each client's figures (`gather_clients`), a stop signal (`max_over_processes`), whether every
+process got through a step that may fail in one of them (`agree`), so that no process waits in
+a collective for one that has given up.
+
 On CPU, processes reach each other through gloo collectives, so two processes on one
 machine run the same code a multi-host GPU or TPU job runs.
 """
@@ -29,6 +35,7 @@ from typing import Any
 
 import jax
 import numpy as np
+from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from fedjax_sparse.core.round import CLIENTS_AXIS
@@ -139,10 +146,11 @@ def initialize(coordinator: str | None = None, num_processes: int | None = None,
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     where = f"at {coordinator}" if explicit else "through cluster detection"
     who = f"process {process_id} of {num_processes}" if explicit else "this process"
+    how = (f"start every process with the same --coordinator and --num-processes and a distinct --process-id in "
+           f"0..{num_processes - 1}" if explicit else "check that the job started all its processes (tasks)")
     watchdog = threading.Timer(timeout_s, _fail_launch, args=(
-        f"fedjax_sparse: {who} did not meet all the other processes {where} within {timeout_s} s: start every "
-        f"process with the same --coordinator and --num-processes and a distinct --process-id in "
-        f"0..{(num_processes or 1) - 1}, within {timeout_s} s of each other",))
+        f"fedjax_sparse: {who} did not meet all the other processes {where} within {timeout_s} s: {how}, within "
+        f"{timeout_s} s of each other",))
     watchdog.daemon = True
     watchdog.start()
     try:
@@ -152,6 +160,9 @@ def initialize(coordinator: str | None = None, num_processes: int | None = None,
     except Exception as e:  # noqa: BLE001 - JAX raises several kinds; the user gets one line either way
         watchdog.cancel()
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        if not explicit:
+            raise LaunchError(f"--cluster: JAX found no SLURM, Open MPI or TPU pod job to take the processes from "
+                              f"({first}); give --coordinator, --num-processes and --process-id instead") from None
         raise LaunchError(f"jax.distributed could not start {where}: {first}") from None
     watchdog.cancel()
     return current_process()
@@ -202,3 +213,59 @@ def replicated(tree: Any, mesh: Mesh | None) -> Any:
 
 def replicated_sharding(mesh: Mesh | None) -> NamedSharding | None:
     return None if mesh is None else NamedSharding(mesh, PartitionSpec())
+
+
+def process_local(tree: Any) -> Any:
+    """`tree` with every array that spans several devices (a replicated server state) replaced by its
+    copy on this process's first device, for computations each process runs on its own."""
+    def local(x):
+        if isinstance(x, jax.Array) and len(x.sharding.device_set) > 1:
+            return x.addressable_data(0)
+        return x
+
+    return jax.tree_util.tree_map(local, tree)
+
+
+def gather_clients(values: Any, process: ProcessLayout, num_clients: int) -> Any:
+    """Every process's figures of its own clients ([num_local, ...] numpy, in local order) as the
+    population's ([num_clients, ...], in id order), on every process."""
+    if process.count == 1:
+        return values
+    width = ProcessLayout(0, process.count).num_local(num_clients)  # process 0 owns the most
+
+    def pad(x):
+        x = np.asarray(x)
+        return np.concatenate([x, np.zeros((width - len(x), *x.shape[1:]), x.dtype)])
+
+    gathered = multihost_utils.process_allgather(jax.tree_util.tree_map(pad, values))
+
+    def place(x):
+        out = np.empty((num_clients, *x.shape[2:]), x.dtype)
+        for p in range(process.count):
+            out[p::process.count] = x[p, :ProcessLayout(p, process.count).num_local(num_clients)]
+        return out
+
+    return jax.tree_util.tree_map(place, gathered)
+
+
+def max_over_processes(value: int) -> int:
+    """The largest of the processes' `value`s, on every process."""
+    if jax.process_count() == 1:
+        return value
+    return int(np.max(multihost_utils.process_allgather(np.int64(value))))
+
+
+def agree(failure: BaseException | None, when: str) -> None:
+    """Whether every process got through a step (`failure`: this process's error, None if it did):
+    a process that failed raises its error, the others a one-line ValueError naming the first that
+    failed, so that none goes on to wait for it in a collective."""
+    if jax.process_count() == 1:
+        if failure is not None:
+            raise failure
+        return
+    failed = np.asarray(multihost_utils.process_allgather(np.bool_(failure is not None)))
+    if failure is not None:
+        raise failure
+    if failed.any():
+        raise ValueError(f"process {int(np.argmax(failed))} of {jax.process_count()} stopped {when}; its own error "
+                         f"says why")

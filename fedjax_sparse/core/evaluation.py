@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any, Callable
 
@@ -10,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from fedjax_sparse.core.algorithm import FederatedAlgorithm
 from fedjax_sparse.core.compilation import jit
 from fedjax_sparse.core.round import default_client_chunk
 from fedjax_sparse.data.federated import FederatedSplit, normalize
@@ -93,30 +95,56 @@ def personalized_evaluator(model: Model, client_variables: Callable, test: Feder
     num_clients = test.num_clients
     if client_chunk is not None and client_chunk != AUTO and not 1 <= client_chunk <= num_clients:
         raise ValueError(f"client chunk must be in [1, {num_clients}] (the clients), got {client_chunk}")
-    batch_size = min(batch_size, test.max_count)
-    by_size = jnp.asarray(np.argsort(np.asarray(test.counts), kind="stable").astype(np.int32))
+    return functools.partial(split_evaluator(model, client_variables, batch_size, client_chunk), test=test)
 
-    def one_client(server_state, client_state, offset, count):
+
+def split_evaluator(model: Model, client_variables: Callable, batch_size: int = 32,
+                    client_chunk: int | None | str = AUTO) -> Callable[[Any, Any, FederatedSplit], jax.Array]:
+    """Jitted `evaluate(server_state, client_states, test) -> [M] accuracies` of M clients whose test
+    data `test` holds (client k: `test.client(k)`): `personalized_evaluator` with the split an
+    argument, so that one compilation serves the whole population's split and every chunk of
+    clients' gathered windows (`data.windows`) of one shape alike; a chunk above M takes all M.
+
+    The split is never a constant of the computation: XLA would fold its counts into reciprocals
+    and multiply by them, 1 ulp off a division (3/7 -> 0.42857146), so accuracies would depend on
+    how the clients' data reached the evaluator."""
+
+    def one_client(server_state, client_state, test, offset, count):
         variables = client_variables(server_state, client_state)
         correct, _ = window_scores(model, variables, test.x, test.y, offset, count, test.mean, test.std,
-                                   batch_size)
+                                   min(batch_size, test.max_count))
         return correct / count
 
-    def evaluate(server_state, client_states):
-        chunk = client_chunk
+    def evaluate(server_state, client_states, test):
+        num_clients, chunk = test.num_clients, client_chunk
         if chunk == AUTO:
             one = jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), client_states)
             chunk = default_client_chunk(jax.eval_shape(client_variables, server_state, one), num_clients)
-        fn = lambda args: one_client(server_state, *args)  # noqa: E731
-        if chunk is None or chunk == num_clients:
+        fn = lambda args: one_client(server_state, args[0], test, *args[1:])  # noqa: E731
+        if chunk is None or chunk >= num_clients:
             return jax.vmap(fn)((client_states, test.offsets, test.counts))
         if chunk == 1:
             return jax.lax.map(fn, (client_states, test.offsets, test.counts))
+        by_size = jnp.argsort(test.counts, stable=True)
         ordered = jax.tree_util.tree_map(lambda a: a[by_size], (client_states, test.offsets, test.counts))
         accuracies = jax.lax.map(fn, ordered, batch_size=chunk)
         return jnp.zeros_like(accuracies).at[by_size].set(accuracies)
 
     return jit(evaluate)
+
+
+@jax.jit
+def all_finite(tree) -> jax.Array:
+    """Whether every float in `tree` is finite (a diverged run's are not)."""
+    leaves = [jnp.all(jnp.isfinite(x)) for x in jax.tree_util.tree_leaves(tree)
+              if jnp.issubdtype(x.dtype, jnp.inexact)]
+    return jnp.all(jnp.stack(leaves)) if leaves else jnp.asarray(True)
+
+
+def population_diagnostics(algorithm: FederatedAlgorithm, server_state, client_states) -> dict:
+    """`algorithm.diagnostics` of clients whose states are all at hand ([N, ...], id order)."""
+    figures = jax.tree_util.tree_map(np.asarray, algorithm.client_diagnostics(server_state, client_states))
+    return algorithm.diagnostics(server_state, figures)
 
 
 def population_batch_stats(model: Model, variables, split: FederatedSplit, batch_size: int = 500):

@@ -32,7 +32,7 @@ from fedjax_sparse.core.distributed import combine_blocks, process_blocks, repli
 from fedjax_sparse.core.round import (RoundOutput, check_clients_per_round, device_round, round_step,
                                       sample_clients_host)
 from fedjax_sparse.data.federated import FederatedSplit
-from fedjax_sparse.data.windows import HostData
+from fedjax_sparse.data.windows import HostData, window_split
 
 
 @dataclasses.dataclass
@@ -68,8 +68,7 @@ def _row_round(algorithm: FederatedAlgorithm, layout: RowLayout, key_impl: str, 
         rows, held, x, y, counts = combine_blocks(blocks)
         key = jax.random.wrap_key_data(key_data, impl=key_impl)
         sampled = materialize(algorithm, layout, rows, held, ids, key, variables)
-        view = FederatedSplit(x=x, y=y, offsets=jnp.arange(k, dtype=jnp.int32) * m, counts=counts, mean=mean,
-                              std=std, max_count=m, augment=augment)
+        view = window_split(x, y, counts, mean, std, m, augment)
         server_state, new_states, out = step(server_state, sampled, view, jnp.arange(k), ids, round_index)
         return server_state, layout.pack(new_states, k), out
 

@@ -17,7 +17,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Sequence
 
 import chex
+import jax.numpy as jnp
 import numpy as np
+
+from fedjax_sparse.data.federated import FederatedSplit
 
 if TYPE_CHECKING:
     from fedjax_sparse.core.distributed import ProcessLayout
@@ -30,6 +33,14 @@ class Windows:
     x: np.ndarray
     y: np.ndarray
     counts: np.ndarray
+
+
+def window_split(x, y, counts, mean, std, max_count: int, augment: bool = False) -> FederatedSplit:
+    """K gathered windows ([K x max_count] examples, `Windows`) as a `FederatedSplit` whose client k is
+    window k (traceable)."""
+    offsets = jnp.arange(counts.shape[0], dtype=jnp.int32) * max_count
+    return FederatedSplit(x=x, y=y, offsets=offsets, counts=counts, mean=mean, std=std, max_count=max_count,
+                          augment=augment)
 
 
 @dataclasses.dataclass(frozen=True)
