@@ -136,10 +136,13 @@ class _CountingLinear(nn.Module):
 BATCHES = []
 
 
-@pytest.mark.parametrize("client_chunk,expected_batches", [(1, 2 + 1 + 3 + 1 + 2), (None, 3)])
+@pytest.mark.parametrize("client_chunk,expected_batches", [(1, 2 + 1 + 3 + 1 + 2), (None, 3), ("auto", 9)])
 def test_personalized_evaluator_stops_each_client_at_its_own_size(client_chunk, expected_batches):
     """One client at a time, client i runs ceil(n_i / 4) batches (9 in all, where padding every client to
-    the largest one would run 5 x 3 = 15); vmapped together, all clients run as long as the largest."""
+    the largest one would run 5 x 3 = 15); vmapped together, all clients run as long as the largest.
+    On a CPU (the suite's platform) the default takes one client at a time even for this tiny model,
+    for which training's rule would vmap all five."""
+    assert jax.default_backend() == "cpu"
     from fedjax_sparse.models import Model, ModelStructure
 
     counts = [5, 1, 9, 3, 6]
@@ -174,3 +177,18 @@ def test_personalized_evaluator_on_a_cnn_gives_the_same_accuracies_in_every_layo
     expected = [right[a:b].mean() for a, b in zip(bounds, bounds[1:])]
     for got in results:
         np.testing.assert_allclose(got, expected, atol=1e-7)
+
+
+def test_the_global_batch_holds_about_1e8_multiply_adds_between_125_and_1000_examples():
+    """The digits MLP: 64*256 + 256*256 + 256*10 = 84,480 multiply-adds an example, so 1,000 examples
+    (84 M) fit; CIFAR's CNNs (tens of millions an example) get the floor of 125; a test set smaller
+    than the batch is one batch; the rule's bound moves the choice."""
+    from fedjax_sparse.core.evaluation import default_global_batch
+
+    mlp = get_model("mlp", (8, 8, 1), 10)
+    assert default_global_batch(mlp, 10_000) == 1000
+    assert default_global_batch(mlp, 360) == 360
+    assert default_global_batch(mlp, 10_000, max_batch_flops=84_480 * 999) == 500
+    assert default_global_batch(mlp, 10_000, max_batch_flops=84_480 * 250) == 250
+    for name in ("spafl_cnn", "resnet20", "cnn4"):
+        assert default_global_batch(get_model(name, (32, 32, 3), 10), 10_000) == 125
