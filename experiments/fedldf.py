@@ -10,7 +10,6 @@ Outputs per setting, beside the standard results.md/comparison.png: uplink.png (
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import math
 import sys

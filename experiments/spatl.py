@@ -17,7 +17,6 @@ import sys
 from pathlib import Path
 from typing import Sequence
 
-import jax
 import numpy as np
 
 from experiments.common import Arm, Setting, cifar10_folder, main

@@ -1,8 +1,6 @@
 """Client stores against the device store: the same rounds, bit for bit, through prefetch, a
 checkpoint, a crash after it and a restore; storage only for clients ever written."""
 
-import dataclasses
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -107,6 +105,10 @@ def run(setting, alg, backend, tmp_path, rounds, *, prefetch=True, restore_from=
     if restore_from is not None:
         store.restore(restore_from)
     data = setting["split"] if backend == "device" else setting["host"]
+    if backend == "disk":  # the data memory-mapped from files too, as benchmarks/client_scale.py reads them
+        folder = tmp_path / "data"
+        data = open_host_data(folder if (folder / "meta.json").exists() else save_host_data(data, folder))
+        assert isinstance(data.x, np.memmap)
     round_fn = StoreRound(alg, store, data, K, seed=7, prefetch=prefetch)
     server = initial_server_state(alg, jax.random.key(0), setting["variables"], len(COUNTS)) \
         if server is None else server

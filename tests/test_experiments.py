@@ -1,7 +1,6 @@
 """The experiment modules' quick versions run and tabulate every compared algorithm."""
 
 import csv
-import os
 from pathlib import Path
 
 import pytest

@@ -15,7 +15,7 @@ from fedjax_sparse.algorithms.fedldf import random_n_per_layer, top_n_per_layer
 from fedjax_sparse.cli import main
 from fedjax_sparse.core.layer_groups import layer_groups, model_layer_groups
 from fedjax_sparse.core.local_training import LocalSGD
-from fedjax_sparse.core.messages import SparseArray, message_bytes
+from fedjax_sparse.core.messages import message_bytes
 from fedjax_sparse.core.round import build_round, round_info
 from fedjax_sparse.models import get_model
 from fedjax_sparse.models.structure import ModelStructure

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from fedjax_sparse.models import MODEL_NAMES, Layer, Model, ModelStructure, get_model
+from fedjax_sparse.models import MODEL_NAMES, Model, ModelStructure, get_model
 from fedjax_sparse.models import layers as L
 from fedjax_sparse.models.conv import Conv2D, conv2d
 from fedjax_sparse.models.structure import get_path

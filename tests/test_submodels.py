@@ -12,7 +12,7 @@ import optax
 import pytest
 
 from fedjax_sparse.algorithms import fedavg, make_algorithm, make_options
-from fedjax_sparse.algorithms.fedgse import (FedGSEOptions, public_set, similar_batch, top_labels,
+from fedjax_sparse.algorithms.fedgse import (public_set, similar_batch, top_labels,
                                              unit_gradient_scores)
 from fedjax_sparse.algorithms.submodels import SubmodelOptions, client_capacity
 from fedjax_sparse.cli import main
@@ -260,7 +260,6 @@ def test_similar_batches_hold_only_the_clients_labels():
 def test_capacities_are_pure_functions_of_seed_round_and_client():
     dynamic = SubmodelOptions(capacities=(1.0, 0.5, 0.25))
     fixed = dataclasses.replace(dynamic, capacity_mode="fixed")
-    draw = jax.jit(lambda opts_index, r, c: None)  # noqa: F841 - the options are static, so call directly
     a = [float(client_capacity(dynamic, 0, r, 5)) for r in range(12)]
     b = [float(client_capacity(fixed, 0, r, 5)) for r in range(12)]
     assert len(set(a)) > 1 and len(set(b)) == 1

@@ -1,6 +1,5 @@
 """TensorBoard event files: what a run writes is what TensorBoard's own loader reads."""
 
-import json
 import math
 
 import pytest
