@@ -125,3 +125,18 @@ def test_client_scale_quick_run_measures_every_store(tmp_path):
         assert records[store]["final_loss"] == records["device"]["final_loss"]
     assert records["disk"]["store_file_bytes"] == records["disk"]["store_bytes"]
     assert result["environment"]["command"].startswith("python -m benchmarks.client_scale --quick")
+
+
+def test_side_by_side_with_pytorch_refuses_a_python_without_torch_in_one_line(tmp_path):
+    """PyTorch is no dependency: a --torch-python that cannot import torch (or does not exist) ends the
+    benchmark at once, naming the flag, before anything is compiled."""
+    from benchmarks import pytorch_side_by_side
+
+    no_torch = tmp_path / "python"
+    no_torch.write_text("#!/bin/sh\nexit 1\n")
+    no_torch.chmod(0o755)
+    with pytest.raises(SystemExit, match=f"--torch-python {no_torch}: it cannot import torch"):
+        pytorch_side_by_side.main(["--quick", "--torch-python", str(no_torch), "--out", str(tmp_path)])
+    with pytest.raises(SystemExit, match="--torch-python /no/such/python: cannot run it"):
+        pytorch_side_by_side.main(["--quick", "--torch-python", "/no/such/python", "--out", str(tmp_path)])
+    assert not list(tmp_path.glob("*.md"))
