@@ -18,7 +18,7 @@ generated once per N into .npy files (x, y, offsets, counts); the device and hos
 them into memory, the disk setting memory-maps them. One warm-up round (compiles), then
 `rounds` timed rounds; seconds per round = their median, each ended by reading the round's
 outputs on the host (the row stores also wait for their writes and prefetch). Measured:
-- peak_rss: the process's peak resident memory (ru_maxrss), and rss_data: its resident memory
+- peak_rss: the process's peak resident memory (VmHWM), and rss_data: its resident memory
   right after the data were loaded (so peak_rss - rss_data is what the round and store add);
 - device_bytes: bytes of live device buffers after the rounds (`jax.live_arrays()`; on a CPU
   the device has no allocator statistics) and device_peak where the backend reports one;
@@ -36,7 +36,6 @@ import dataclasses
 import functools
 import json
 import os
-import resource
 import shutil
 import socket
 import subprocess
@@ -49,6 +48,7 @@ from typing import Sequence
 import jax
 import numpy as np
 
+from benchmarks.common import peak_rss_bytes
 from benchmarks.round_throughput import environment
 
 EXAMPLES, SHAPE, CLASSES, SKEW = 20, (8, 8, 1), 10, 0.8
@@ -128,10 +128,6 @@ def _rss() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-def _peak_rss() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-
-
 # ---------------------------------------------------------------- one setting, in this process
 
 @functools.lru_cache(maxsize=None)
@@ -181,7 +177,7 @@ def run_setting(setting: Setting, data_dir: Path, work_dir: Path, process=None, 
     round_fn.close()
     record = {"setting": dataclasses.asdict(setting), "name": setting.name,
               "round_seconds": float(np.median(times[1:])), "round_seconds_all": times[1:],
-              "first_round_seconds": times[0], "rss_data_bytes": rss_data, "peak_rss_bytes": _peak_rss(),
+              "first_round_seconds": times[0], "rss_data_bytes": rss_data, "peak_rss_bytes": peak_rss_bytes(),
               "device_bytes": int(sum(a.nbytes for a in jax.live_arrays())),
               "device_peak_bytes": _device_peak(), "store_bytes": store.nbytes, "auto": auto[0],
               "auto_reason": auto[1], "final_loss": float(np.mean(np.asarray(out.metrics["loss"])))}
@@ -259,6 +255,10 @@ def _gb(x) -> str:
     return "-" if x is None else f"{x / 1e9:.3f}"
 
 
+def _seconds(x: float | None) -> str:
+    return "-" if x is None else f"{x:.3f}"
+
+
 def table(records: list[dict]) -> str:
     head = ("| setting | s/round | first round s | peak RSS GB | RSS after data GB | device GB | store GB | "
             "disk GB | read s | write s | auto |")
@@ -268,7 +268,7 @@ def table(records: list[dict]) -> str:
         lines.append(f"| {r['name']}{proc} | {r['round_seconds']:.3f} | {r['first_round_seconds']:.1f} | "
                      f"{_gb(r['peak_rss_bytes'])} | {_gb(r['rss_data_bytes'])} | {_gb(r['device_bytes'])} | "
                      f"{_gb(r['store_bytes'])} | {_gb(r.get('disk_bytes'))} | "
-                     f"{r.get('read_seconds', float('nan')):.3f} | {r.get('write_seconds', float('nan')):.3f} | "
+                     f"{_seconds(r.get('read_seconds'))} | {_seconds(r.get('write_seconds'))} | "
                      f"{r['auto']} |")
     return "\n".join(lines)
 

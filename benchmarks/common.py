@@ -78,7 +78,17 @@ def command_line(module: str, argv: Sequence[str]) -> str:
 
 
 def peak_rss_bytes() -> int:
-    """The process's peak resident memory so far (Linux reports kilobytes, macOS bytes)."""
+    """The process's peak resident memory so far: Linux's VmHWM, the high-water mark of this
+    program's own address space. Not `ru_maxrss`, which Linux carries over from the parent across
+    fork and exec: a process started by a driver that had grown to 1.6 GB (writing a million
+    clients' data) reported 1.6 GB whatever it used itself. Elsewhere `ru_maxrss` (macOS: bytes)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return int(peak if sys.platform == "darwin" else peak * 1024)
 
