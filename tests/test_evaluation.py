@@ -66,7 +66,9 @@ def test_global_evaluator_counts_only_real_examples(batch_size):
 
 
 def test_global_evaluator_on_the_digits_mlp_equals_one_unbatched_pass():
-    """37 examples in batches of 8 (3 padded slots) against one forward pass over all 37."""
+    """37 examples in batches of 8 against one forward pass over all 37: 4 full batches, then the 5 left
+    in batches of 2, the last of which would run past the arrays and is moved back one example (that
+    example, already counted, is left out: counting it twice would move the loss)."""
     from sklearn.datasets import load_digits
 
     digits = load_digits()
@@ -136,10 +138,13 @@ class _CountingLinear(nn.Module):
 BATCHES = []
 
 
-@pytest.mark.parametrize("client_chunk,expected_batches", [(1, 2 + 1 + 3 + 1 + 2), (None, 3), ("auto", 9)])
+@pytest.mark.parametrize("client_chunk,expected_batches", [(1, 4 + 8), (None, 2 + 3), ("auto", 4 + 8)])
 def test_personalized_evaluator_stops_each_client_at_its_own_size(client_chunk, expected_batches):
-    """One client at a time, client i runs ceil(n_i / 4) batches (9 in all, where padding every client to
-    the largest one would run 5 x 3 = 15); vmapped together, all clients run as long as the largest.
+    """Batches of 4, the rest in batches of 1: one client at a time, clients of 5, 1, 9, 3, 6 examples
+    run 1 + 0 + 2 + 0 + 1 = 4 full batches and 1 + 1 + 1 + 3 + 2 = 8 of the rest, 12 batches, none
+    padded (one padded batch per client would run 2 + 1 + 3 + 1 + 2 = 9 of 4 with 16 padded slots;
+    padding every client to the largest, 5 x 3 = 15); vmapped together, each loop runs as long as its
+    longest client needs: 2 full batches and 3 of the rest.
     On a CPU (the suite's platform) the default takes one client at a time even for this tiny model,
     for which training's rule would vmap all five."""
     assert jax.default_backend() == "cpu"

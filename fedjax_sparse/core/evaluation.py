@@ -26,20 +26,43 @@ def window_scores(model: Model, variables, x: jax.Array, y: jax.Array, offset: j
                   mean, std, batch_size: int) -> tuple[jax.Array, jax.Array]:
     """(correct predictions, summed loss) over examples [offset, offset + count) of flat arrays x, y.
 
-    A loop of ceil(count / batch_size) batches, so an evaluation stops at its
-    own size: at most one batch is partly padding (its padded slots repeat the
-    last example and are left out of both sums). Under `vmap` the loop runs as
-    long as the largest window of the batch of windows.
+    Full batches of `batch_size`, then what is left in quarter batches (`tail_batch`), so an
+    evaluation stops at its own size and computes less than a quarter batch of padding: a client of
+    100 test examples in batches of 32 runs 3 full batches and one of 8 (4 padded slots) rather than
+    4 of 32 (28). Each batch is a contiguous slice of x, moved back from the end of the arrays where
+    it would run past them; slots outside the window are left out of both sums. Under `vmap` each
+    loop runs as long as the largest window of the batch of windows needs.
     """
-    num_batches = (count + batch_size - 1) // batch_size
+    total = x.shape[0]
+    batch_size = min(batch_size, total)
+    tail = tail_batch(batch_size)
+    full = count // batch_size
+    correct, loss = _batches(model, variables, x, y, offset, offset + count, full, batch_size, mean, std)
+    rest = count - full * batch_size
+    tail_correct, tail_loss = _batches(model, variables, x, y, offset + full * batch_size, offset + count,
+                                       (rest + tail - 1) // tail, tail, mean, std)
+    return correct + tail_correct, loss + tail_loss
+
+
+def tail_batch(batch_size: int) -> int:
+    """The batch a window's remainder (under `batch_size` examples) is scored in: a quarter batch, so at
+    most four of them and under a quarter batch of padding."""
+    return max(1, batch_size // 4)
+
+
+def _batches(model: Model, variables, x, y, start, end, num_batches, size: int, mean, std):
+    """(correct, summed loss) over examples [start, end), scored `num_batches` slices of `size` at a time."""
+    last_start = x.shape[0] - size
 
     def body(state):
         i, correct, loss = state
-        pos = i * batch_size + jnp.arange(batch_size)
-        mask = pos < count
-        index = offset + jnp.minimum(pos, count - 1)
-        labels = y[index]
-        logits, _ = model.apply(variables, normalize(x[index], mean, std), train=False)
+        first = start + i * size
+        at = jnp.minimum(first, last_start)
+        pos = at + jnp.arange(size)
+        mask = (pos >= first) & (pos < end)
+        labels = jax.lax.dynamic_slice_in_dim(y, at, size)
+        images = jax.lax.dynamic_slice_in_dim(x, at, size)
+        logits, _ = model.apply(variables, normalize(images, mean, std), train=False)
         correct = correct + jnp.sum((jnp.argmax(logits, -1) == labels) & mask)
         losses = optax.softmax_cross_entropy_with_integer_labels(logits, labels)
         return i + 1, correct, loss + jnp.sum(jnp.where(mask, losses, 0.0))
@@ -69,7 +92,7 @@ def global_evaluator(model: Model, x: np.ndarray, y: np.ndarray, mean, std,
                      batch_size: int | None = None) -> Callable[[Any], dict]:
     """Jitted `evaluate(variables) -> {'accuracy', 'loss'}` on a whole test set put on the device once.
 
-    ceil(n / batch_size) batches, the last one partly padding; the default
+    Full batches, the rest in quarter batches (`window_scores`); the default
     batch is `default_global_batch`'s.
     """
     total = len(y)
@@ -106,8 +129,8 @@ def personalized_evaluator(model: Model, client_variables: Callable, test: Feder
     """Jitted `evaluate(server_state, client_states) -> [num_clients] accuracies`.
 
     Client i predicts with `client_variables(server_state, client_states[i])` on
-    its own test split, in ceil(n_i / batch_size) batches (`window_scores`):
-    small batches, since every client pads its last one (Dirichlet splits hold
+    its own test split, in floor(n_i / batch_size) full batches and quarter batches for the rest
+    (`window_scores`): small batches, since every client pads its last one (Dirichlet splits hold
     many clients of a few dozen test examples), and a vmap over clients makes
     an accelerator's batch large anyway. Clients go `client_chunk` at a time, as a round trains them: `None` vmaps
     all of them at once (the accelerator layout), c > 0 maps over vmapped
