@@ -128,8 +128,9 @@ def test_client_scale_quick_run_measures_every_store(tmp_path):
 
 
 def test_side_by_side_with_pytorch_refuses_a_python_without_torch_in_one_line(tmp_path):
-    """PyTorch is no dependency: a --torch-python that cannot import torch (or does not exist) ends the
-    benchmark at once, naming the flag, before anything is compiled."""
+    """PyTorch is no dependency: a --torch-python that cannot import torch (or does not exist), or a
+    --spafl-code folder that is no checkout of the official code, ends the benchmark at once, naming
+    the flag, before anything is compiled."""
     from benchmarks import pytorch_side_by_side
 
     no_torch = tmp_path / "python"
@@ -140,3 +141,5 @@ def test_side_by_side_with_pytorch_refuses_a_python_without_torch_in_one_line(tm
     with pytest.raises(SystemExit, match="--torch-python /no/such/python: cannot run it"):
         pytorch_side_by_side.main(["--quick", "--torch-python", "/no/such/python", "--out", str(tmp_path)])
     assert not list(tmp_path.glob("*.md"))
+    with pytest.raises(SystemExit, match="--spafl-code /no/such/folder: no main/cifar10/client/Client_Class.py"):
+        pytorch_side_by_side.main(["--quick", "--spafl-code", "/no/such/folder", "--out", str(tmp_path)])
