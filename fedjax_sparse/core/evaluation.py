@@ -77,7 +77,7 @@ def default_global_batch(model: Model, total: int, max_batch_flops: float = 1e8)
     CIFAR's and MNIST's 10,000 test images) whose forward pass stays within `max_batch_flops`
     multiply-adds, at least 125, at most the test set.
 
-    Each batch costs a loop step, a gather and a normalisation besides its forward pass, which a
+    Each batch costs a loop step, a slice and a normalisation besides its forward pass, which a
     small model does not amortise: the digits MLP (84 k multiply-adds an example) evaluated 2.3x
     training's examples per second in batches of 125 and 4.3x in batches of 1,000 (2,500: 3.5x) on 2
     CPU cores. A CIFAR CNN (tens of millions an example) gets 125: spafl_cnn evaluates as fast in
