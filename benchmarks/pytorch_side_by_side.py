@@ -28,13 +28,12 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import time
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Callable, Sequence
 
-import jax
 
-from benchmarks.common import command_line, environment, environment_markdown, finish, fmt, markdown_table
+from benchmarks.common import (command_line, environment, environment_markdown, finish, fmt, interleaved,
+                               markdown_table)
 from benchmarks.common import parser as benchmark_parser
 from benchmarks.local_training import REFERENCE_MS, Setting, client_update_fn
 from fedjax_sparse.core.compilation import jit
@@ -77,7 +76,10 @@ def epoch():
         loss.backward()
         optimizer.step()
     return loss.item()
+"""
 
+# Appended to each client script: a warm-up epoch, then `repeats` timed ones.
+TIMED_EPOCHS = r"""
 epoch()
 wall, cpu = [], []
 for _ in range(repeats):
@@ -123,19 +125,14 @@ x = torch.randn(examples, 3, 32, 32)
 y = torch.randint(0, 10, (examples,))
 loader = DataLoader(TensorDataset(x, y), batch_size=batch, shuffle=True)
 client = Client(args, net.masked_Conv4(), torch.nn.CrossEntropyLoss(), 0, loader, loader, torch.device("cpu"))
-client.local_training(0)
-wall, cpu = [], []
-for _ in range(repeats):
-    w, c = time.perf_counter(), time.process_time()
+
+def epoch():
     client.local_training(0)
-    wall.append(time.perf_counter() - w); cpu.append(time.process_time() - c)
-print("RESULT " + json.dumps({"torch": torch.__version__, "threads": torch.get_num_threads(),
-                              "wall": wall, "cpu": cpu}))
 """
 
 
 def torch_client(python: str, setting: Setting, repeats: int, code: str = TORCH_CLIENT, *extra: str) -> dict:
-    done = subprocess.run([python, "-c", code, str(setting.examples), str(setting.batch_size), str(repeats), *extra],
+    done = subprocess.run([python, "-c", code + TIMED_EPOCHS, str(setting.examples), str(setting.batch_size), str(repeats), *extra],
                           capture_output=True, text=True)
     lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
     if done.returncode != 0 or not lines:
@@ -143,21 +140,11 @@ def torch_client(python: str, setting: Setting, repeats: int, code: str = TORCH_
     return json.loads(lines[-1][len("RESULT "):])
 
 
-def library_client(algorithm: str, setting: Setting):
+def library_client(algorithm: str, setting: Setting) -> Callable[[], Any]:
+    """One call of the library's client update, compiled as the library compiles it."""
     update, args, _, _ = client_update_fn("spafl_cnn", algorithm, setting)
     fn = jit(update)
-    jax.block_until_ready(fn(*args))
-
-    def timed(repeats: int) -> dict:
-        wall, cpu = [], []
-        for _ in range(repeats):
-            w, c = time.perf_counter(), time.process_time()
-            jax.block_until_ready(fn(*args))
-            wall.append(time.perf_counter() - w)
-            cpu.append(time.process_time() - c)
-        return {"wall": wall, "cpu": cpu}
-
-    return timed
+    return lambda: fn(*args)
 
 
 def main(argv: Sequence[str] | None = None) -> dict:
@@ -179,17 +166,17 @@ def main(argv: Sequence[str] | None = None) -> dict:
     env = environment(command_line("benchmarks.pytorch_side_by_side", argv))
     setting = Setting(examples=64, repeats=1, profile=False) if args.quick else Setting(profile=False)
     repeats = 1 if args.quick else args.repeats
-    clients = {name: library_client(name, setting) for name in ("fedavg", "spafl")}
+    clients = {f"library {name}": library_client(name, setting) for name in ("fedavg", "spafl")}
     others = {"pytorch sgd": (TORCH_CLIENT,)}
     if official is not None:
         others["official spafl code"] = (OFFICIAL_CLIENT, str(official.resolve()))
-    times = {name: {"wall": [], "cpu": []} for name in ("library fedavg", "library spafl", *others)}
+    times = {name: {"wall": [], "cpu": []} for name in (*clients, *others)}
     torch_info = {}
     for _ in range(repeats):
         print("alternation ...", file=sys.stderr, flush=True)
-        for name, timed in clients.items():
-            for k, v in timed(3).items():
-                times[f"library {name}"][k].append(min(v))
+        for name, measured in interleaved(clients, 3).items():
+            for k, v in measured.items():
+                times[name][k].append(min(v))
         for name, (code, *extra) in others.items():
             torch_info = torch_client(args.torch_python, setting, 3, code, *extra)
             for k in ("wall", "cpu"):
