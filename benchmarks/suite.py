@@ -69,26 +69,22 @@ def plan(platform_name: str, quick: bool) -> Plan:
         return Plan(rounds=(rt.Setting("mlp", 4, 32, repeats=1),), vmap_models=("mlp",), vmap_clients=2,
                     vmap_examples=16, evaluation=evaluation.QUICK, evaluation_models=("mlp",),
                     agent=None, spatl=None, budget_seconds=120)
-    if accelerator:
-        cnn = dict(examples_per_client=64, batch_size=16, repeats=3)
-        return Plan(rounds=(rt.Setting("mlp", 10, 64), rt.Setting("mlp", 100, 64),
-                            rt.Setting("spafl_cnn", 10, **cnn), rt.Setting("spafl_cnn", 100, **cnn)),
-                    vmap_models=("spafl_cnn", "resnet20"), vmap_clients=10, vmap_examples=64,
-                    evaluation=dataclasses.replace(evaluation.FULL, issue_setting=False, repeats=2),
-                    evaluation_models=evaluation.MODELS,
-                    agent=agent_search.Setting(clients=10, updates=5, repeats=1),
-                    spatl=dict(num_clients=10, clients_per_round=10, rounds=10, local_epochs=1, batch_size=64),
-                    budget_seconds=BUDGET_SECONDS["accelerator"])
-    cnn = dict(examples_per_client=8, batch_size=8, repeats=1)
+    # The same sections on every full run; an accelerator gets larger CNN clients, wider vmaps and the whole
+    # CIFAR-10 SPATL run, a CPU sizes that fit its budget.
+    cnn = (dict(examples_per_client=64, batch_size=16, repeats=3) if accelerator
+           else dict(examples_per_client=8, batch_size=8, repeats=1))
+    spatl = dict(num_clients=10, clients_per_round=10, rounds=10, local_epochs=1, batch_size=64)
+    if not accelerator:
+        spatl.update(max_train_examples=2000, max_test_examples=1000)
     return Plan(rounds=(rt.Setting("mlp", 10, 64), rt.Setting("mlp", 100, 64),
                         rt.Setting("spafl_cnn", 10, **cnn), rt.Setting("spafl_cnn", 100, **cnn)),
-                vmap_models=("spafl_cnn", "resnet20"), vmap_clients=4, vmap_examples=32,
+                vmap_models=("spafl_cnn", "resnet20"), vmap_clients=10 if accelerator else 4,
+                vmap_examples=64 if accelerator else 32,
                 evaluation=dataclasses.replace(evaluation.FULL, issue_setting=False, repeats=2),
                 evaluation_models=evaluation.MODELS,
-                agent=agent_search.Setting(clients=4, updates=2, repeats=1),
-                spatl=dict(num_clients=10, clients_per_round=10, rounds=10, local_epochs=1, batch_size=64,
-                           max_train_examples=2000, max_test_examples=1000),
-                budget_seconds=BUDGET_SECONDS["cpu"])
+                agent=agent_search.Setting(clients=10 if accelerator else 4, updates=5 if accelerator else 2,
+                                           repeats=1),
+                spatl=spatl, budget_seconds=BUDGET_SECONDS["accelerator" if accelerator else "cpu"])
 
 
 def round_throughput(p: Plan) -> list[dict]:
