@@ -13,7 +13,9 @@ CPU cores with 2 threads). Two variants, interleaved in one process:
 
 The profile: every convolution of the model at the step's batch, timed alone
 (forward, and forward plus both gradients through `models.conv.conv2d`'s
-custom VJP) under both variants, with the whole step's time beside their sum.
+custom VJP) under both variants, with the whole step's time beside their sum;
+and every BatchNorm alone (forward and backward), the library's against
+Flax's `nn.BatchNorm`.
 Writes `local_training_<device>_<date>.{md,json}` in --out.
 """
 
@@ -38,6 +40,7 @@ from fedjax_sparse.core.round import round_info
 from fedjax_sparse.data.federated import federated_split
 from fedjax_sparse.models import get_model
 from fedjax_sparse.models.conv import Conv2D, conv2d
+from fedjax_sparse.models.layers import BN_EPSILON, BN_MOMENTUM, MaskedBatchNorm
 
 REFERENCE_MS = {"spafl_cnn": 3.4}  # official SpaFL code (PyTorch, 2 threads) on the 2-core CPU, issue 19
 CASES = (("spafl_cnn", "fedavg"), ("spafl_cnn", "spafl"), ("resnet20", "fedavg"), ("cnn4", "fedavg"))
@@ -96,21 +99,27 @@ def client_update_fn(model_name: str, algorithm_name: str, setting: Setting, see
     return update, (server, client, jax.random.key(seed + 2)), model, variables
 
 
-def conv_calls(model, variables, batch_size: int) -> list[dict]:
-    """Every Conv2D call of a training forward pass: input shape, kernel size, stride, padding."""
+def module_calls(model, variables, batch_size: int, module_type: type) -> list[dict]:
+    """Every call of a `module_type` module in a training forward pass: its path, module and input shape."""
     calls = []
 
     def record(next_fun, args, kwargs, context):
-        if isinstance(context.module, Conv2D) and context.method_name == "__call__":
-            m = context.module
-            calls.append({"name": "/".join(context.module.path), "input": tuple(args[0].shape),
-                          "features": m.features, "kernel": m.kernel_size, "stride": m.stride, "padding": m.padding})
+        if isinstance(context.module, module_type) and context.method_name == "__call__":
+            calls.append({"name": "/".join(context.module.path), "module": context.module,
+                          "input": tuple(args[0].shape)})
         return next_fun(*args, **kwargs)
 
     x = jnp.zeros((batch_size, *model.input_shape), jnp.float32)
     with nn.intercept_methods(record):
         jax.eval_shape(lambda v: model.apply(v, x, train=True, mask=jnp.ones(batch_size, bool)), variables)
     return calls
+
+
+def conv_calls(model, variables, batch_size: int) -> list[dict]:
+    """Every Conv2D call of a training forward pass: input shape, kernel size, stride, padding."""
+    return [{"name": c["name"], "input": c["input"], "features": c["module"].features,
+             "kernel": c["module"].kernel_size, "stride": c["module"].stride, "padding": c["module"].padding}
+            for c in module_calls(model, variables, batch_size, Conv2D)]
 
 
 def profile_convolutions(model, variables, batch_size: int, repeats: int) -> list[dict]:
@@ -141,6 +150,34 @@ def profile_convolutions(model, variables, batch_size: int, repeats: int) -> lis
     return rows
 
 
+def profile_batch_norms(model, variables, batch_size: int, repeats: int) -> list[dict]:
+    """Each BatchNorm alone at the step's batch (one padded example), forward and backward, both compiled as
+    the library compiles: the library's (`models.batch_norm`) against Flax's `nn.BatchNorm` with the same mask."""
+    rows = []
+    mask = jnp.arange(batch_size) < batch_size - 1
+    for call in module_calls(model, variables, batch_size, MaskedBatchNorm):
+        x = jax.random.normal(jax.random.key(0), call["input"])
+        g = jax.random.normal(jax.random.key(1), call["input"])
+        runs = {}
+        for variant, kind in (("library", MaskedBatchNorm), ("flax", nn.BatchNorm)):
+            module = kind(momentum=BN_MOMENTUM, epsilon=BN_EPSILON)
+            v = module.init(jax.random.key(2), x, use_running_average=True)
+
+            def train(v, x, g, mask, module=module, shaped=variant == "flax"):
+                def loss(params, x):
+                    m = mask.reshape((-1,) + (1,) * (x.ndim - 1)) if shaped else mask
+                    y, stats = module.apply({"params": params, "batch_stats": v["batch_stats"]}, x,
+                                            use_running_average=False, mask=m, mutable=["batch_stats"])
+                    return jnp.sum(y * g), stats
+                return jax.grad(loss, argnums=(0, 1), has_aux=True)(v["params"], x)
+
+            f = jit(train)
+            runs[variant] = lambda f=f, v=v: f(v, x, g, mask)
+        times = {name: best(t)["wall"] * 1e3 for name, t in interleaved(runs, repeats).items()}
+        rows.append({"name": call["name"], "input": call["input"], "ms": times})
+    return rows
+
+
 def run_case(model_name: str, algorithm_name: str, setting: Setting) -> dict:
     update, args, model, variables = client_update_fn(model_name, algorithm_name, setting)
     compiled = {"library": jit(update), "xla_defaults": jax.jit(update)}
@@ -166,6 +203,10 @@ def run_case(model_name: str, algorithm_name: str, setting: Setting) -> dict:
         step_ms = 1e3 * best(times["library"])["wall"] / record["steps"]
         record["library_step_ms"] = step_ms
         record["library_convolutions_ms"] = sum(c["ms"]["library_train"] for c in convs)
+        norms = profile_batch_norms(model, variables, setting.batch_size, setting.repeats)
+        record["batch_norms"] = norms
+        record["library_batch_norms_ms"] = sum(b["ms"]["library"] for b in norms)
+        record["flax_batch_norms_ms"] = sum(b["ms"]["flax"] for b in norms)
     return record
 
 
@@ -194,6 +235,13 @@ def markdown(env: dict, records: list[dict]) -> str:
                  fmt(c["ms"]["library_train"]), fmt(c["ms"]["xla_defaults_train"])] for c in r["convolutions"]]
         parts.append(markdown_table(["conv", "input", "output", "k/s/p", "forward GFLOP", "library fwd",
                                      "xla_defaults fwd", "library fwd+grads", "xla_defaults fwd+grads"], rows))
+        if r["batch_norms"]:
+            parts += ["", f"BatchNorms of {r['model']} at batch {r['batch_size']}, each alone, forward and backward "
+                          f"(ms): library {r['library_batch_norms_ms']:.1f} in all, Flax's `nn.BatchNorm` "
+                          f"{r['flax_batch_norms_ms']:.1f}.", ""]
+            rows = [[b["name"], "x".join(map(str, b["input"][1:])), fmt(b["ms"]["library"]), fmt(b["ms"]["flax"]),
+                     f"{b['ms']['flax'] / b['ms']['library']:.2f}x"] for b in r["batch_norms"]]
+            parts.append(markdown_table(["BatchNorm", "input", "library", "flax", "library speed / flax"], rows))
     return "\n".join(parts) + "\n"
 
 

@@ -12,6 +12,7 @@ import pytest
 
 from fedjax_sparse.models import MODEL_NAMES, Model, ModelStructure, get_model
 from fedjax_sparse.models import layers as L
+from fedjax_sparse.models.batch_norm import normalize
 from fedjax_sparse.models.conv import Conv2D, conv2d
 from fedjax_sparse.models.structure import get_path
 
@@ -355,6 +356,46 @@ def test_masked_batchnorm_uses_only_valid_examples(shape):
     jax.tree_util.tree_map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6), plain, ones)
     # Eval mode ignores the mask and uses the running averages.
     np.testing.assert_allclose(bn.apply(v, x, False, mask), bn.apply(v, x, False), rtol=1e-6)
+
+
+@pytest.mark.parametrize("shape", [(6, 3, 5, 4), (6, 4)])
+@pytest.mark.parametrize("valid", [6, 2])
+def test_batch_norm_normalize_and_its_gradient_match_autodiff_of_the_textbook_formula(shape, valid):
+    """`batch_norm.normalize` (sums as products, hand-written gradient) against jnp reductions under autodiff,
+    with a loss that reads the normalized output and the statistics, and against Flax's BatchNorm."""
+    x = 3.0 * jax.random.normal(jax.random.key(0), shape) + 1.0
+    scale = jnp.linspace(0.5, 1.5, shape[-1])
+    bias = jnp.linspace(-1.0, 1.0, shape[-1])
+    weights = (jnp.arange(shape[0]) < valid).astype(jnp.float32)
+    g = jax.random.normal(jax.random.key(1), shape)
+    a, b = jnp.linspace(-2.0, 2.0, shape[-1]), jnp.linspace(1.0, 3.0, shape[-1])
+    axes = tuple(range(x.ndim - 1))
+
+    def textbook(x, scale, bias):
+        m = weights.reshape((-1,) + (1,) * (x.ndim - 1)) > 0
+        mean = jnp.mean(x, axes, where=m)
+        var = jnp.maximum(0.0, jnp.mean(x * x, axes, where=m) - mean * mean)
+        return (x - mean) * jax.lax.rsqrt(var + L.BN_EPSILON) * scale + bias, mean, var
+
+    def loss(fn):
+        def f(x, scale, bias):
+            y, mean, var = fn(x, scale, bias)
+            return jnp.sum(jnp.tanh(y) * g) + jnp.sum(a * mean) + jnp.sum(b * var)
+        return f
+
+    library = lambda x, scale, bias: normalize(x, scale, bias, weights, L.BN_EPSILON)  # noqa: E731
+    for got, want in zip(library(x, scale, bias), textbook(x, scale, bias)):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    got = jax.jit(jax.grad(loss(library), argnums=(0, 1, 2)))(x, scale, bias)
+    want = jax.grad(loss(textbook), argnums=(0, 1, 2))(x, scale, bias)
+    for gd, wt in zip(got, want):
+        np.testing.assert_allclose(gd, wt, rtol=1e-4, atol=1e-5 * float(jnp.max(jnp.abs(wt))))
+    flax_bn = nn.BatchNorm(use_running_average=False, epsilon=L.BN_EPSILON)
+    variables = {"params": {"scale": scale, "bias": bias},
+                 "batch_stats": {"mean": jnp.zeros(shape[-1]), "var": jnp.ones(shape[-1])}}
+    flax_y, _ = flax_bn.apply(variables, x, mask=weights.reshape((-1,) + (1,) * (x.ndim - 1)) > 0,
+                              mutable=["batch_stats"])
+    np.testing.assert_allclose(library(x, scale, bias)[0], flax_y, rtol=1e-5, atol=1e-5)
 
 
 def test_masked_batchnorm_all_padded_batch_is_a_finite_no_op():

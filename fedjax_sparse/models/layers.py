@@ -22,6 +22,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from fedjax_sparse.models.batch_norm import normalize
 from fedjax_sparse.models.conv import Conv2D
 from fedjax_sparse.models.structure import Layer, Part, Path
 
@@ -32,17 +33,19 @@ conv_kernel_init = nn.initializers.variance_scaling(2.0, "fan_out", "normal")
 
 
 class MaskedBatchNorm(nn.BatchNorm):
-    """`nn.BatchNorm` whose batch statistics skip padded examples.
+    """`nn.BatchNorm` (feature axis last) whose batch statistics skip padded examples.
 
     Call it as `bn(x, mask=mask)` with `mask` a `[B]` boolean array (True for a
-    real example); it is reshaped to `[B, 1, ..., 1]` and handed to Flax's own
-    `mask` argument, so mean and variance are taken over the valid examples
-    (and all spatial positions) only. `mask=None` is plain BatchNorm; in eval
-    mode (running averages) the mask is ignored.
+    real example): mean and variance are taken over the valid examples (and all
+    spatial positions) only. `mask=None` is plain BatchNorm; in eval mode
+    (running averages) the mask is ignored and Flax's own BatchNorm runs.
 
-    A batch with no valid example at all (a padded no-op step) would give 0/0
-    statistics; there the statistics are taken over the whole batch so the
-    outputs stay finite, and the running averages are left unchanged.
+    In training mode the normalization is `batch_norm.normalize`, Flax's
+    computation with its per-channel sums as matrix products (4-5x faster on a
+    CPU, see there). A batch with no valid example at all (a padded no-op
+    step) would give 0/0 statistics; there the statistics are taken over the
+    whole batch so the outputs stay finite, and the running averages are left
+    unchanged.
 
     Parameters and statistics live exactly where `nn.BatchNorm` puts them
     (`scale`/`bias` in `params`, `mean`/`var` in `batch_stats`).
@@ -53,20 +56,29 @@ class MaskedBatchNorm(nn.BatchNorm):
                  mask: jax.Array | None = None):
         running = nn.merge_param("use_running_average", self.use_running_average,
                                  use_running_average)
-        if mask is None or running:
+        if running:
             return super().__call__(x, use_running_average)
-        mask = jnp.reshape(jnp.asarray(mask, bool), (x.shape[0],) + (1,) * (x.ndim - 1))
-        any_valid = jnp.any(mask)
-        track = (not self.is_initializing() and self.is_mutable_collection("batch_stats")
-                 and self.has_variable("batch_stats", "mean"))
-        if track:
-            old = {k: self.get_variable("batch_stats", k) for k in ("mean", "var")}
-        y = super().__call__(x, use_running_average, mask=jnp.logical_or(mask, ~any_valid))
-        if track:
-            for k, v in old.items():
-                self.put_variable("batch_stats", k,
-                                  jnp.where(any_valid, self.get_variable("batch_stats", k), v))
-        return y
+        if self.axis != -1 or self.axis_name is not None or not (self.use_scale and self.use_bias):
+            raise ValueError(f"MaskedBatchNorm trains with the feature axis last, scale and bias, and no "
+                             f"axis_name; got axis={self.axis}, axis_name={self.axis_name}, "
+                             f"use_scale={self.use_scale}, use_bias={self.use_bias}")
+        features = (x.shape[-1],)
+        ra_mean = self.variable("batch_stats", "mean", lambda s: jnp.zeros(s, jnp.float32), features)
+        ra_var = self.variable("batch_stats", "var", lambda s: jnp.ones(s, jnp.float32), features)
+        scale = self.param("scale", self.scale_init, features, self.param_dtype)
+        bias = self.param("bias", self.bias_init, features, self.param_dtype)
+        if mask is None:
+            any_valid, weights = jnp.asarray(True), jnp.ones((x.shape[0],), jnp.float32)
+        else:
+            mask = jnp.reshape(jnp.asarray(mask, bool), (x.shape[0],))
+            any_valid = jnp.any(mask)
+            weights = jnp.logical_or(mask, ~any_valid).astype(jnp.float32)
+        y, mean, var = normalize(x.astype(jnp.float32), scale, bias, weights, self.epsilon)
+        if not self.is_initializing():
+            keep = self.momentum
+            ra_mean.value = jnp.where(any_valid, keep * ra_mean.value + (1 - keep) * mean, ra_mean.value)
+            ra_var.value = jnp.where(any_valid, keep * ra_var.value + (1 - keep) * var, ra_var.value)
+        return y.astype(jnp.result_type(x, scale, bias))
 
 
 def batch_norm(train: bool, name: str) -> MaskedBatchNorm:
