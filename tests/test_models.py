@@ -13,6 +13,7 @@ import pytest
 from fedjax_sparse.models import MODEL_NAMES, Model, ModelStructure, get_model
 from fedjax_sparse.models import layers as L
 from fedjax_sparse.models.batch_norm import normalize
+from fedjax_sparse.models.channel_sums import channel_sum, scale_channels
 from fedjax_sparse.models.conv import Conv2D, conv2d
 from fedjax_sparse.models.structure import get_path
 
@@ -356,6 +357,35 @@ def test_masked_batchnorm_uses_only_valid_examples(shape):
     jax.tree_util.tree_map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6), plain, ones)
     # Eval mode ignores the mask and uses the running averages.
     np.testing.assert_allclose(bn.apply(v, x, False, mask), bn.apply(v, x, False), rtol=1e-6)
+
+
+@pytest.mark.parametrize("shape", [(5, 3, 4, 6), (5, 6)])
+def test_channel_sum_and_scale_channels_match_plain_jax(shape):
+    x = jax.random.normal(jax.random.key(0), shape)
+    weights = jnp.array([1.0, 0.0, 2.0, 1.0, 0.5])
+    axes = tuple(range(x.ndim - 1))
+    wide = weights.reshape((-1,) + (1,) * (x.ndim - 1))
+    np.testing.assert_allclose(channel_sum(x, weights), jnp.sum(x * wide, axes), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(channel_sum(x), jnp.sum(x, axes), rtol=1e-5, atol=1e-6)
+    v = jax.random.normal(jax.random.key(1), shape[-1:])
+    g = jax.random.normal(jax.random.key(2), shape)
+    def loss(fn):
+        return lambda x, v: jnp.sum(jnp.sin(fn(x, v)) * g)
+
+    plain = lambda x, v: x * v  # noqa: E731
+    np.testing.assert_allclose(scale_channels(x, v), plain(x, v), rtol=1e-6)
+    got = jax.jit(jax.grad(loss(scale_channels), argnums=(0, 1)))(x, v)
+    want = jax.grad(loss(plain), argnums=(0, 1))(x, v)
+    for a, b in zip(got, want):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+    # Under vmap (clients side by side), as an accelerator's round runs them.
+    xs, vs = jnp.stack([x, 2 * x]), jnp.stack([v, -v])
+    got = jax.vmap(jax.grad(loss(scale_channels), argnums=(0, 1)))(xs, vs)
+    want = jax.vmap(jax.grad(loss(plain), argnums=(0, 1)))(xs, vs)
+    for a, b in zip(got, want):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match=r"one value per channel.*shape \(3,\)"):
+        scale_channels(x, jnp.ones(3))
 
 
 @pytest.mark.parametrize("shape", [(6, 3, 5, 4), (6, 4)])

@@ -1,15 +1,12 @@
 """BatchNorm's training-mode normalization, with every per-channel sum taken as a matrix product.
 
-Why: XLA:CPU reduces an [N, H, W, C] activation over its leading axes (the
-per-channel sums of BatchNorm's statistics and of their gradients, and the
-transposes of their broadcasts under autodiff) through a tree of
-reduce-windows that runs far below memory speed, while the same sum as a
-product with a weight vector goes to its fast matrix-product path: on 2 CPU
-cores, summing spafl_cnn's first activation [64, 28, 28, 64] per channel took
-1.86 ms as a reduction and 0.21 ms as two products, and one BatchNorm plus
-ReLU, forward and backward, 12.9 ms with Flax's BatchNorm against 2.9 ms here
-(`benchmarks/results/cnn_client_cpu.md`). On an accelerator the products are
-as cheap as the reductions.
+Why: BatchNorm's statistics and their gradients are per-channel sums of an
+activation, which XLA:CPU runs far faster as products (`channel_sums`); under
+autodiff the transposes of the statistics' broadcasts would be reductions
+again. One BatchNorm plus ReLU, forward and backward, on spafl_cnn's first
+activation [64, 28, 28, 64] took 12.9 ms with Flax's BatchNorm and 2.9 ms
+here on 2 CPU cores (`python -m benchmarks.local_training` times each
+BatchNorm of a model both ways).
 
 `normalize` is written with its own gradient, so that autodiff adds no
 reductions of its own; it is the same function as Flax's `BatchNorm` in
@@ -26,20 +23,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-_EXACT = lax.Precision.HIGHEST  # an accelerator's default float32 product rounds to 10 bits
-
-
-def channel_sum(x: jax.Array, weights: jax.Array) -> jax.Array:
-    """sum_n weights[n] * sum over the middle axes of x[n, ..., c], for x [N, ..., C]: a [C] vector.
-
-    Two products: the weighted sum over the batch ([1, N] x [N, rest]), then the
-    sum over positions ([1, P] x [P, C]).
-    """
-    n, c = x.shape[0], x.shape[-1]
-    per_position = jnp.dot(weights.reshape(1, n).astype(x.dtype), x.reshape(n, -1), precision=_EXACT)
-    positions = per_position.size // c
-    ones = jnp.ones((1, positions), x.dtype)
-    return jnp.dot(ones, per_position.reshape(positions, c), precision=_EXACT).reshape(c)
+from fedjax_sparse.models.channel_sums import channel_sum
 
 
 def _statistics(x, weights):

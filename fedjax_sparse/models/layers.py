@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 
 from fedjax_sparse.models.batch_norm import normalize
+from fedjax_sparse.models.channel_sums import scale_channels
 from fedjax_sparse.models.conv import Conv2D
 from fedjax_sparse.models.structure import Layer, Part, Path
 
@@ -125,7 +126,7 @@ def unit_output(module: nn.Module, x: jax.Array, unit_masks: dict | None, layer:
     x = module.perturb(layer.split(".")[-1] + "_out", x)
     if unit_masks is None:
         return x
-    return x * jnp.asarray(unit_masks[layer]).astype(x.dtype)
+    return scale_channels(x, jnp.asarray(unit_masks[layer]).astype(x.dtype))
 
 
 def any_kept(unit_masks: dict | None, layers: Sequence[str]) -> jax.Array | None:
