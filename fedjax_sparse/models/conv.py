@@ -30,10 +30,12 @@ shown; o < Ho, t < k, x_pad = x padded by p on both sides):
 from __future__ import annotations
 
 import functools
+import itertools
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 NHWC = ("NHWC", "HWIO", "NHWC")
@@ -66,26 +68,32 @@ def _input_gradient(dy, kernel, stride, padding, in_hw):
 
 
 def _input_gradient_by_taps(dy, kernel, stride, padding, in_hw):
-    """dL/dx as one product per tap, each placed at its window positions: for outputs smaller than the kernel.
+    """dL/dx as one product for every tap, then one product that places the taps: for outputs smaller than
+    the kernel.
 
     There the convolution form above has a "kernel" (the flipped weights)
     larger than its input (dy), and XLA swaps the two operands into a
     convolution its CPU backend runs through the generic emitter, about 50
     times slower (spafl_cnn's last 5x5 layer on a 4x4 map). Here
     z[n, o, t, ci] = sum_co dy[n, o, co] w[t, ci, co] is one dense product, and
-    each tap t's slice of z lands on rows o*s + t of the padded input (a pad
-    with s - 1 holes between rows), so the k*k placements fuse into one sum.
+    dx[n, q, ci] = sum_{o, t} P[(o, t), q] z[n, o, t, ci] a second one, with P
+    the constant 0/1 matrix that puts tap t of output o on padded input
+    position o*s + t (at most k^2 x k^2 x (2k s)^2 entries, as the output is
+    smaller than the kernel). A sum of k*k padded slices of z computes the same
+    in fewer operations, but when dx has two consumers (SpaFL's unit masks
+    take dy * x besides the gradient's own path) XLA:CPU materializes each
+    padded slice and sums them twice: spafl_cnn's SpaFL client trained 4 %
+    faster with the product, its FedAvg client as fast.
     """
     kh, kw = kernel.shape[:2]
     (h, w), (ho, wo) = in_hw, dy.shape[1:3]
-    z = jnp.einsum("nhwo,ijco->nhwijc", dy, kernel)
     hp, wp = h + 2 * padding, w + 2 * padding
-    dx = 0.0
-    for i in range(kh):
-        for j in range(kw):
-            config = ((0, 0, 0), (i, hp - i - (ho - 1) * stride - 1, stride - 1),
-                      (j, wp - j - (wo - 1) * stride - 1, stride - 1), (0, 0, 0))
-            dx = dx + lax.pad(z[:, :, :, i, j, :], jnp.zeros((), z.dtype), config)
+    placement = np.zeros((ho, wo, kh, kw, hp, wp), np.float32)
+    for o, q, i, j in itertools.product(range(ho), range(wo), range(kh), range(kw)):
+        placement[o, q, i, j, o * stride + i, q * stride + j] = 1.0
+    z = jnp.einsum("nhwo,ijco->nhwijc", dy, kernel).reshape(dy.shape[0], ho * wo * kh * kw, kernel.shape[2])
+    dx = jnp.einsum("npc,pq->nqc", z, jnp.asarray(placement.reshape(ho * wo * kh * kw, hp * wp), z.dtype),
+                    precision=lax.Precision.HIGHEST).reshape(dy.shape[0], hp, wp, kernel.shape[2])
     return dx[:, padding:padding + h, padding:padding + w, :]
 
 
