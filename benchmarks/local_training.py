@@ -12,8 +12,9 @@ CPU cores with 2 threads). Two variants, interleaved in one process:
   xla_defaults  plain `jax.jit`: XLA's default CPU options (YNNPACK convolutions).
 
 The profile: every convolution of the model at the step's batch, timed alone
-(forward, and forward plus both gradients through `models.conv.conv2d`'s
-custom VJP) under both variants, with the whole step's time beside their sum;
+(forward, and forward plus the gradients the step takes through
+`models.conv.conv2d`'s custom VJP: both, but only the kernel's for a first
+layer) under both variants, with the whole step's time beside their sum;
 and every BatchNorm alone (forward and backward), the library's against
 Flax's `nn.BatchNorm`.
 Writes `local_training_<device>_<date>.{md,json}` in --out.
@@ -123,7 +124,7 @@ def conv_calls(model, variables, batch_size: int) -> list[dict]:
 
 
 def profile_convolutions(model, variables, batch_size: int, repeats: int) -> list[dict]:
-    """Each convolution alone at the step's batch: forward, and forward + both gradients, in both variants."""
+    """Each convolution alone at the step's batch: forward, and forward + the step's gradients, in both variants."""
     rows = []
     for call in conv_calls(model, variables, batch_size):
         k, s, p = call["kernel"], call["stride"], call["padding"]
@@ -135,8 +136,12 @@ def profile_convolutions(model, variables, batch_size: int, repeats: int) -> lis
         def forward(x, w):
             return conv2d(x, w, s, p)
 
-        def backward(x, w):
-            y, vjp = jax.vjp(lambda x, w: conv2d(x, w, s, p), x, w)
+        def backward(x, w, first=call["input"][1:] == tuple(model.input_shape)):
+            # The step takes no gradient for the model's input: the first convolution's is left out.
+            if first:
+                y, vjp = jax.vjp(lambda w: conv2d(x, w, s, p), w)
+            else:
+                y, vjp = jax.vjp(lambda x, w: conv2d(x, w, s, p), x, w)
             return y, vjp(g)
 
         runs = {}
@@ -228,7 +233,7 @@ def markdown(env: dict, records: list[dict]) -> str:
             continue
         parts += ["", f"## Convolutions of {r['model']} at batch {r['batch_size']}, each alone (ms)", "",
                   f"One training step of the whole client: {r['library_step_ms']:.1f} ms; its convolutions alone "
-                  f"(forward + both gradients, library): {r['library_convolutions_ms']:.1f} ms.", ""]
+                  f"(forward + the step's gradients, library): {r['library_convolutions_ms']:.1f} ms.", ""]
         rows = [[c["name"], "x".join(map(str, c["input"][1:])), "x".join(map(str, c["output"][1:])),
                  f"{c['kernel']}/{c['stride']}/{c['padding']}", f"{c['forward_gflop']:.2f}",
                  fmt(c["ms"]["library_forward"]), fmt(c["ms"]["xla_defaults_forward"]),
