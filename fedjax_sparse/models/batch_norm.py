@@ -3,10 +3,10 @@
 Why: BatchNorm's statistics and their gradients are per-channel sums of an
 activation, which XLA:CPU runs far faster as products (`channel_sums`); under
 autodiff the transposes of the statistics' broadcasts would be reductions
-again. One BatchNorm plus ReLU, forward and backward, on spafl_cnn's first
-activation [64, 28, 28, 64] took 12.9 ms with Flax's BatchNorm and 2.9 ms
-here on 2 CPU cores (`python -m benchmarks.local_training` times each
-BatchNorm of a model both ways).
+again. spafl_cnn's first BatchNorm ([64, 28, 28, 64]), forward and
+backward, takes 2.7-3.1 ms here and 11.6-14.1 ms as Flax's BatchNorm on 2 CPU
+cores (`python -m benchmarks.local_training` times each BatchNorm of a model
+both ways; `benchmarks/results/quiet/local_training_*.md`).
 
 `normalize` is written with its own gradient, so that autodiff adds no
 reductions of its own; it is the same function as Flax's `BatchNorm` in

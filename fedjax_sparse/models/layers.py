@@ -42,7 +42,7 @@ class MaskedBatchNorm(nn.BatchNorm):
     (running averages) the mask is ignored and Flax's own BatchNorm runs.
 
     In training mode the normalization is `batch_norm.normalize`, Flax's
-    computation with its per-channel sums as matrix products (4-5x faster on a
+    computation with its per-channel sums as matrix products (3-5x faster on a
     CPU, see there). A batch with no valid example at all (a padded no-op
     step) would give 0/0 statistics; there the statistics are taken over the
     whole batch so the outputs stay finite, and the running averages are left
