@@ -48,7 +48,7 @@ from typing import Sequence
 import jax
 import numpy as np
 
-from benchmarks.common import peak_rss_bytes
+from benchmarks.common import peak_rss_bytes, rss_bytes
 from benchmarks.round_throughput import environment
 
 EXAMPLES, SHAPE, CLASSES, SKEW = 20, (8, 8, 1), 10, 0.8
@@ -123,11 +123,6 @@ def write_clients(directory: Path, num_clients: int, seed: int = 0, chunk: int =
     return directory
 
 
-def _rss() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
 # ---------------------------------------------------------------- one setting, in this process
 
 @functools.lru_cache(maxsize=None)
@@ -161,7 +156,7 @@ def run_setting(setting: Setting, data_dir: Path, work_dir: Path, process=None, 
                               offsets=jax.device_put(data.offsets.astype(np.int32)),
                               counts=jax.device_put(data.counts), mean=jax.device_put(data.mean),
                               std=jax.device_put(data.std), max_count=EXAMPLES)
-    rss_data = _rss()
+    rss_data = rss_bytes()
     store = make_store(setting.store, alg, key, variables, n, directory=work_dir / "store", process=process)
     auto = choose_store(n, store.row_bytes, n * EXAMPLES * (int(np.prod(SHAPE)) + 4),
                         processes=process.count if process else 1)

@@ -62,15 +62,20 @@ def environment(command: str) -> dict:
     }
 
 
-def _processor() -> str:
+def _proc_field(path: str, name: str) -> str | None:
+    """The value of the first `name: value` line of a /proc file; None where there is none (not Linux)."""
     try:
-        with open("/proc/cpuinfo") as f:
+        with open(path) as f:
             for line in f:
-                if line.startswith("model name"):
+                if line.startswith(name):
                     return line.split(":", 1)[1].strip()
     except OSError:
         pass
-    return platform.processor()
+    return None
+
+
+def _processor() -> str:
+    return _proc_field("/proc/cpuinfo", "model name") or platform.processor()
 
 
 def command_line(module: str, argv: Sequence[str]) -> str:
@@ -82,13 +87,9 @@ def peak_rss_bytes() -> int:
     program's own address space. Not `ru_maxrss`, which Linux carries over from the parent across
     fork and exec: a process started by a driver that had grown to 1.6 GB (writing a million
     clients' data) reported 1.6 GB whatever it used itself. Elsewhere `ru_maxrss` (macOS: bytes)."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
+    high_water = _proc_field("/proc/self/status", "VmHWM:")
+    if high_water is not None:
+        return int(high_water.split()[0]) * 1024  # "123456 kB"
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return int(peak if sys.platform == "darwin" else peak * 1024)
 
