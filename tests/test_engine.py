@@ -8,6 +8,7 @@ import pytest
 
 from fedjax_sparse.algorithms import fedavg, fednova, fedprox, local_only, scaffold
 from fedjax_sparse.core.aggregation import weighted_mean
+from fedjax_sparse.core.evaluation import personalized_evaluator
 from fedjax_sparse.core.local_training import LocalSGD, masked_cross_entropy, run_local_steps
 from fedjax_sparse.core.round import build_round, client_keys, default_client_chunk, round_info, sample_clients
 from fedjax_sparse.core.server_optimizer import server_optimizer
@@ -177,6 +178,31 @@ def test_vmapped_round_equals_per_client_loop(make_split, mlp, name, chunk):
         server, clients, _ = round_fn(server, tree_map(jnp.copy, clients), r)
     assert_trees_close(server, ref_server)
     assert_trees_close(clients, ref_clients)
+
+
+def test_library_functions_compose_inside_a_users_jit(make_split, mlp):
+    """Rounds scanned inside the user's own `jax.jit`, and the personalized evaluator called in it, give
+    what they give called one by one. On a CPU the library compiles with XLA options, which JAX
+    forbids on a jitted function traced into another: this raised there (and only there)."""
+    split = make_split([9, 17, 12, 30])
+    algorithm = fedavg(LocalSGD(mlp, learning_rate=0.1, epochs=1, batch_size=8))
+    server, clients = algorithm.init(jax.random.key(1), mlp.init(jax.random.key(0)), 4)
+    round_fn = build_round(algorithm, split, 2, seed=3)
+    evaluate = personalized_evaluator(mlp, lambda server, client: server["variables"], split)
+
+    @jax.jit
+    def two_rounds(server, clients):
+        def body(carry, r):
+            server, clients, _ = round_fn(*carry, r)
+            return (server, clients), None
+        (server, clients), _ = jax.lax.scan(body, (server, clients), jnp.arange(2))
+        return server, clients, evaluate(server, clients)
+
+    scanned = two_rounds(server, tree_map(jnp.copy, clients))
+    for r in range(2):
+        server, clients, _ = round_fn(server, clients, r)
+    assert_trees_close(scanned[:2], (server, clients))
+    np.testing.assert_allclose(scanned[2], evaluate(server, clients), rtol=1e-6)
 
 
 def test_scaffold_with_zero_control_variates_equals_fedavg_for_one_round(make_split, mlp):

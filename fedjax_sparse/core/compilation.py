@@ -65,6 +65,44 @@ def release_compiler_memory() -> None:
 
 
 def jit(fun: Callable, **kwargs: Any):
-    """`jax.jit(fun, **kwargs)` with `compiler_options()` for the default backend."""
+    """`jax.jit(fun, **kwargs)` with `compiler_options()` for the default backend.
+
+    JAX accepts compiler options only on a computation compiled on its own: a
+    jitted function with options that is traced into another one (a user's
+    `jax.jit`, `lax.scan` over rounds, `lax.cond`) raises. There the options
+    are dropped and the call is plain `jax.jit(fun, **kwargs)`, so the library's
+    functions compose the same on every platform; the outer computation is
+    compiled with whatever options it was given (wrap it in this `jit` to keep
+    XLA's own convolutions on a CPU).
+    """
     options = compiler_options()
-    return jax.jit(fun, **kwargs) if options is None else jax.jit(fun, compiler_options=options, **kwargs)
+    if options is None:
+        return jax.jit(fun, **kwargs)
+    return _TopLevelOptions(jax.jit(fun, compiler_options=options, **kwargs), jax.jit(fun, **kwargs))
+
+
+class _TopLevelOptions:
+    """A jitted function compiled with options when called at top level, without them when traced into
+    another computation (see `jit`); `lower`, `trace`, `eval_shape` and the rest are the optioned one's."""
+
+    def __init__(self, optioned, plain):
+        self._optioned, self._plain = optioned, plain
+        functools.update_wrapper(self, optioned)
+
+    def __call__(self, *args, **kwargs):
+        try:
+            return self._optioned(*args, **kwargs)
+        except ValueError as error:
+            if not _is_nested_options_error(error):
+                raise
+        return self._plain(*args, **kwargs)
+
+    def __getattr__(self, name: str):
+        if name.startswith("__") or name in ("_optioned", "_plain"):  # not set yet (copying, unpickling)
+            raise AttributeError(name)
+        return getattr(self._optioned, name)
+
+
+def _is_nested_options_error(error: ValueError) -> bool:
+    message = str(error)
+    return "compiler_options" in message and "top-level" in message
