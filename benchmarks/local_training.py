@@ -14,7 +14,9 @@ CPU cores with 2 threads). Two variants, interleaved in one process:
 The profile: every convolution of the model at the step's batch, timed alone
 (forward, and forward plus the gradients the step takes through
 `models.conv.conv2d`'s custom VJP: both, but only the kernel's for a first
-layer) under both variants, with the whole step's time beside their sum;
+layer) under both variants, with the whole step's time beside their sum, and
+the library's two gradients each alone (the input gradient beside the GFLOP
+its convolution multiplies, zero padding included);
 and every BatchNorm alone (forward and backward), the library's against
 Flax's `nn.BatchNorm`.
 Writes `local_training_<device>_<date>.{md,json}` in --out.
@@ -40,7 +42,7 @@ from fedjax_sparse.core.local_training import LocalSGD
 from fedjax_sparse.core.round import round_info
 from fedjax_sparse.data.federated import federated_split
 from fedjax_sparse.models import get_model
-from fedjax_sparse.models.conv import Conv2D, conv2d
+from fedjax_sparse.models.conv import Conv2D, _input_gradient, _kernel_gradient, conv2d
 from fedjax_sparse.models.layers import BN_EPSILON, BN_MOMENTUM, MaskedBatchNorm
 
 REFERENCE_MS = {"spafl_cnn": 3.4}  # official SpaFL code (PyTorch, 2 threads) on the 2-core CPU, issue 19
@@ -149,10 +151,29 @@ def profile_convolutions(model, variables, batch_size: int, repeats: int) -> lis
             f, b = make(forward), make(backward)
             runs[f"{variant}_forward"] = lambda f=f: f(x, w)
             runs[f"{variant}_train"] = lambda b=b: b(x, w)
+        first = call["input"][1:] == tuple(model.input_shape)
+        if not first:
+            dx = jit(lambda g, w: _input_gradient(g, w, s, p, call["input"][1:3]))
+            runs["library_input_gradient"] = lambda: dx(g, w)
+        dw = jit(lambda x, g: _kernel_gradient(x, g, s, p, (k, k)))
+        runs["library_kernel_gradient"] = lambda: dw(x, g)
         times = {name: best(t)["wall"] * 1e3 for name, t in interleaved(runs, repeats).items()}
         macs = int(np.prod(out.shape)) * k * k * call["input"][-1]
-        rows.append({**call, "output": tuple(out.shape), "forward_gflop": 2 * macs / 1e9, "ms": times})
+        rows.append({**call, "output": tuple(out.shape), "forward_gflop": 2 * macs / 1e9, "ms": times,
+                     "input_gradient_gflop_multiplied": None if first else _input_gradient_work(call, out.shape)})
     return rows
+
+
+def _input_gradient_work(call: dict, out_shape) -> float | None:
+    """GFLOP the input gradient's convolution multiplies, zeros included: every input position (dx) takes
+    all k x k taps of the zero-padded dy, where the forward pass's output positions take only real ones;
+    None where it is not that convolution (strided, or the tap products of an output smaller than the
+    kernel)."""
+    n, h, w, c_in = call["input"]
+    k = call["kernel"]
+    if call["stride"] != 1 or out_shape[1] < k or out_shape[2] < k:
+        return None
+    return 2 * n * h * w * k * k * c_in * call["features"] / 1e9
 
 
 def profile_batch_norms(model, variables, batch_size: int, repeats: int) -> list[dict]:
@@ -237,9 +258,15 @@ def markdown(env: dict, records: list[dict]) -> str:
         rows = [[c["name"], "x".join(map(str, c["input"][1:])), "x".join(map(str, c["output"][1:])),
                  f"{c['kernel']}/{c['stride']}/{c['padding']}", f"{c['forward_gflop']:.2f}",
                  fmt(c["ms"]["library_forward"]), fmt(c["ms"]["xla_defaults_forward"]),
-                 fmt(c["ms"]["library_train"]), fmt(c["ms"]["xla_defaults_train"])] for c in r["convolutions"]]
+                 fmt(c["ms"]["library_train"]), fmt(c["ms"]["xla_defaults_train"]),
+                 fmt(c["ms"].get("library_input_gradient")), fmt(c.get("input_gradient_gflop_multiplied")),
+                 fmt(c["ms"]["library_kernel_gradient"])] for c in r["convolutions"]]
         parts.append(markdown_table(["conv", "input", "output", "k/s/p", "forward GFLOP", "library fwd",
-                                     "xla_defaults fwd", "library fwd+grads", "xla_defaults fwd+grads"], rows))
+                                     "xla_defaults fwd", "library fwd+grads", "xla_defaults fwd+grads",
+                                     "library input grad", "its GFLOP multiplied (zeros included)",
+                                     "library kernel grad"], rows))
+        parts += ["", "(Input gradient: none for a first layer; the GFLOP its convolution multiplies, zero padding "
+                      "included, where it is one: the gradient itself is the forward GFLOP.)"]
         if r["batch_norms"]:
             parts += ["", f"BatchNorms of {r['model']} at batch {r['batch_size']}, each alone, forward and backward "
                           f"(ms): library {r['library_batch_norms_ms']:.1f} in all, Flax's `nn.BatchNorm` "
