@@ -9,14 +9,18 @@ issue 19, where the official SpaFL code takes 3.4 ms per example-pass on 2
 CPU cores with 2 threads). Two variants, interleaved in one process:
 
   library       compiled as the library compiles (`core.compilation.jit`);
-  xla_defaults  plain `jax.jit`: XLA's default CPU options (YNNPACK convolutions).
+  xla_defaults  plain `jax.jit`: XLA's default CPU options (YNNPACK convolutions);
+  one_convolution_input_gradients
+                the library's, with every input gradient one convolution of
+                the zero-padded dy (no frames: `models.conv.uses_frame`).
 
 The profile: every convolution of the model at the step's batch, timed alone
 (forward, and forward plus the gradients the step takes through
 `models.conv.conv2d`'s custom VJP: both, but only the kernel's for a first
 layer) under both variants, with the whole step's time beside their sum, and
-the library's two gradients each alone (the input gradient beside the GFLOP
-its convolution multiplies, zero padding included);
+the library's two gradients each alone (where the input gradient is a frame
+of convolutions that skip dy's zero padding, the same gradient as one
+convolution of the padded dy beside it, with the GFLOP that one multiplies);
 and every BatchNorm alone (forward and backward), the library's against
 Flax's `nn.BatchNorm`.
 Writes `local_training_<device>_<date>.{md,json}` in --out.
@@ -42,7 +46,9 @@ from fedjax_sparse.core.local_training import LocalSGD
 from fedjax_sparse.core.round import round_info
 from fedjax_sparse.data.federated import federated_split
 from fedjax_sparse.models import get_model
-from fedjax_sparse.models.conv import Conv2D, _input_gradient, _kernel_gradient, conv2d
+from fedjax_sparse.models import conv as conv_module
+from fedjax_sparse.models.conv import (Conv2D, _input_gradient, _input_gradient_by_convolution, _kernel_gradient,
+                                      conv2d, uses_frame)
 from fedjax_sparse.models.layers import BN_EPSILON, BN_MOMENTUM, MaskedBatchNorm
 
 REFERENCE_MS = {"spafl_cnn": 3.4}  # official SpaFL code (PyTorch, 2 threads) on the 2-core CPU, issue 19
@@ -155,24 +161,31 @@ def profile_convolutions(model, variables, batch_size: int, repeats: int) -> lis
         if not first:
             dx = jit(lambda g, w: _input_gradient(g, w, s, p, call["input"][1:3]))
             runs["library_input_gradient"] = lambda: dx(g, w)
+            if _frame_applies(call, out.shape):
+                one = jit(lambda g, w: _input_gradient_by_convolution(g, w, s, p, call["input"][1:3]))
+                runs["input_gradient_as_one_convolution"] = lambda: one(g, w)
         dw = jit(lambda x, g: _kernel_gradient(x, g, s, p, (k, k)))
         runs["library_kernel_gradient"] = lambda: dw(x, g)
         times = {name: best(t)["wall"] * 1e3 for name, t in interleaved(runs, repeats).items()}
         macs = int(np.prod(out.shape)) * k * k * call["input"][-1]
         rows.append({**call, "output": tuple(out.shape), "forward_gflop": 2 * macs / 1e9, "ms": times,
-                     "input_gradient_gflop_multiplied": None if first else _input_gradient_work(call, out.shape)})
+                     "one_convolution_gflop_multiplied": (_one_convolution_work(call)
+                                                          if "input_gradient_as_one_convolution" in times
+                                                          else None)})
     return rows
 
 
-def _input_gradient_work(call: dict, out_shape) -> float | None:
-    """GFLOP the input gradient's convolution multiplies, zeros included: every input position (dx) takes
-    all k x k taps of the zero-padded dy, where the forward pass's output positions take only real ones;
-    None where it is not that convolution (strided, or the tap products of an output smaller than the
-    kernel)."""
+def _frame_applies(call: dict, out_shape) -> bool:
+    k = call["kernel"]
+    return out_shape[1] >= k and out_shape[2] >= k and uses_frame((k, k), call["stride"], call["padding"])
+
+
+def _one_convolution_work(call: dict) -> float:
+    """GFLOP the input gradient multiplies as one stride-1 convolution of the zero-padded dy, zeros
+    included: every input position takes all k x k taps, where the forward pass's output positions (and the
+    frame form) take only real ones."""
     n, h, w, c_in = call["input"]
     k = call["kernel"]
-    if call["stride"] != 1 or out_shape[1] < k or out_shape[2] < k:
-        return None
     return 2 * n * h * w * k * k * c_in * call["features"] / 1e9
 
 
@@ -204,10 +217,27 @@ def profile_batch_norms(model, variables, batch_size: int, repeats: int) -> list
     return rows
 
 
+def without_frames(jitted, args):
+    """`jitted` compiled (by a first call on `args`) with every input gradient as one convolution of the
+    zero-padded dy, as before `models.conv` computed some as frames: the variant the frames are timed against."""
+    original = conv_module.uses_frame
+    conv_module.uses_frame = lambda *a, **k: False
+    try:
+        jax.block_until_ready(jitted(*args))
+    finally:
+        conv_module.uses_frame = original
+    return jitted
+
+
 def run_case(model_name: str, algorithm_name: str, setting: Setting) -> dict:
     update, args, model, variables = client_update_fn(model_name, algorithm_name, setting)
     compiled = {"library": jit(update), "xla_defaults": jax.jit(update)}
-    times = interleaved({name: (lambda f=f: f(*args)) for name, f in compiled.items()}, setting.repeats)
+    runs = {name: (lambda f=f: f(*args)) for name, f in compiled.items()}
+    # A function of its own: JAX caches traces per function, and this one is traced without frames.
+    plain_update, plain_args, _, _ = client_update_fn(model_name, algorithm_name, setting)
+    plain = without_frames(jit(plain_update), plain_args)
+    runs["one_convolution_input_gradients"] = lambda: plain(*plain_args)
+    times = interleaved(runs, setting.repeats)
     passes = setting.examples * setting.epochs
     record = {"model": model_name, "algorithm": algorithm_name, "examples": setting.examples,
               "epochs": setting.epochs, "batch_size": setting.batch_size, "example_passes": passes,
@@ -217,11 +247,16 @@ def run_case(model_name: str, algorithm_name: str, setting: Setting) -> dict:
         record[f"{name}_ms_per_example"] = 1e3 * b["wall"] / passes
         record[f"{name}_cpu_ms_per_example"] = 1e3 * b["cpu"] / passes
     record["library_over_xla_defaults"] = record["xla_defaults_ms_per_example"] / record["library_ms_per_example"]
+    record["library_over_one_convolution_input_gradients"] = (
+        record["one_convolution_input_gradients_ms_per_example"] / record["library_ms_per_example"])
     reference = REFERENCE_MS.get(model_name)
     record["reference_ms_per_example"] = reference
     if reference is not None:
         record["library_over_reference"] = reference / record["library_ms_per_example"]
     stats = compiled["library"].lower(*args).compile().memory_analysis()
+    record["compiled_convolutions"] = {
+        "library": compiled["library"].lower(*args).compile().as_text().count(" convolution("),
+        "one_convolution_input_gradients": plain.lower(*plain_args).compile().as_text().count(" convolution(")}
     record["xla_temp_bytes"] = None if stats is None else int(stats.temp_size_in_bytes)
     if setting.profile:
         convs = profile_convolutions(model, variables, setting.batch_size, setting.repeats)
@@ -242,12 +277,14 @@ def markdown(env: dict, records: list[dict]) -> str:
         rows.append([r["model"], r["algorithm"], r["example_passes"],
                      fmt(r["library_ms_per_example"]), fmt(r["xla_defaults_ms_per_example"]),
                      fmt(r["library_cpu_ms_per_example"]), f"{r['library_over_xla_defaults']:.2f}x",
+                     f"{r['library_over_one_convolution_input_gradients']:.3f}x",
                      fmt(r["reference_ms_per_example"]),
                      f"{r['library_over_reference']:.2f}x" if r.get("library_over_reference") else "-",
                      fmt((r["xla_temp_bytes"] or 0) / 2**20)])
     parts = ["# One client's local training", "", environment_markdown(env), "",
              markdown_table(["model", "algorithm", "example-passes", "library ms/example", "xla_defaults ms/example",
-                             "library CPU-ms/example", "library speed / xla_defaults", "reference ms/example",
+                             "library CPU-ms/example", "library speed / xla_defaults",
+                             "library speed / input gradients as one convolution", "reference ms/example",
                              "library speed / reference", "XLA temp MiB"], rows)]
     for r in records:
         if "convolutions" not in r:
@@ -259,14 +296,17 @@ def markdown(env: dict, records: list[dict]) -> str:
                  f"{c['kernel']}/{c['stride']}/{c['padding']}", f"{c['forward_gflop']:.2f}",
                  fmt(c["ms"]["library_forward"]), fmt(c["ms"]["xla_defaults_forward"]),
                  fmt(c["ms"]["library_train"]), fmt(c["ms"]["xla_defaults_train"]),
-                 fmt(c["ms"].get("library_input_gradient")), fmt(c.get("input_gradient_gflop_multiplied")),
+                 fmt(c["ms"].get("library_input_gradient")), fmt(c["ms"].get("input_gradient_as_one_convolution")),
+                 fmt(c.get("one_convolution_gflop_multiplied")),
                  fmt(c["ms"]["library_kernel_gradient"])] for c in r["convolutions"]]
         parts.append(markdown_table(["conv", "input", "output", "k/s/p", "forward GFLOP", "library fwd",
                                      "xla_defaults fwd", "library fwd+grads", "xla_defaults fwd+grads",
-                                     "library input grad", "its GFLOP multiplied (zeros included)",
+                                     "library input grad", "as one convolution", "its GFLOP (zeros included)",
                                      "library kernel grad"], rows))
-        parts += ["", "(Input gradient: none for a first layer; the GFLOP its convolution multiplies, zero padding "
-                      "included, where it is one: the gradient itself is the forward GFLOP.)"]
+        parts += ["", "(Input gradient: none for a first layer. Where the library computes it as a frame of "
+                      "convolutions that skip dy's zero padding (`models.conv.uses_frame`), the same gradient as one "
+                      "convolution of the padded dy is timed beside it, with the GFLOP that one multiplies; the "
+                      "gradient itself is the forward GFLOP.)"]
         if r["batch_norms"]:
             parts += ["", f"BatchNorms of {r['model']} at batch {r['batch_size']}, each alone, forward and backward "
                           f"(ms): library {r['library_batch_norms_ms']:.1f} in all, Flax's `nn.BatchNorm` "

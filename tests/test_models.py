@@ -516,11 +516,14 @@ def test_bad_shapes_and_classes():
 
 @pytest.mark.parametrize("size,kernel,stride,padding", [
     (8, 3, 1, 1), (9, 3, 2, 1), (8, 1, 2, 0), (10, 5, 1, 2), (11, 3, 3, 0),
-    (8, 5, 1, 0), (6, 5, 2, 1)])
+    (8, 5, 1, 0), (6, 5, 2, 1), ((12, 9), 5, 1, 0), (7, 3, 1, 0), (10, 5, 1, 1)])
 def test_conv2d_gradients_equal_jax_differentiating_lax_conv(size, kernel, stride, padding):
-    """The hand-written canonical gradients are JAX's own, also vmapped over per-client kernels."""
-    kx, kw, kg = jax.random.split(jax.random.key(size * kernel + stride), 3)
-    x = jax.random.normal(kx, (3, 2, size, size, 3))
+    """The hand-written canonical gradients are JAX's own, also vmapped over per-client kernels: one
+    convolution, tap products (output smaller than the kernel), and the frame of stride-1 gradients
+    padded by 2 or more (spafl_cnn's conv3 shape, a non-square input, 3x3 and cropped 5x5 kernels)."""
+    height, width = size if isinstance(size, tuple) else (size, size)
+    kx, kw, kg = jax.random.split(jax.random.key(height * kernel + stride), 3)
+    x = jax.random.normal(kx, (3, 2, height, width, 3))
     w = jax.random.normal(kw, (3, kernel, kernel, 3, 4))
 
     def reference(x, w):
@@ -539,6 +542,24 @@ def test_conv2d_gradients_equal_jax_differentiating_lax_conv(size, kernel, strid
     (y_ref, (dx_ref, dw_ref)), (y, (dx, dw)) = grads(reference), grads(ours)
     for a, b in ((y, y_ref), (dx, dx_ref), (dw, dw_ref)):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("in_hw,kernel,padding", [((12, 9), 5, 0), ((7, 7), 3, 0), ((10, 10), 5, 1),
+                                                   ((28, 28), 5, 0)])
+def test_input_gradient_frame_equals_the_one_convolution_on_every_platform(in_hw, kernel, padding):
+    """The frame form is the padded convolution's sum without its zero taps (on a CPU the library uses it
+    for these shapes, spafl_cnn's conv2 among them; elsewhere only this test runs it)."""
+    from fedjax_sparse.models.conv import _input_gradient_by_convolution, _input_gradient_by_frame, uses_frame
+
+    assert uses_frame((kernel, kernel), 1, padding, "cpu") and not uses_frame((kernel, kernel), 1, padding, "gpu")
+    assert not uses_frame((3, 3), 1, 1, "cpu") and not uses_frame((5, 5), 2, 0, "cpu")
+    out_hw = tuple(h + 2 * padding - kernel + 1 for h in in_hw)
+    kd, kw = jax.random.split(jax.random.key(kernel + padding))
+    dy = jax.random.normal(kd, (2, *out_hw, 4))
+    w = jax.random.normal(kw, (kernel, kernel, 3, 4))
+    frame = _input_gradient_by_frame(dy, w, padding)
+    assert frame.shape == (2, *in_hw, 3)
+    np.testing.assert_allclose(frame, _input_gradient_by_convolution(dy, w, 1, padding, in_hw), rtol=1e-5, atol=1e-5)
 
 
 def test_conv2d_refuses_what_it_does_not_implement():
