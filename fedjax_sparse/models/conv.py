@@ -25,6 +25,10 @@ shown; o < Ho, t < k, x_pad = x padded by p on both sides):
     convolution with the batch as the contracted feature axis, the input
     channels as the batch, and dy as a kernel dilated by s; the first k taps of
     its k + r outputs are the gradient.
+dL/dx takes two other forms where the one convolution is slow on a CPU: for an
+output smaller than the kernel, tap products (`_input_gradient_by_taps`), and
+for a stride-1 gradient padded by 2 or more, a frame of convolutions that skip
+the padding (`_input_gradient_by_frame`).
 """
 
 from __future__ import annotations
