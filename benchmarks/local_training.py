@@ -144,8 +144,10 @@ def profile_convolutions(model, variables, batch_size: int, repeats: int) -> lis
         def forward(x, w):
             return conv2d(x, w, s, p)
 
-        def backward(x, w, first=call["input"][1:] == tuple(model.input_shape)):
-            # The step takes no gradient for the model's input: the first convolution's is left out.
+        # The step takes no gradient for the model's input: the first convolution's is left out.
+        first = call["input"][1:] == tuple(model.input_shape)
+
+        def backward(x, w):
             if first:
                 y, vjp = jax.vjp(lambda w: conv2d(x, w, s, p), w)
             else:
@@ -157,11 +159,10 @@ def profile_convolutions(model, variables, batch_size: int, repeats: int) -> lis
             f, b = make(forward), make(backward)
             runs[f"{variant}_forward"] = lambda f=f: f(x, w)
             runs[f"{variant}_train"] = lambda b=b: b(x, w)
-        first = call["input"][1:] == tuple(model.input_shape)
         if not first:
             dx = jit(lambda g, w: _input_gradient(g, w, s, p, call["input"][1:3]))
             runs["library_input_gradient"] = lambda: dx(g, w)
-            if _frame_applies(call, out.shape):
+            if uses_frame((k, k), out.shape[1:3], s, p):
                 one = jit(lambda g, w: _input_gradient_by_convolution(g, w, s, p, call["input"][1:3]))
                 runs["input_gradient_as_one_convolution"] = lambda: one(g, w)
         dw = jit(lambda x, g: _kernel_gradient(x, g, s, p, (k, k)))
@@ -173,11 +174,6 @@ def profile_convolutions(model, variables, batch_size: int, repeats: int) -> lis
                                                           if "input_gradient_as_one_convolution" in times
                                                           else None)})
     return rows
-
-
-def _frame_applies(call: dict, out_shape) -> bool:
-    k = call["kernel"]
-    return out_shape[1] >= k and out_shape[2] >= k and uses_frame((k, k), call["stride"], call["padding"])
 
 
 def _one_convolution_work(call: dict) -> float:
@@ -253,9 +249,10 @@ def run_case(model_name: str, algorithm_name: str, setting: Setting) -> dict:
     record["reference_ms_per_example"] = reference
     if reference is not None:
         record["library_over_reference"] = reference / record["library_ms_per_example"]
-    stats = compiled["library"].lower(*args).compile().memory_analysis()
+    library_executable = compiled["library"].lower(*args).compile()
+    stats = library_executable.memory_analysis()
     record["compiled_convolutions"] = {
-        "library": compiled["library"].lower(*args).compile().as_text().count(" convolution("),
+        "library": library_executable.as_text().count(" convolution("),
         "one_convolution_input_gradients": plain.lower(*plain_args).compile().as_text().count(" convolution(")}
     record["xla_temp_bytes"] = None if stats is None else int(stats.temp_size_in_bytes)
     if setting.profile:

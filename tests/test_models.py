@@ -551,9 +551,11 @@ def test_input_gradient_frame_equals_the_one_convolution_on_every_platform(in_hw
     for these shapes, spafl_cnn's conv2 among them; elsewhere only this test runs it)."""
     from fedjax_sparse.models.conv import _input_gradient_by_convolution, _input_gradient_by_frame, uses_frame
 
-    assert uses_frame((kernel, kernel), 1, padding, "cpu") and not uses_frame((kernel, kernel), 1, padding, "gpu")
-    assert not uses_frame((3, 3), 1, 1, "cpu") and not uses_frame((5, 5), 2, 0, "cpu")
     out_hw = tuple(h + 2 * padding - kernel + 1 for h in in_hw)
+    k = (kernel, kernel)
+    assert uses_frame(k, out_hw, 1, padding, "cpu") and not uses_frame(k, out_hw, 1, padding, "gpu")
+    assert not uses_frame((3, 3), (8, 8), 1, 1, "cpu") and not uses_frame((5, 5), (8, 8), 2, 0, "cpu")
+    assert not uses_frame((5, 5), (4, 4), 1, 0, "cpu")  # smaller than the kernel: tap products
     kd, kw = jax.random.split(jax.random.key(kernel + padding))
     dy = jax.random.normal(kd, (2, *out_hw, 4))
     w = jax.random.normal(kw, (kernel, kernel, 3, 4))

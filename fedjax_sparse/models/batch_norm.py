@@ -55,9 +55,8 @@ def _backward(epsilon, residuals, cotangents):
     del epsilon
     x, mean, raw_var, r, scale, weights, count = residuals
     dy, d_mean, d_var = cotangents
-    ones = jnp.ones((x.shape[0],), x.dtype)
-    d_bias = channel_sum(dy, ones)
-    d_scale = (channel_sum(dy * x, ones) - mean * d_bias) * r
+    d_bias = channel_sum(dy)
+    d_scale = (channel_sum(dy * x) - mean * d_bias) * r
     d_var = jnp.where(raw_var > 0.0, d_var, 0.0)
     w = (weights / count).astype(x.dtype).reshape((-1,) + (1,) * (x.ndim - 1))
     centred = x - mean

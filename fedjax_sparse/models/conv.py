@@ -63,18 +63,18 @@ def _conv2d_fwd(x, kernel, stride, padding):
 def _input_gradient(dy, kernel, stride, padding, in_hw):
     if dy.shape[1] < kernel.shape[0] or dy.shape[2] < kernel.shape[1]:
         return _input_gradient_by_taps(dy, kernel, stride, padding, in_hw)
-    if uses_frame(kernel.shape[:2], stride, padding):
+    if uses_frame(kernel.shape[:2], dy.shape[1:3], stride, padding):
         return _input_gradient_by_frame(dy, kernel, padding)
     return _input_gradient_by_convolution(dy, kernel, stride, padding, in_hw)
 
 
-def uses_frame(kernel_hw, stride: int, padding: int, platform: str | None = None) -> bool:
-    """Whether the input gradient (of an output no smaller than the kernel) is computed as a frame
-    (`_input_gradient_by_frame`): on a CPU (default: JAX's backend), for stride 1 and a gradient padding
-    k-1-p of at least 2. Accelerators keep the one convolution: the frame's thin convolutions were
-    measured only on a CPU, and each is a kernel launch there."""
+def uses_frame(kernel_hw, out_hw, stride: int, padding: int, platform: str | None = None) -> bool:
+    """Whether the input gradient is computed as a frame (`_input_gradient_by_frame`): on a CPU (default:
+    JAX's backend), for stride 1, an output no smaller than the kernel (the frame's interior) and a
+    gradient padding k-1-p of at least 2. Accelerators keep the one convolution: the frame's thin
+    convolutions were measured only on a CPU, and each is a kernel launch there."""
     return ((platform or jax.default_backend()) == "cpu" and stride == 1
-            and min(kernel_hw) - 1 - padding >= 2)
+            and all(o >= k for o, k in zip(out_hw, kernel_hw)) and min(kernel_hw) - 1 - padding >= 2)
 
 
 def _input_gradient_by_convolution(dy, kernel, stride, padding, in_hw):
