@@ -25,7 +25,6 @@ machine run the same code a multi-host GPU or TPU job runs.
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import re
 import socket
@@ -39,33 +38,11 @@ from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from fedjax_sparse.core.round import CLIENTS_AXIS
+from fedjax_sparse.data.process_layout import ProcessLayout  # noqa: F401 - re-exported
 
 PROCESSES_AXIS = "processes"
 LAUNCH_FAILURE_EXIT = 3
 DEFAULT_TIMEOUT_S = 60
-
-
-@dataclasses.dataclass(frozen=True)
-class ProcessLayout:
-    """This process (`index` of `count`) and the clients it owns: id % count == index."""
-
-    index: int = 0
-    count: int = 1
-
-    def owns(self, client_ids) -> np.ndarray:
-        return np.asarray(client_ids) % self.count == self.index
-
-    def local_index(self, client_ids) -> np.ndarray:
-        """The position of owned clients among this process's clients."""
-        return np.asarray(client_ids) // self.count
-
-    def num_local(self, num_clients: int) -> int:
-        """How many of `num_clients` clients this process owns."""
-        return len(range(self.index, num_clients, self.count))
-
-    def tag(self) -> str:
-        """A file-name tag for what this process writes, e.g. '0-of-2'."""
-        return f"{self.index}-of-{self.count}"
 
 
 def current_process() -> ProcessLayout:

@@ -14,16 +14,14 @@ from __future__ import annotations
 import dataclasses
 import json
 from pathlib import Path
-from typing import TYPE_CHECKING, Sequence
+from typing import Sequence
 
 import chex
 import jax.numpy as jnp
 import numpy as np
 
 from fedjax_sparse.data.federated import FederatedSplit
-
-if TYPE_CHECKING:
-    from fedjax_sparse.core.distributed import ProcessLayout
+from fedjax_sparse.data.process_layout import ProcessLayout
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,7 +81,7 @@ class HostData:
 
 
 def host_data(x: np.ndarray, y: np.ndarray, client_indices: Sequence[np.ndarray], mean: Sequence[float],
-              std: Sequence[float], augment: bool = False, process: "ProcessLayout | None" = None) -> HostData:
+              std: Sequence[float], augment: bool = False, process: ProcessLayout | None = None) -> HostData:
     """The clients of `client_indices` that this process owns, laid out like `federated_split`."""
     chex.assert_rank(x, 4)
     chex.assert_type(x, np.uint8)
