@@ -29,7 +29,15 @@ NATURAL = {
     "preresnet18": ((32, 32, 3), 10),
     "cnn4": ((8, 8, 1), 10),
     "cnn2": ((28, 28, 1), 62),
+    "char_lstm": ((80,), 80),  # LEAF's Shakespeare: 80-character windows, 80 characters
 }
+
+
+def sample_input(model: Model, key, batch: int) -> jax.Array:
+    """A batch the model reads: random token sequences for a token model, standard normals otherwise."""
+    if model.input_kind == "tokens":
+        return jax.random.randint(key, (batch, *model.input_shape), 0, model.num_classes)
+    return jax.random.normal(key, (batch, *model.input_shape), jnp.float32)
 
 
 def _model(name: str) -> Model:
@@ -52,7 +60,7 @@ def _size(tree) -> int:
 
 def test_registry_names():
     assert MODEL_NAMES == ("mlp", "lenet5_caffe", "spafl_cnn", "vgg9", "vgg11", "resnet20",
-                           "resnet32", "preresnet18", "cnn4", "cnn2")
+                           "resnet32", "preresnet18", "cnn4", "cnn2", "char_lstm")
     assert set(NATURAL) == set(MODEL_NAMES)
     for name in MODEL_NAMES:
         model = _model(name)
@@ -69,7 +77,7 @@ def test_forward_train_and_eval(name):
     shape, classes = NATURAL[name]
     # The 'rbg' PRNG compiles much faster on CPU than threefry; init is the same code.
     variables = model.init(jax.random.key(0, impl="rbg"))
-    x = jax.random.normal(jax.random.key(1), (2, *shape), jnp.float32)
+    x = sample_input(model, jax.random.key(1), 2)
     mask = jnp.array([True, False])
 
     logits, stats = model.apply(variables, x, train=True, mask=mask)
@@ -113,12 +121,12 @@ def test_structure_matches_params(name):
 
     for layer in st.layers:
         k = get_path(params, layer.kernel).shape
-        assert layer.kind == ("conv" if len(k) == 4 else "dense"), layer.name
+        assert layer.kind == {4: "conv", 3: "lstm", 2: "dense"}[len(k)], layer.name
         assert layer.num_units == k[-1], layer.name
         assert layer.fan_in == math.prod(k[:-1]), layer.name
         assert layer.num_weights == math.prod(k)
-        if layer.bias is not None:
-            assert get_path(params, layer.bias).shape == (layer.num_units,)
+        if layer.bias is not None:  # an LSTM's: one per gate and unit
+            assert get_path(params, layer.bias).shape == ((4,) if layer.kind == "lstm" else ()) + (layer.num_units,)
         if layer.norm is not None:
             # The BN assigned to a layer normalizes that layer's output units.
             assert get_path(params, layer.norm + ("scale",)).shape == (layer.num_units,)
@@ -130,15 +138,16 @@ def test_structure_matches_params(name):
         producers = layer.inputs_from
         assert producers, layer.name
         if producers == ("input",):
-            units = shape[-1]
+            units = model.num_classes if model.input_kind == "tokens" else shape[-1]  # tokens: one-hot
         else:
             assert "input" not in producers
             counts = {st[p].num_units for p in producers}
             assert len(counts) == 1, (layer.name, producers)  # residual sums share units
             units = counts.pop()
-        if layer.kind == "conv":
+        if layer.kind in ("conv", "lstm"):
             assert layer.input_repeat == 1
-        assert k[-2] == units * layer.input_repeat, layer.name
+        own = layer.num_units if layer.kind == "lstm" else 0  # an LSTM reads its own units back
+        assert k[-2] == units * layer.input_repeat + own, layer.name
         if len(producers) > 1:
             groups = {st[p].unit_group for p in producers}
             assert len(groups) == 1 and None not in groups, (layer.name, groups)
@@ -157,7 +166,7 @@ def test_structure_matches_params(name):
         seen.add(layer.name)
 
     # output_hw is the real output map of each conv (dense layers: 1).
-    x = jax.ShapeDtypeStruct((1, *shape), jnp.float32)
+    x = jax.ShapeDtypeStruct((1, *shape), jnp.int32 if model.input_kind == "tokens" else jnp.float32)
     _, inter = jax.eval_shape(
         lambda v, x: model.module.apply(v, x, train=False, capture_intermediates=True,
                                         mutable=["intermediates"]), variables, x)
@@ -165,8 +174,10 @@ def test_structure_matches_params(name):
         out = get_path(inter["intermediates"], layer.kernel[:-1])["__call__"][0].shape
         if layer.kind == "conv":
             assert layer.output_hw == out[1] * out[2], layer.name
-        else:
-            assert layer.output_hw == 1 and len(out) == 2, layer.name
+        elif layer.kind == "lstm":  # [B, T, units]: its kernel runs once a step
+            assert layer.output_hw == out[1] == shape[0], layer.name
+        else:  # a dense layer runs at every position of its input (1, or a sequence's steps)
+            assert layer.output_hw == math.prod(out[1:-1]), layer.name
 
 
 def test_parts_follow_the_papers():

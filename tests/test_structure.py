@@ -27,11 +27,26 @@ from fedjax_sparse.core.unit_masks import input_unit_masks, variable_masks
 from fedjax_sparse.core.unit_selection import keep_top_units
 from fedjax_sparse.models import MODEL_NAMES, get_model
 from fedjax_sparse.models.conv import Conv2D, conv2d
+from fedjax_sparse.models.recurrent import LSTM
 from fedjax_sparse.models.structure import get_path
 
-# The smallest input each model accepts (models refuse anything smaller), three channels.
+# The smallest input each model accepts (models refuse anything smaller), three channels; char_lstm reads
+# sequences of 10 tokens, each of its 10 characters once (so that every row of its embedding is read).
 SMALLEST = {"mlp": 1, "lenet5_caffe": 16, "spafl_cnn": 28, "vgg9": 32, "vgg11": 32, "resnet20": 1,
-            "resnet32": 1, "preresnet18": 1, "cnn4": 8, "cnn2": 4}
+            "resnet32": 1, "preresnet18": 1, "cnn4": 8, "cnn2": 4, "char_lstm": 10}
+
+
+def zoo_model(name: str):
+    side = SMALLEST[name]
+    return get_model(name, (side,) if name == "char_lstm" else (side, side, 3), 10)
+
+
+def positive_inputs(model, rng: np.random.Generator, draws: int) -> np.ndarray:
+    """[draws, 1, ...] inputs: each a permutation of the characters for a token model (every one read,
+    and its embedding positive), else uniform in [0.5, 1.5)."""
+    if model.input_kind == "tokens":
+        return np.stack([rng.permutation(model.num_classes)[None] for _ in range(draws)]).astype(np.int32)
+    return 0.5 + rng.random((draws, 1, *model.input_shape), np.float32)
 FRACTIONS = (0.3, 0.75)
 UNTIED_KEEP = (0.3, 0.7)
 
@@ -95,14 +110,12 @@ def _pairs(layer, kernel: np.ndarray) -> np.ndarray:
 @pytest.fixture(scope="module", params=MODEL_NAMES)
 def zoo_run(request):
     """One model at its smallest input: gradients and measurements of every mask draw, one jit."""
-    name = request.param
-    side = SMALLEST[name]
-    model = get_model(name, (side, side, 3), 10)
+    model = zoo_model(request.param)
     variables = positive_variables(model, 1)
     draws = list(mask_draws(model.structure, 2).items())
     stacked = jax.tree_util.tree_map(lambda *m: jnp.stack(m), *[m for _, m in draws])
     rng = np.random.default_rng(3)  # each draw its own positive input and projection of the logits
-    x = 0.5 + rng.random((len(draws), 1, side, side, 3), np.float32)
+    x = positive_inputs(model, rng, len(draws))
     projection = rng.standard_normal((len(draws), 1, 10), np.float32)
 
     def run(variables, masks, x, projection):
@@ -180,16 +193,23 @@ def test_dense_flops_are_what_xla_counts_for_every_call(name):
     calls = {}
 
     def interceptor(next_fun, args, kwargs, context):
-        if context.method_name == "__call__" and isinstance(context.module, (Conv2D, nn.Dense)):
+        if context.method_name == "__call__" and isinstance(context.module, (Conv2D, nn.Dense, LSTM)):
             calls[".".join(context.module.path)] = (context.module, args[0].shape[1:])
         return next_fun(*args, **kwargs)
 
+    dtype = jnp.int32 if model.input_kind == "tokens" else jnp.float32
     with nn.intercept_methods(interceptor):
-        jax.eval_shape(lambda: model.apply(model.init(jax.random.key(0)), jnp.zeros((1, *model.input_shape)),
+        jax.eval_shape(lambda: model.apply(model.init(jax.random.key(0)), jnp.zeros((1, *model.input_shape), dtype),
                                            train=False))
     counted = layer_forward_flops(model.structure)
     assert set(calls) == set(counted)
     for layer, (module, shape) in calls.items():
+        if isinstance(module, LSTM):  # its products: the inputs' at every step, and the previous output's
+            steps = shape[0]
+            xla = _xla_macs(None, 1, 0, shape, 4 * module.units) + steps * _xla_macs(None, 1, 0, (module.units,),
+                                                                                       4 * module.units)
+            assert xla == counted[layer] == model.structure[layer].fan_in * module.units * steps, layer
+            continue
         if isinstance(module, nn.Dense):
             assert _xla_macs(None, 1, 0, shape, module.features) == counted[layer], layer
             continue

@@ -51,6 +51,7 @@ import jax.numpy as jnp
 
 from fedjax_sparse.core.unit_masks import UnitMasks, live_input_fraction
 from fedjax_sparse.models.conv import Conv2D
+from fedjax_sparse.models.recurrent import LSTM
 from fedjax_sparse.models.structure import ModelStructure
 
 
@@ -97,8 +98,9 @@ class MeasuredLayer:
       call's input that are non-zero somewhere in the batch;
     live_outputs: [output channels] bool, the channels through which the output depends on
       the call: a random projection of the logits has a non-zero gradient there;
-    taps: kernel positions per (input, output) channel pair (kh x kw; 1 for dense);
-    output_hw: positions of the output map (1 for dense).
+    taps: kernel positions per (input, output) channel pair (kh x kw; 1 for dense; an LSTM's 4
+      gates);
+    output_hw: positions of the output map (1 for dense; an LSTM's steps).
     """
 
     live_inputs: jax.Array
@@ -124,7 +126,10 @@ def measure_layers(model, variables: dict, x: jax.Array, *, train: bool = False,
     intercepted (`flax.linen.intercept_methods`); its input shows which channels are live,
     the gradient of a random projection of the logits (drawn from `key`) at its output shows
     which output channels reach the logits, and its output and kernel give the map size and
-    taps. `variables` may hold `'unit_masks'` (a sub-model). Liveness is what this batch
+    taps. An LSTM call's inputs are its sequence's channels and then its own outputs of the
+    previous steps (the state it feeds back, h_0 = 0): their channels are live where non-zero;
+    its offset is added where its unit mask applies (through its perturbation argument), since
+    the mask acts inside the call. `variables` may hold `'unit_masks'` (a sub-model). Liveness is what this batch
     shows: a channel that is zero on every example and position (e.g. behind a ReLU) counts
     as dead, as a device skipping all-zero channels would on this batch; pass enough varied
     examples to measure the network rather than the batch. Usable inside jit.
@@ -140,7 +145,7 @@ def measure_layers(model, variables: dict, x: jax.Array, *, train: bool = False,
 
         def interceptor(next_fun, args, kwargs, context):
             module = context.module
-            if context.method_name != "__call__" or not isinstance(module, (Conv2D, nn.Dense)):
+            if context.method_name != "__call__" or not isinstance(module, (Conv2D, nn.Dense, LSTM)):
                 return next_fun(*args, **kwargs)
             name = by_path.get(tuple(module.path))
             if name is None:
@@ -148,6 +153,13 @@ def measure_layers(model, variables: dict, x: jax.Array, *, train: bool = False,
                                  f"which its structure does not describe")
             if name in inputs:
                 raise ValueError(f"{model.name}: layer {name!r} is called twice in one forward pass")
+            if isinstance(module, LSTM):  # its offset enters as its own perturbation: before its unit mask
+                perturbed = args[1] if offsets is None else args[1] + offsets[name]
+                out = next_fun(args[0], perturbed, *args[2:], **kwargs)
+                fed_back = jnp.pad(out[:, :-1], ((0, 0), (1, 0), (0, 0)))
+                inputs[name] = jnp.concatenate([args[0], fed_back], axis=-1)
+                shapes[name] = (out.shape, module.get_variable("params", "kernel").shape)
+                return out
             out = next_fun(*args, **kwargs)
             inputs[name] = args[0]
             shapes[name] = (out.shape, module.get_variable("params", "kernel").shape)
@@ -164,7 +176,7 @@ def measure_layers(model, variables: dict, x: jax.Array, *, train: bool = False,
         logits, inputs = forward(offsets)
         return jnp.sum(logits * projection), inputs
 
-    offsets = {name: jnp.zeros(out, x.dtype) for name, (out, _) in shapes.items()}
+    offsets = {name: jnp.zeros(out, logits.dtype) for name, (out, _) in shapes.items()}  # x may be tokens
     grads, inputs = jax.grad(projected, has_aux=True)(offsets)
     out = {}
     for name, (out_shape, kernel_shape) in shapes.items():

@@ -100,22 +100,25 @@ def input_unit_masks(structure: ModelStructure, unit_masks: UnitMasks) -> dict[s
     """Per layer, [input units] bool: the input units some producer keeps (None: reads the data).
 
     A layer reading several producers (a residual sum) sees a unit while any of
-    them keeps it.
+    them keeps it. An LSTM layer's input units are those it consumes (all, for the
+    data) and then its own, which it reads back from the previous step.
     """
     _check_masks(structure, unit_masks)
     out = {}
     for layer in structure.layers:
         producers = [structure[n] for n in layer.inputs_from if n != "input"]
-        if len(producers) < len(layer.inputs_from) or not producers:
-            out[layer.name] = None
-            continue
-        sizes = {p.num_units for p in producers}
-        if len(sizes) != 1:
-            raise ValueError(f"layer {layer.name!r} sums producers of different widths "
-                             f"{sorted(sizes)}; cannot tell which input units are live")
-        live = jnp.zeros((sizes.pop(),), bool)
-        for p in producers:
-            live = live | jnp.asarray(unit_masks[p.name]).astype(bool)
+        live = None
+        if len(producers) == len(layer.inputs_from) and producers:
+            sizes = {p.num_units for p in producers}
+            if len(sizes) != 1:
+                raise ValueError(f"layer {layer.name!r} sums producers of different widths "
+                                 f"{sorted(sizes)}; cannot tell which input units are live")
+            live = jnp.zeros((sizes.pop(),), bool)
+            for p in producers:
+                live = live | jnp.asarray(unit_masks[p.name]).astype(bool)
+        if layer.kind == "lstm":
+            consumed = jnp.ones((layer.consumed_width,), bool) if live is None else live
+            live = jnp.concatenate([consumed, jnp.asarray(unit_masks[layer.name]).astype(bool)])
         out[layer.name] = live
     return out
 

@@ -1,8 +1,9 @@
 """The model zoo: `get_model(name, input_shape, num_classes) -> Model`.
 
 Every model is a Flax module called as `module(x, train, mask=None)` on float32
-NHWC images, returning `[B, num_classes]` logits, together with the
-`ModelStructure` of its prunable (conv/dense) layers; see `structure.py`.
+NHWC images (the MLP also on [B, features] vectors, `char_lstm` on int32 token
+sequences), returning `[B, num_classes]` logits, together with the
+`ModelStructure` of its prunable (conv/dense/LSTM) layers; see `structure.py`.
 
   mlp           2x256 MLP (quick runs, digits)
   lenet5_caffe  SpaFL FMNIST LeNet-5-Caffe (430,500 weights, 580 units)
@@ -12,7 +13,8 @@ NHWC images, returning `[B, num_classes]` logits, together with the
   resnet20/32   SPATL CIFAR ResNets (option-A shortcuts)
   preresnet18   HeteroFL/FedGSE pre-activation ResNet-18
   cnn4          HeteroFL/FedGSE 4-conv "Conv" model (64-128-256-512)
-  cnn2          SPATL FEMNIST 2-conv CNN (FedAvg/LEAF)
+  cnn2          SPATL FEMNIST 2-conv CNN (FedAvg's; also named femnist_cnn)
+  char_lstm     LEAF Shakespeare: embedding 8, two LSTM layers of 256, next of 80 characters
 """
 
 from __future__ import annotations
@@ -20,12 +22,14 @@ from __future__ import annotations
 from fedjax_sparse.models.cnn import cnn2, cnn4, spafl_cnn
 from fedjax_sparse.models.lenet import lenet5_caffe
 from fedjax_sparse.models.mlp import mlp
+from fedjax_sparse.models.recurrent import char_lstm
 from fedjax_sparse.models.resnet import preresnet18, resnet20, resnet32
 from fedjax_sparse.models.structure import Layer, Model, ModelFactory, ModelStructure
 from fedjax_sparse.models.vgg import vgg9, vgg11
 
 MODEL_NAMES = ('mlp', 'lenet5_caffe', 'spafl_cnn', 'vgg9', 'vgg11', 'resnet20', 'resnet32',
-               'preresnet18', 'cnn4', 'cnn2')
+               'preresnet18', 'cnn4', 'cnn2', 'char_lstm')
+MODEL_ALIASES = {'femnist_cnn': 'cnn2'}  # another name of a model, for the paper setting it comes from
 
 _FACTORIES: dict[str, ModelFactory] = {
     'mlp': mlp,
@@ -38,19 +42,22 @@ _FACTORIES: dict[str, ModelFactory] = {
     'preresnet18': preresnet18,
     'cnn4': cnn4,
     'cnn2': cnn2,
+    'char_lstm': char_lstm,
 }
 assert tuple(_FACTORIES) == MODEL_NAMES
 
 
-def get_model(name: str, input_shape: tuple[int, int, int], num_classes: int) -> Model:
-    """Builds model `name` for NHWC inputs of `input_shape` and `num_classes` outputs.
+def get_model(name: str, input_shape: tuple[int, ...], num_classes: int) -> Model:
+    """Builds model `name` (or an alias of one) for inputs of `input_shape` and `num_classes` outputs.
 
     Raises ValueError for an unknown name, or when the model cannot take the
     input shape (e.g. a net whose feature map would shrink to nothing).
     """
+    name = MODEL_ALIASES.get(name, name)
     if name not in _FACTORIES:
-        raise ValueError(f"unknown model {name!r}; valid models are {', '.join(MODEL_NAMES)}")
+        raise ValueError(f"unknown model {name!r}; valid models are {', '.join(MODEL_NAMES)} "
+                         f"(and {', '.join(f'{a} = {m}' for a, m in MODEL_ALIASES.items())})")
     return _FACTORIES[name](tuple(int(d) for d in input_shape), int(num_classes))
 
 
-__all__ = ['MODEL_NAMES', 'get_model', 'Model', 'ModelStructure', 'Layer']
+__all__ = ['MODEL_ALIASES', 'MODEL_NAMES', 'get_model', 'Model', 'ModelStructure', 'Layer']

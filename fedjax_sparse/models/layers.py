@@ -245,9 +245,10 @@ def conv_layer(path: Path, *, kernel: int, in_units: int, units: int, output_hw:
 
 def dense_layer(path: Path, *, in_units: int, units: int, inputs_from: Iterable[str],
                 bias: bool, norm: Path | None, input_repeat: int = 1,
-                part: Part = "shared", unit_group: str | None = None) -> Layer:
-    """A dense layer reading `in_units` producer units, each `input_repeat` times."""
+                part: Part = "shared", unit_group: str | None = None, positions: int = 1) -> Layer:
+    """A dense layer reading `in_units` producer units, each `input_repeat` times, at `positions`
+    positions of its input (a sequence's steps; 1 for a vector)."""
     return Layer(name=layer_name(path), kind="dense", kernel=path + ("kernel",),
                  bias=path + ("bias",) if bias else None, norm=norm, num_units=units,
                  fan_in=in_units * input_repeat, inputs_from=tuple(inputs_from),
-                 input_repeat=input_repeat, unit_group=unit_group, part=part, output_hw=1)
+                 input_repeat=input_repeat, unit_group=unit_group, part=part, output_hw=positions)

@@ -5,7 +5,8 @@ with biases, no normalization. On 8x8x1 digits with 10 classes:
 64*256+256 + 256*256+256 + 256*10+10 = 85,002 parameters. No paper splits it
 into SPATL's encoder and predictor: the hidden layers are the encoder, the
 output layer the predictor. The first layer consumes the image channels,
-each H*W times (`input_repeat`).
+each H*W times (`input_repeat`), or the features of a [B, features] vector
+(FedProx's Synthetic: 60 features, 10 classes, 83,978 parameters).
 """
 
 from __future__ import annotations
@@ -34,12 +35,17 @@ class MLP(nn.Module):
         return L.unit_output(self, L.dense(self.num_classes, name=last)(x), unit_masks, last)
 
 
-def mlp(input_shape: tuple[int, int, int], num_classes: int) -> Model:
-    L.check_input("mlp", input_shape)
+def mlp(input_shape: tuple[int, ...], num_classes: int) -> Model:
+    """On (H, W, C) images or (features,) vectors."""
+    if len(input_shape) == 1 and int(input_shape[0]) >= 1:
+        (c,), positions, shown = input_shape, 1, f"{int(input_shape[0])} features"
+    else:
+        L.check_input("mlp", input_shape)  # one line for anything but images
+        (h, w, c), shown = input_shape, "x".join(map(str, input_shape))
+        positions = h * w
     L.check_classes("mlp", num_classes)
-    h, w, c = input_shape
     widths = HIDDEN + (num_classes,)
-    layers, prev, prev_units, repeat = [], "input", c, h * w
+    layers, prev, prev_units, repeat = [], "input", int(c), positions
     for i, width in enumerate(widths):
         layer = L.dense_layer((f"fc{i + 1}",), in_units=prev_units, units=width, inputs_from=(prev,),
                               input_repeat=repeat, bias=True, norm=None,
@@ -47,7 +53,7 @@ def mlp(input_shape: tuple[int, int, int], num_classes: int) -> Model:
         layers.append(layer)
         prev, prev_units, repeat = layer.name, width, 1
     return Model(
-        name="mlp", module=MLP(num_classes=num_classes), input_shape=tuple(input_shape),
+        name="mlp", module=MLP(num_classes=num_classes), input_shape=tuple(int(d) for d in input_shape),
         num_classes=num_classes, structure=ModelStructure(tuple(layers)),
-        description=(f"MLP: flatten {h}x{w}x{c} -> dense 256 -> ReLU -> dense 256 -> ReLU -> "
+        description=(f"MLP: flatten {shown} -> dense 256 -> ReLU -> dense 256 -> ReLU -> "
                      f"dense {num_classes}; biases, no normalization."))

@@ -30,11 +30,13 @@ Part = Literal["encoder", "predictor", "private", "shared"]
 
 @dataclasses.dataclass(frozen=True)
 class Layer:
-    """One prunable layer: a convolution or dense kernel and what belongs to its units.
+    """One prunable layer: a convolution, dense or LSTM kernel and what belongs to its units.
 
     Attributes:
       name: unique name, also the FedLDF layer name.
-      kind: 'conv' or 'dense'.
+      kind: 'conv', 'dense' or 'lstm' (a recurrent layer, `models.recurrent`: kernel
+        [4 gates, consumed units + its own units, units], its input axis holding the units it
+        consumes and then its own, fed back from the previous step).
       kernel: path of the kernel in `params`.
       bias: path of the bias, or None.
       norm: path of the normalization applied to this layer's outputs, or None.
@@ -49,8 +51,9 @@ class Layer:
         share a group name and must keep the same units; None if untied.
       part: 'encoder' / 'predictor' where a paper splits the model (SPATL),
         'private' for layers a paper keeps on the client, else 'shared'.
-      output_hw: spatial size (H*W) of the output map for a conv, 1 for dense;
-        used for FLOP counts.
+      output_hw: spatial size (H*W) of the output map for a conv, 1 for dense (the steps
+        of a sequence it runs at), the sequence's steps for an LSTM (its kernel runs once a
+        step); used for FLOP counts.
       norm_units_from: where `norm` normalizes a residual sum rather than this
         layer's output alone (pre-activation ResNets), the layers summed into it
         (this one included): a normalization channel is then used while any of
@@ -58,7 +61,7 @@ class Layer:
     """
 
     name: str
-    kind: Literal["conv", "dense"]
+    kind: Literal["conv", "dense", "lstm"]
     kernel: Path
     bias: Path | None
     norm: Path | None
@@ -74,6 +77,11 @@ class Layer:
     @property
     def num_weights(self) -> int:
         return self.num_units * self.fan_in
+
+    @property
+    def consumed_width(self) -> int:
+        """Width of the consumed part of the kernel's input axis: what an LSTM reads besides its own units."""
+        return self.fan_in // 4 - self.num_units
 
 
 @dataclasses.dataclass(frozen=True)
@@ -144,7 +152,8 @@ class Model:
     """A Flax module used as pure functions, with its structure description.
 
     `init(key) -> variables` and `apply(variables, x, train, mask) -> (logits,
-    batch_stats)`; `x` is float32 NHWC. BatchNorm statistics are explicit state
+    batch_stats)`; `x` is float32 NHWC images or [B, features] vectors, or, for a model whose
+    `input_kind` is 'tokens', int32 [B, T] token sequences. BatchNorm statistics are explicit state
     in `variables['batch_stats']` (an empty dict for models without them) and
     `mask` ([B] bool) keeps padded examples out of the batch statistics.
     `variables` may also hold `'unit_masks'` ({layer: [units]}): the sub-model
@@ -154,13 +163,14 @@ class Model:
 
     name: str
     module: Any
-    input_shape: tuple[int, int, int]
+    input_shape: tuple[int, ...]
     num_classes: int
     structure: ModelStructure
     description: str = ""
+    input_kind: Literal["numbers", "tokens"] = "numbers"
 
     def init(self, key: jax.Array) -> Variables:
-        x = jnp.zeros((1, *self.input_shape), jnp.float32)
+        x = jnp.zeros((1, *self.input_shape), jnp.int32 if self.input_kind == "tokens" else jnp.float32)
         variables = self.module.init(key, x, train=False)
         return {"params": variables["params"], "batch_stats": variables.get("batch_stats", {})}
 
@@ -192,4 +202,4 @@ class Model:
         return sum(math.prod(a.shape) for a in jax.tree_util.tree_leaves(variables["params"]))
 
 
-ModelFactory = Callable[[tuple[int, int, int], int], Model]
+ModelFactory = Callable[[tuple[int, ...], int], Model]
