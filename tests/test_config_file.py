@@ -59,7 +59,7 @@ def test_toml_yaml_and_json_give_one_config_and_flags_override_it(tmp_path):
     ("c.yaml", "rounds: many\n", "key 'rounds': --rounds: 'many' is not a valid int"),
     ("c.yaml", "rounds: 2.5\n", "key 'rounds': --rounds: 2.5 is not a valid int"),
     ("c.json", '{"lr": -1}', "key 'lr': --lr must be > 0"),
-    ("c.json", '{"partition": "zipf"}', "key 'partition': --partition must be one of iid, dirichlet, labels, got zipf"),
+    ("c.json", '{"partition": "zipf"}', "key 'partition': --partition must be one of iid, dirichlet, labels, natural, got zipf"),
     ("c.toml", 'shard_clients = "yes"\n', "key 'shard_clients': --shard-clients: 'yes' is not a valid bool"),
     ("c.yaml", "algorithm: heterofl\ncapacities: [1.5]\n", "key 'capacities': --capacities must be in (0, 1]"),
     ("c.yaml", "algorithm: fedavg\nmu: 0.1\n", "key 'mu': --mu is an option of fedprox; --algorithm fedavg does"),

@@ -22,7 +22,7 @@ from fedjax_sparse.core.algorithm import FederatedAlgorithm
 from fedjax_sparse.core.client_store import RowStore
 from fedjax_sparse.core.distributed import gather_clients
 from fedjax_sparse.core.evaluation import all_finite
-from fedjax_sparse.data.windows import HostData, window_split
+from fedjax_sparse.data.windows import ClientWindows, window_split
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,7 +36,7 @@ class ClientFigures:
     finite: bool
 
 
-def evaluate_store(algorithm: FederatedAlgorithm, store: RowStore, test: HostData, server_state: Any,
+def evaluate_store(algorithm: FederatedAlgorithm, store: RowStore, test: ClientWindows, server_state: Any,
                    evaluate: Callable, chunk: int) -> ClientFigures:
     """The figures of every client of `store` (`test`: this process's clients' test data; `evaluate`:
     a `split_evaluator`; `server_state` on this process's device). `chunk` clients at a time: a

@@ -32,7 +32,7 @@ from fedjax_sparse.core.distributed import combine_blocks, process_blocks, repli
 from fedjax_sparse.core.round import (RoundOutput, check_clients_per_round, device_round, round_step,
                                       sample_clients_host)
 from fedjax_sparse.data.federated import FederatedSplit
-from fedjax_sparse.data.windows import HostData, window_split
+from fedjax_sparse.data.windows import ClientWindows, window_split
 
 
 @dataclasses.dataclass
@@ -81,12 +81,12 @@ class StoreRound:
     """`round(server_state, round_index) -> (server_state, RoundOutput)` over `store` and `data`.
 
     store: a `DeviceStore` with `data` the population's `FederatedSplit` on the device, or a
-      host/disk store with `data` this process's `HostData`.
+      host/disk store with `data` this process's `ClientWindows` (`HostData`, or generated clients).
     mesh: shards the sampled clients (`core.distributed.process_mesh()`; required with
       several processes). prefetch: read round r+1's inputs while round r computes.
     """
 
-    def __init__(self, algorithm: FederatedAlgorithm, store: ClientStore, data: FederatedSplit | HostData,
+    def __init__(self, algorithm: FederatedAlgorithm, store: ClientStore, data: FederatedSplit | ClientWindows,
                  clients_per_round: int, *, seed: int, mesh: Mesh | None = None, client_chunk: int | None = None,
                  prefetch: bool = True):
         check_clients_per_round(clients_per_round, store.num_clients)
@@ -105,8 +105,8 @@ class StoreRound:
                 raise ValueError("the device store trains on the population's FederatedSplit on the device")
             self._device_round = _device_round(algorithm, clients_per_round, seed, mesh, client_chunk)
             return
-        if not isinstance(store, RowStore) or not isinstance(data, HostData):
-            raise ValueError("the host and disk stores train on this process's HostData (data.windows)")
+        if not isinstance(store, RowStore) or not isinstance(data, ClientWindows):
+            raise ValueError("the host and disk stores train on this process's ClientWindows (data.windows)")
         self._row_round = _row_round(algorithm, store.layout, store.key_impl, clients_per_round, data.max_count,
                                      data.augment, seed, mesh, client_chunk)
         self._constants = replicated((jax.random.key_data(store.init_key), store.init_variables, data.mean,

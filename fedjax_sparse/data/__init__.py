@@ -1,12 +1,13 @@
 """Data sets, client partitions and augmentation for fedjax_sparse."""
 
 from fedjax_sparse.data.augment import random_crop_flip
-from fedjax_sparse.data.dataset import ImageDataset
+from fedjax_sparse.data.dataset import Dataset, ImageDataset
 from fedjax_sparse.data.partition import (
     dirichlet_partition,
     iid_partition,
     label_partition,
     local_test_split,
+    natural_partition,
     partition,
     partition_summary,
     stratified_holdout,
@@ -21,6 +22,7 @@ from fedjax_sparse.data.sources import (
 
 __all__ = [
     "DataError",
+    "Dataset",
     "ImageDataset",
     "dirichlet_partition",
     "iid_partition",
@@ -30,6 +32,7 @@ __all__ = [
     "load_image_folder",
     "load_tfds",
     "local_test_split",
+    "natural_partition",
     "partition",
     "partition_summary",
     "random_crop_flip",

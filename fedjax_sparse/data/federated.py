@@ -21,7 +21,8 @@ from fedjax_sparse.data.augment import random_crop_flip
 class FederatedSplit:
     """All clients' examples of one split, stored client after client.
 
-    x: [total, H, W, C] uint8; y: [total] int32; offsets, counts: [num_clients].
+    x: [total, ...] examples (uint8 images, float32 features or int32 tokens, `data.dataset`);
+    y: [total] int32; offsets, counts: [num_clients].
     `max_count` (static) is the largest client, which fixes the scan lengths.
     """
 
@@ -121,10 +122,14 @@ def padded_step_fraction(counts: np.ndarray, batch_size: int, chunk: int | None 
     return float(1.0 - steps.sum() / run)
 
 
-def normalize(x_uint8: jax.Array, mean: jax.Array, std: jax.Array,
+def normalize(x: jax.Array, mean: jax.Array, std: jax.Array,
               augment_key: jax.Array | None = None) -> jax.Array:
-    """uint8 images to standardized float32; pad-crop and flip first when a key is given."""
-    x = x_uint8.astype(jnp.float32) / 255.0
+    """What a model sees of a batch of examples: uint8 images standardized to float32 (pad-crop and
+    flip first when a key is given); float32 features and int32 tokens as they are (decided by the
+    dtype, at trace time)."""
+    if x.dtype != jnp.uint8:
+        return x
+    x = x.astype(jnp.float32) / 255.0
     if augment_key is not None:
         x = random_crop_flip(augment_key, x)
     return (x - mean) / std
@@ -156,7 +161,7 @@ def client_batch(data: ClientData, order: jax.Array, step_in_epoch: jax.Array, b
 
 
 def assert_split(split: FederatedSplit) -> None:
-    chex.assert_rank(split.x, 4)
+    chex.assert_rank(split.x, 4 if split.x.dtype == jnp.uint8 else 2)
     chex.assert_rank([split.y, split.offsets, split.counts], 1)
     chex.assert_equal_shape([split.offsets, split.counts])
-    chex.assert_type(split.x, jnp.uint8)
+    assert split.x.dtype in (jnp.uint8, jnp.float32, jnp.int32), split.x.dtype

@@ -10,6 +10,8 @@ gives the same partition (numpy `Generator(PCG64(seed))`).
 * `label_partition`      each client holds exactly S labels (HeteroFL/FedGSE
                          "shards").
 * `partition`            validated dispatch over the three.
+* `natural_partition`    the data set's own clients (FEMNIST's writers, Shakespeare's
+                         roles), each with its own test examples.
 
 `local_test_split` draws each client's personal test set from the global test
 set with the client's own label distribution; `stratified_holdout` picks the
@@ -26,6 +28,7 @@ import operator
 import numpy as np
 
 METHODS = ("iid", "dirichlet", "labels")
+NATURAL = "natural"
 
 
 def _as_labels(labels) -> np.ndarray:
@@ -189,6 +192,40 @@ def partition(
     if labels_per_client is None:
         raise ValueError(f"labels partition needs labels_per_client between 1 and the number of classes ({len(np.unique(labels))})")
     return label_partition(labels, num_clients, labels_per_client, seed)
+
+
+def natural_partition(train_clients, test_clients, num_clients: int, seed: int,
+                      min_examples: int = 2) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """The data set's own clients: (train indices, test indices) per client, each sorted int64.
+
+    `train_clients`/`test_clients` name the client of every training/test example. A client
+    takes part when it holds at least `min_examples` training examples and one test example
+    (LEAF's per-user split gives every user of two or more examples one of each); of those,
+    `num_clients` are drawn without replacement by `seed` (all of them when it equals their
+    number), in ascending client order. More than there are is a one-line ValueError.
+    """
+    train_clients, test_clients = np.asarray(train_clients), np.asarray(test_clients)
+    size = int(max(train_clients.max(initial=-1), test_clients.max(initial=-1))) + 1
+    train_sizes = np.bincount(train_clients, minlength=size)
+    test_sizes = np.bincount(test_clients, minlength=size)
+    eligible = np.flatnonzero((train_sizes >= min_examples) & (test_sizes >= 1))
+    try:
+        num_clients = operator.index(num_clients)
+    except TypeError:
+        raise ValueError(f"num_clients must be an integer, got {num_clients!r}") from None
+    if not 1 <= num_clients <= len(eligible):
+        raise ValueError(f"num_clients={num_clients} exceeds the {len(eligible)} clients of the data set with at "
+                         f"least min_examples={min_examples} training examples and one test example; use 1 to "
+                         f"{len(eligible)} clients")
+    chosen = eligible if num_clients == len(eligible) else np.sort(
+        np.random.default_rng(seed).choice(eligible, num_clients, replace=False))
+
+    def members(clients):
+        order = np.argsort(clients, kind="stable")
+        bounds = np.searchsorted(clients[order], np.stack([chosen, chosen + 1]))
+        return [np.sort(order[a:b]).astype(np.int64) for a, b in zip(*bounds)]
+
+    return members(train_clients), members(test_clients)
 
 
 def _largest_remainder(weights: np.ndarray, total: int) -> np.ndarray:

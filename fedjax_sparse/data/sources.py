@@ -1,8 +1,10 @@
-"""Loaders that turn image-classification data sets into an `ImageDataset`.
+"""Loaders that turn classification data sets into a `Dataset` (`data.dataset`).
 
-Every loader returns uint8 NHWC images, int32 labels and per-channel mean/std
+The image loaders here return uint8 NHWC images, int32 labels and per-channel mean/std
 computed on the training split in [0, 1] units. Only `load_tfds` downloads,
-and only a TFDS data set not yet prepared (once; `download=False` never):
+and only a TFDS data set not yet prepared (once; `download=False` never); FEMNIST and
+Shakespeare come from `data.leaf` (Flower's Hugging Face copies, prepared on first use
+the same way, or a LEAF folder), FedProx's Synthetic(alpha, beta) from `data.synthetic`:
 
 * `load_digits`        scikit-learn's bundled 8x8 digits (ships with sklearn).
 * `load_image_folder`  `ROOT/{train,test}/CLASS/*.{jpg,jpeg,png}`, decoded once
@@ -11,26 +13,23 @@ and only a TFDS data set not yet prepared (once; `download=False` never):
                        TensorFlow Datasets directory, prepared on first use
                        (`data.tfds_build`), read through tfds's array_record
                        data source (no TensorFlow needed to read).
-* `load_dataset`       one string spec for all of the above.
+* `load_dataset`       one string spec for all of the above and those.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
-import hashlib
-import json
 import logging
 import multiprocessing
 import os
-import shutil
 import signal
 import sys
-import tempfile
 from pathlib import Path
 
 import numpy as np
 
-from fedjax_sparse.data import tfds_build
+from fedjax_sparse.data import leaf, synthetic, tfds_build
+from fedjax_sparse.data.array_cache import cache_base, channel_stats, content_key, load_arrays, save_arrays
 from fedjax_sparse.data.dataset import ImageDataset
 
 log = logging.getLogger(__name__)
@@ -40,30 +39,6 @@ IMAGE_FOLDER_LAYOUT = "ROOT/{train,test}/CLASS_NAME/*.{jpg,jpeg,png}"
 # Bump when the cache contents or their meaning change; old caches are then ignored.
 _CACHE_FORMAT = 2
 _GRAY_MODES = ("1", "L", "LA")
-
-
-# ----------------------------------------------------------------------------
-# Shared helpers
-
-
-def _channel_stats(x: np.ndarray) -> tuple[tuple[float, ...], tuple[float, ...]]:
-    """Exact per-channel mean and std of uint8 NHWC images in [0, 1] units.
-
-    Uses a 256-bin histogram per channel, so it needs no float copy of the data.
-    """
-    if x.shape[0] == 0:
-        raise ValueError("cannot compute mean/std of an empty training split")
-    values = np.arange(256, dtype=np.float64)
-    means, stds = [], []
-    for c in range(x.shape[-1]):
-        hist = np.bincount(x[..., c].ravel(), minlength=256).astype(np.float64)
-        n = hist.sum()
-        mean = float((hist * values).sum() / n)
-        var = float((hist * values**2).sum() / n - mean**2)
-        means.append(mean / 255.0)
-        # Guard constant images (std 0) so that normalisation never divides by zero.
-        stds.append(max(np.sqrt(max(var, 0.0)) / 255.0, 1e-8))
-    return tuple(means), tuple(stds)
 
 
 # ----------------------------------------------------------------------------
@@ -99,7 +74,7 @@ def load_digits(seed: int = 0, test_fraction: float = 0.2) -> ImageDataset:
     train_idx, test_idx = np.flatnonzero(~is_test), np.flatnonzero(is_test)
 
     x_train = images[train_idx]
-    mean, std = _channel_stats(x_train)
+    mean, std = channel_stats(x_train)
     return ImageDataset(
         name="digits",
         x_train=x_train,
@@ -141,32 +116,21 @@ def _list_split(root: Path, split: str) -> tuple[list[str], list[list[str]]]:
 
 
 def _cache_key(root: Path, relative_paths: list[str]) -> str:
-    """Hash of the relative file list and every file's bytes.
-
-    Contents, not modification times: a file replaced by one that keeps an older time
-    (cp -p, tar, rsync -t) changes the key. The list covers renames and moves between class
-    folders. Reading and hashing the 60,000 JPEGs of CIFAR-10 takes about 1 to 2 s on 2 CPU
+    """Hash of the relative file list and every file's bytes (`array_cache.content_key`): contents, not
+    modification times, so a file replaced by one that keeps an older time (cp -p, tar, rsync -t)
+    changes the key. Reading and hashing the 60,000 JPEGs of CIFAR-10 takes about 1 to 2 s on 2 CPU
     cores once they are in the page cache, about half of a cached load
-    (benchmarks/results/image_cache_key.md).
-    """
-    h = hashlib.blake2b(digest_size=16)
-    h.update(f"v{_CACHE_FORMAT}\0".encode())
-    h.update("\0".join(relative_paths).encode("utf-8", "surrogateescape"))
-    for relative in relative_paths:
-        content = (root / relative).read_bytes()
-        h.update(len(content).to_bytes(8, "little"))
-        h.update(content)
-    return h.hexdigest()
+    (benchmarks/results/image_cache_key.md)."""
+    return content_key(root, relative_paths, _CACHE_FORMAT)
 
 
 def _cache_base(cache_dir: str | os.PathLike | None) -> Path:
-    if cache_dir is not None:
-        base = Path(cache_dir)
-    elif os.environ.get("FEDJAX_SPARSE_CACHE"):
-        base = Path(os.environ["FEDJAX_SPARSE_CACHE"])
-    else:
-        base = Path("~/.cache/fedjax_sparse")
-    return base.expanduser().resolve() / "imagefolder"
+    return cache_base(cache_dir, "imagefolder")
+
+
+def _load_cache(directory: Path, key: str) -> tuple[dict[str, np.ndarray], dict] | None:
+    """The cached arrays and meta, or None if missing, stale or unreadable."""
+    return load_arrays(directory, key, _CACHE_FORMAT, ("x_train", "y_train", "x_test", "y_test"))
 
 
 def _read_image(path: Path, reference: tuple[tuple[int, int], Path]) -> tuple[np.ndarray, bool]:
@@ -275,49 +239,6 @@ def _decode_files(
     return out, all_gray
 
 
-def _save_cache(directory: Path, arrays: dict[str, np.ndarray], meta: dict) -> None:
-    """Writes the arrays and meta.json into a temporary sibling, then renames it into place."""
-    directory.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{directory.name}-", dir=directory.parent))
-    try:
-        for key, value in arrays.items():
-            np.save(tmp / f"{key}.npy", value, allow_pickle=False)
-        (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
-        os.chmod(tmp, 0o755)  # mkdtemp makes it private; a cache may be shared
-        try:
-            os.rename(tmp, directory)
-        except OSError:
-            # The target exists and is not empty. If another process finished the
-            # same cache first, keep its (equivalent) copy; if it holds something
-            # unreadable, replace it.
-            if _load_cache(directory, meta["key"]) is not None:
-                return
-            shutil.rmtree(directory, ignore_errors=True)
-            os.rename(tmp, directory)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
-
-
-def _load_cache(directory: Path, key: str) -> tuple[dict[str, np.ndarray], dict] | None:
-    """The cached arrays and meta, or None if missing, stale or unreadable."""
-    meta_path = directory / "meta.json"
-    if not meta_path.exists():
-        return None
-    try:
-        meta = json.loads(meta_path.read_text())
-        if meta.get("format") != _CACHE_FORMAT or meta.get("key") != key:
-            return None
-        arrays = {k: np.load(directory / f"{k}.npy", allow_pickle=False) for k in ("x_train", "y_train", "x_test", "y_test")}
-        for split in ("train", "test"):
-            if list(arrays[f"x_{split}"].shape) != meta[f"x_{split}_shape"]:
-                return None
-        return arrays, meta
-    except (OSError, ValueError, KeyError) as err:
-        log.warning("ignoring unreadable image-folder cache %s: %s", directory, err)
-        return None
-
-
 def load_image_folder(
     root: str | os.PathLike,
     cache_dir: str | os.PathLike | None = None,
@@ -403,7 +324,7 @@ def load_image_folder(
             "x_test": decoded["test"],
             "y_test": labels["test"],
         }
-        mean, std = _channel_stats(arrays["x_train"])
+        mean, std = channel_stats(arrays["x_train"])
         meta = {
             "format": _CACHE_FORMAT,
             "key": key,
@@ -415,7 +336,7 @@ def load_image_folder(
             "x_test_shape": list(arrays["x_test"].shape),
         }
         try:
-            _save_cache(directory, arrays, meta)
+            save_arrays(directory, arrays, meta, _CACHE_FORMAT)
             log.info("image folder %s: cached decoded arrays in %s", root, directory)
         except OSError as err:  # a read-only cache location must not stop training
             log.warning("could not write image-folder cache %s: %s", directory, err)
@@ -527,7 +448,7 @@ def load_tfds(name: str, data_dir: str | os.PathLike | None = None, *, download:
         x_train = np.ascontiguousarray(x_train.transpose(0, 2, 1, 3))
         x_test = np.ascontiguousarray(x_test.transpose(0, 2, 1, 3))
     label_feature = builder.info.features["label"]
-    mean, std = _channel_stats(x_train)
+    mean, std = channel_stats(x_train)
     return ImageDataset(
         name=name,
         x_train=x_train,
@@ -550,7 +471,18 @@ class DataError(ValueError):
     """A data set could not be loaded; the message is one line saying why."""
 
 
-DATASET_SPECS = ("digits", *TFDS_DATASETS, "imagefolder:PATH")
+DATASET_SPECS = ("digits", *TFDS_DATASETS, "imagefolder:PATH", "femnist", "shakespeare", "leaf:PATH",
+                 synthetic.SPEC)
+
+
+def is_generated(spec: str) -> bool:
+    """Whether `spec` names a generated population (its clients made on demand, `data.synthetic`)."""
+    return spec.startswith("synthetic:")
+
+
+def has_own_clients(spec: str) -> bool:
+    """Whether the data set `spec` names has its own clients (`--partition natural`), told from the spec."""
+    return is_generated(spec) or spec in leaf.HUGGING_FACE or spec.startswith("leaf:")
 
 
 def load_dataset(
@@ -561,21 +493,37 @@ def load_dataset(
     download: bool = True,
     cache_dir: str | os.PathLike | None = None,
     progress: bool = True,
-) -> ImageDataset:
-    """Loads a data set by spec: 'digits', 'cifar10', 'cifar100', 'fashion_mnist', 'emnist', 'mnist' or
-    'imagefolder:PATH'.
+    num_clients: int | None = None,
+    population_seed=None,
+) -> ImageDataset | synthetic.Synthetic:
+    """Loads a data set by spec: 'digits', 'cifar10', 'cifar100', 'fashion_mnist', 'emnist', 'mnist',
+    'imagefolder:PATH', 'femnist', 'shakespeare', 'leaf:PATH' or 'synthetic:ALPHA,BETA'.
 
     `seed` only affects 'digits' (its train/test split); `data_dir` is the tfds
     data directory and `download` whether a tfds data set not prepared there is
-    prepared now (`load_tfds`); `cache_dir` is the image-folder cache base.
+    prepared now (`load_tfds`); for 'femnist' and 'shakespeare' the same for their
+    Hugging Face preparation (`data.leaf`, under DATA_DIR/leaf); `cache_dir` is the
+    image-folder and LEAF-folder cache base. A generated population
+    ('synthetic:ALPHA,BETA', `data.synthetic`) has `num_clients` clients, drawn from
+    `population_seed` (a numpy seed or seed sequence), and costs nothing until read.
     """
     try:
+        if is_generated(spec):
+            alpha, beta = synthetic.parse_spec(spec)
+            if num_clients is None:
+                raise ValueError(f"{spec} is a generated population: give its number of clients")
+            return synthetic.Synthetic(alpha, beta, 0 if population_seed is None else population_seed,
+                                       int(num_clients))
+        if spec in leaf.HUGGING_FACE:
+            return leaf.load_hugging_face(spec, data_dir, download=download)
+        if spec.startswith("leaf:") and spec[len("leaf:"):]:
+            return leaf.read_leaf(spec[len("leaf:"):], cache_dir=cache_dir)
         if spec == "digits":
             return load_digits(seed=seed)
         if spec in TFDS_DATASETS:
             return load_tfds(spec, data_dir=data_dir, download=download, progress=progress)
         if spec.startswith("imagefolder:") and spec[len("imagefolder:") :]:
             return load_image_folder(spec[len("imagefolder:") :], cache_dir=cache_dir, progress=progress)
-    except (ValueError, OSError, RuntimeError, ImportError) as err:  # OSError: missing or unreadable files
+    except (ValueError, OSError, RuntimeError, ImportError) as err:  # OSError: missing or unreadable files, offline
         raise DataError(f"cannot load data set {spec!r}: {' '.join(str(err).split())}") from err
     raise DataError(f"unknown data set spec {spec!r}; valid forms: {', '.join(DATASET_SPECS)}")

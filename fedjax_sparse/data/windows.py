@@ -16,17 +16,18 @@ import json
 from pathlib import Path
 from typing import Sequence
 
-import chex
 import jax.numpy as jnp
 import numpy as np
 
+from fedjax_sparse.data.dataset import example_kind
 from fedjax_sparse.data.federated import FederatedSplit
 from fedjax_sparse.data.process_layout import ProcessLayout
 
 
 @dataclasses.dataclass(frozen=True)
 class Windows:
-    """The sampled clients' examples: x [K x max_count, ...] uint8, y [K x max_count] int32, counts [K]."""
+    """The sampled clients' examples: x [K x max_count, ...] (the data set's examples, `data.dataset`),
+    y [K x max_count] int32, counts [K]."""
 
     x: np.ndarray
     y: np.ndarray
@@ -41,8 +42,38 @@ def window_split(x, y, counts, mean, std, max_count: int, augment: bool = False)
                           augment=augment)
 
 
+class ClientWindows:
+    """What a round and an evaluation read of this process's clients: `windows(ids)`, and the
+    `mean`, `std`, `max_count`, `num_clients`, `augment`, `process_index`, `process_count` and
+    `nbytes` (examples held) of the data. Held rows (`HostData`) or generated on demand
+    (`data.synthetic`): the round takes either."""
+
+    def windows(self, ids: np.ndarray) -> Windows:
+        raise NotImplementedError
+
+
+def fill_windows(ids: np.ndarray, max_count: int, example_shape: tuple, dtype, process: ProcessLayout,
+                 examples) -> Windows:
+    """The windows of the sampled `ids` that `process` owns, client k's `examples(client) -> (x, y)` at
+    [k x max_count, k x max_count + n); zeros at the other positions (another process's clients)."""
+    ids = np.asarray(ids)
+    m = max_count
+    x = np.zeros((len(ids) * m, *example_shape), dtype)
+    y = np.zeros(len(ids) * m, np.int32)
+    counts = np.zeros(len(ids), np.int32)
+    for k, client in enumerate(ids.tolist()):
+        if client % process.count != process.index:
+            continue
+        cx, cy = examples(client)
+        n = len(cy)
+        x[k * m:k * m + n] = cx
+        y[k * m:k * m + n] = cy
+        counts[k] = n
+    return Windows(x, y, counts)
+
+
 @dataclasses.dataclass(frozen=True)
-class HostData:
+class HostData(ClientWindows):
     """This process's clients' examples, client after client (offsets, counts: by local index)."""
 
     x: np.ndarray
@@ -64,27 +95,20 @@ class HostData:
 
     def windows(self, ids: np.ndarray) -> Windows:
         """The windows of the sampled `ids` this process owns; zeros at the other positions."""
-        ids = np.asarray(ids)
-        m = self.max_count
-        x = np.zeros((len(ids) * m, *self.x.shape[1:]), self.x.dtype)
-        y = np.zeros(len(ids) * m, np.int32)
-        counts = np.zeros(len(ids), np.int32)
-        for k, client in enumerate(ids.tolist()):
-            if client % self.process_count != self.process_index:
-                continue
+        process = ProcessLayout(self.process_index, self.process_count)
+
+        def examples(client):
             local = client // self.process_count
             start, n = int(self.offsets[local]), int(self.counts[local])
-            x[k * m:k * m + n] = self.x[start:start + n]
-            y[k * m:k * m + n] = self.y[start:start + n]
-            counts[k] = n
-        return Windows(x, y, counts)
+            return self.x[start:start + n], self.y[start:start + n]
+
+        return fill_windows(ids, self.max_count, self.x.shape[1:], self.x.dtype, process, examples)
 
 
 def host_data(x: np.ndarray, y: np.ndarray, client_indices: Sequence[np.ndarray], mean: Sequence[float],
               std: Sequence[float], augment: bool = False, process: ProcessLayout | None = None) -> HostData:
     """The clients of `client_indices` that this process owns, laid out like `federated_split`."""
-    chex.assert_rank(x, 4)
-    chex.assert_type(x, np.uint8)
+    example_kind(x)  # uint8 images, float32 features or int32 tokens
     index, count = (process.index, process.count) if process is not None else (0, 1)
     sizes = np.array([len(ix) for ix in client_indices], np.int64)
     if len(sizes) == 0 or sizes.min() < 1:
