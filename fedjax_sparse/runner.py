@@ -34,11 +34,13 @@ from fedjax_sparse.core.round import clients_mesh, default_client_chunk
 from fedjax_sparse.core.store_evaluation import evaluate_store
 from fedjax_sparse.core.store_round import StoreRound
 from fedjax_sparse.core.streams import stream_key, stream_seed
-from fedjax_sparse.data import load_dataset, local_test_split, partition, partition_summary
-from fedjax_sparse.data.federated import federated_split, padded_step_fraction
-from fedjax_sparse.data.windows import host_data
+from fedjax_sparse.data import load_dataset
+from fedjax_sparse.data.clients import federate
+from fedjax_sparse.data.federated import padded_step_fraction
+from fedjax_sparse.data.partition import METHODS, NATURAL
+from fedjax_sparse.data.sources import has_own_clients
 from fedjax_sparse.faults import fault_point
-from fedjax_sparse.models import MODEL_NAMES, get_model
+from fedjax_sparse.models import MODEL_ALIASES, MODEL_NAMES, get_model
 from fedjax_sparse.reporting import RunWriter, device_description, progress_bar, say
 from fedjax_sparse.run_folder import RunFolderError, claim_run_folder, hold_run_folder, recover_metrics
 from fedjax_sparse.stopping import StopAfterRound
@@ -63,12 +65,15 @@ class RunConfig:
 
     algorithm: str = option("fedavg", "the federated algorithm", choices=ALGORITHM_NAMES)
     dataset: str = option("digits", "digits, cifar10, cifar100, fashion_mnist, emnist, mnist (TFDS: prepared on "
-                                    "first use) or imagefolder:PATH")
+                                    "first use), imagefolder:PATH, femnist, shakespeare (Flower's Hugging Face "
+                                    "copies: prepared on first use), leaf:PATH (LEAF's JSON) or synthetic:ALPHA,BETA "
+                                    "(FedProx's, generated per client)")
     data_dir: str | None = option(None, "TFDS data directory (default: TFDS's own, $TFDS_DATA_DIR or "
-                                        "~/tensorflow_datasets)")
-    download: bool = option(True, "prepare a TFDS data set (download and build) on its first use; --no-download "
-                                  "only reads prepared data")
-    model: str = option("mlp", "the model", choices=MODEL_NAMES)
+                                        "~/tensorflow_datasets); femnist and shakespeare are prepared under "
+                                        "DIR/leaf (default: ~/.cache/fedjax_sparse/leaf)")
+    download: bool = option(True, "prepare a TFDS, femnist or shakespeare data set (download and build) on its "
+                                  "first use; --no-download only reads prepared data")
+    model: str = option("mlp", "the model", choices=(*MODEL_NAMES, *MODEL_ALIASES))
     num_clients: int = option(20, "clients in the federation", low=1)
     clients_per_round: int = option(10, "clients sampled each round", low=1)
     rounds: int = option(30, "communication rounds", low=1)
@@ -79,10 +84,14 @@ class RunConfig:
                              high=1.0)
     momentum: float = option(0.0, "local SGD momentum", low=0.0, high=1.0, high_open=True)
     weight_decay: float = option(0.0, "local weight decay", low=0.0)
-    partition: str = option("dirichlet", "how data is split over clients", choices=("iid", "dirichlet", "labels"))
+    partition: str | None = option(None, "how data is split over clients: natural (the data set's own clients: "
+                                         "writers, roles, generated clients) or a split of pooled data (default: "
+                                         "natural where the data set has its own clients, else dirichlet)",
+                                   choices=(*METHODS, NATURAL))
     alpha: float | None = option(0.5, "Dirichlet concentration", low=0.0, low_open=True)
     labels_per_client: int | None = option(None, "labels each client holds (labels partition)", low=1)
-    min_examples: int = option(2, "fewest training examples a client may hold", low=1)
+    min_examples: int = option(2, "fewest training examples a client may hold (natural: a client with fewer "
+                                  "takes no part)", low=1)
     local_test_ratio: float = option(0.2, "size of each client's test split relative to its training data",
                                      low=0.0, low_open=True, high=1.0)
     seed: int = option(0, "seed of every random stream of the run", low=0)
@@ -152,9 +161,9 @@ class RunConfig:
         if self.clients_per_round > self.num_clients:
             raise ValueError(f"--clients-per-round {self.clients_per_round} exceeds --num-clients "
                              f"{self.num_clients}; valid: 1..{self.num_clients}")
-        if self.partition == "dirichlet" and self.alpha is None:
+        if self.split_by == "dirichlet" and self.alpha is None:
             raise ValueError("--alpha must be > 0 for the dirichlet partition, got None")
-        if self.partition == "labels" and self.labels_per_client is None:
+        if self.split_by == "labels" and self.labels_per_client is None:
             raise ValueError("--labels-per-client must be >= 1 for the labels partition, got None")
         if self.client_chunk is not None and self.client_chunk > self.clients_per_round:
             raise ValueError(f"--client-chunk must be in [0, {self.clients_per_round}] (0: all sampled "
@@ -162,6 +171,12 @@ class RunConfig:
         if self.client_chunk and self.shard_clients:
             raise ValueError(f"--client-chunk {self.client_chunk} and --shard-clients do not combine: "
                              f"sharding splits the vmap of all sampled clients over the devices")
+
+
+    @property
+    def split_by(self) -> str:
+        """The partition: `partition`, else natural where the data set has its own clients, else dirichlet."""
+        return self.partition or (NATURAL if has_own_clients(self.dataset) else "dirichlet")
 
 
 SHARED_OPTIONS = tuple(f.name for f in option_fields(RunConfig))
@@ -195,6 +210,7 @@ class Experiment:
     num_params: int
     client_chunk: int | None
     process: ProcessLayout
+    federation: Any = None  # data.clients: the clients' data, whichever the source
 
     def close(self) -> None:
         self.round_fn.close()
@@ -202,7 +218,8 @@ class Experiment:
 
 
 def load_run_dataset(config: RunConfig, progress: bool = True):
-    dataset = load_dataset(config.dataset, data_dir=config.data_dir, download=config.download, progress=progress)
+    dataset = load_dataset(config.dataset, data_dir=config.data_dir, download=config.download, progress=progress,
+                           num_clients=config.num_clients, population_seed=stream_seed(config.seed, "population"))
     return dataset.subset(config.max_train_examples, config.max_test_examples, config.seed)
 
 
@@ -218,20 +235,24 @@ def build_experiment(config: RunConfig, progress: bool = True, *, process: Proce
         raise ValueError(f"--client-chunk {config.client_chunk} and {process.count} processes do not combine: the "
                          f"round shards all sampled clients over every process's devices; leave it unset")
     dataset = dataset if dataset is not None else load_run_dataset(config, progress)
-    if config.partition == "labels" and config.labels_per_client > dataset.num_classes:
+    split_by = config.split_by
+    if split_by == "labels" and config.labels_per_client > dataset.num_classes:
         raise ValueError(f"--labels-per-client {config.labels_per_client} exceeds the "
                          f"{dataset.num_classes} classes of {config.dataset}")
     model = get_model(config.model, dataset.input_shape, dataset.num_classes)
-    client_indices = partition(dataset.y_train, config.num_clients, config.partition,
-                               seed=stream_seed(config.seed, "partition"), alpha=config.alpha,
-                               labels_per_client=config.labels_per_client, min_examples=config.min_examples)
-    test_indices = local_test_split(client_indices, dataset.y_train, dataset.y_test, dataset.num_classes,
-                                    seed=stream_seed(config.seed, "local_test"), ratio=config.local_test_ratio)
+    if model.input_kind != ("tokens" if dataset.kind == "tokens" else "numbers"):
+        reads = "token sequences" if model.input_kind == "tokens" else "images or feature vectors"
+        raise ValueError(f"--model {config.model} reads {reads}, but {config.dataset} holds {dataset.kind}; choose "
+                         f"another --model or --dataset")
+    federation = federate(dataset, config.num_clients, split_by, seed=stream_seed(config.seed, "partition"),
+                          test_seed=stream_seed(config.seed, "local_test"), alpha=config.alpha,
+                          labels_per_client=config.labels_per_client, min_examples=config.min_examples,
+                          local_test_ratio=config.local_test_ratio)
     local = LocalSGD(model, config.lr, config.local_epochs, config.batch_size, config.momentum,
                      config.weight_decay, config.lr_decay)
     context = BuildContext(local=local, num_clients=config.num_clients, clients_per_round=config.clients_per_round,
                            train=None, num_classes=dataset.num_classes, seed=config.seed,
-                           labels_per_client=config.labels_per_client if config.partition == "labels" else None)
+                           labels_per_client=config.labels_per_client if split_by == "labels" else None)
     try:  # built without the clients' data first: most algorithms never read them
         algorithm, needs_device = make_algorithm(config.algorithm, context, config.algorithm_options), None
     except NeedsDeviceData as e:
@@ -239,17 +260,9 @@ def build_experiment(config: RunConfig, progress: bool = True, *, process: Proce
     key = stream_key(config.seed, "algorithm_init")
     backend = client_store_backend(config, process, needs_device, snapshot, algorithm, key,
                                    jax.eval_shape(model.init, stream_key(config.seed, "model_init")),
-                                   _data_bytes(dataset, client_indices, test_indices))
+                                   federation.data_bytes)
     variables = model.init(stream_key(config.seed, "model_init"))
-    if backend == "device":
-        train = federated_split(dataset.x_train, dataset.y_train, client_indices, dataset.mean, dataset.std,
-                                augment=dataset.augment)
-        local_test = federated_split(dataset.x_test, dataset.y_test, test_indices, dataset.mean, dataset.std)
-    else:
-        train = host_data(dataset.x_train, dataset.y_train, client_indices, dataset.mean, dataset.std,
-                          augment=dataset.augment, process=process)
-        local_test = host_data(dataset.x_test, dataset.y_test, test_indices, dataset.mean, dataset.std,
-                               process=process)
+    train, local_test = federation.on_device() if backend == "device" else federation.on_host(process)
     if algorithm is None:
         algorithm = make_algorithm(config.algorithm, dataclasses.replace(context, train=train),
                                    config.algorithm_options)
@@ -263,20 +276,13 @@ def build_experiment(config: RunConfig, progress: bool = True, *, process: Proce
     chunk = None if mesh is not None else resolve_client_chunk(config, variables)
     round_fn = StoreRound(algorithm, store, train, config.clients_per_round, seed=config.seed, mesh=mesh,
                           client_chunk=chunk)
-    evaluate_global = (global_evaluator(model, dataset.x_test, dataset.y_test, dataset.mean, dataset.std)
+    evaluate_global = (global_evaluator(model, *federation.global_test, dataset.mean, dataset.std)
                        if algorithm.global_variables is not None else None)
     evaluate_personalized = split_evaluator(model, algorithm.client_variables, client_chunk=evaluation_chunk(config))
     server_state = initial_server_state(algorithm, key, variables, config.num_clients)
-    return Experiment(config, dataset, model, algorithm, train, local_test, client_indices,
-                      np.array([len(ix) for ix in client_indices], np.int64), store, round_fn,
-                      evaluate_global, evaluate_personalized, server_state, model.num_params(variables), chunk,
-                      process)
-
-
-def _data_bytes(dataset, client_indices: list, test_indices: list) -> int:
-    """Bytes of the clients' training and test examples (images and int32 labels)."""
-    example = int(np.prod(dataset.input_shape)) * dataset.x_train.itemsize + 4
-    return example * (sum(len(ix) for ix in client_indices) + sum(len(ix) for ix in test_indices))
+    return Experiment(config, dataset, model, algorithm, train, local_test, federation.client_indices,
+                      federation.train_counts, store, round_fn, evaluate_global, evaluate_personalized, server_state,
+                      model.num_params(variables), chunk, process, federation)
 
 
 def client_store_backend(config: RunConfig, process: ProcessLayout, needs_device: NeedsDeviceData | None,
@@ -532,8 +538,7 @@ def _run_rounds(exp: Experiment, config: RunConfig, out: Path, counters: Counter
     writer = RunWriter(out, history) if lead else None
     if lead:
         writer.write_config(config.to_dict())
-        writer.write_partition(partition_summary(exp.client_indices, exp.dataset.y_train,
-                                                 exp.dataset.num_classes))
+        writer.write_partition(exp.federation.summary())
     board = TensorBoardWriter(out, first_round=counters.rounds_done + 1) if config.tensorboard and lead else None
     title = f"{config.algorithm} / {config.model} / {config.dataset}"
     checkpointer, saved = None, {}  # saved: rounds done -> the checkpoint this process wrote of them
@@ -552,6 +557,7 @@ def _run_rounds(exp: Experiment, config: RunConfig, out: Path, counters: Counter
         if board is not None:
             board.close()
         summary = {**_summary(exp, history, _totals(counters), first_round_seconds, time.perf_counter() - start),
+                   "median_round_seconds": float(np.median(round_seconds[1:])) if len(round_seconds) > 1 else None,
                    "status": status, **extra}
         if lead:
             writer.write_summary(summary)
@@ -564,7 +570,7 @@ def _run_rounds(exp: Experiment, config: RunConfig, out: Path, counters: Counter
 
     counts = exp.train_counts
     dense_forward = forward_flops(exp.model.structure)
-    first_round_seconds = None
+    first_round_seconds, round_seconds = None, []  # a round: its step and its loss on the host
     start_round = counters.rounds_done
     bar = progress_bar(config.rounds, f"{config.algorithm} on {config.dataset}", enabled=progress,
                        initial=counters.rounds_done)
@@ -576,6 +582,7 @@ def _run_rounds(exp: Experiment, config: RunConfig, out: Path, counters: Counter
         if first_round_seconds is None:
             first_round_seconds = time.perf_counter() - t0
         train_loss = float(np.average(np.asarray(round_out.metrics["loss"]), weights=counts[ids]))
+        round_seconds.append(time.perf_counter() - t0)
         if not math.isfinite(train_loss):
             raise diverged(f"round {r + 1}: the training loss is {train_loss}; the run diverged "
                            f"({likely_culprit(config)})")

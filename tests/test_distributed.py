@@ -248,3 +248,18 @@ def test_bad_launch_flags_of_the_library_fail_at_once_with_one_line():
         port = taken.getsockname()[1]
         with pytest.raises(distributed.LaunchError, match=f"--coordinator port {port} is not free"):
             distributed.initialize(f"127.0.0.1:{port}", 2, 0)
+
+
+def test_the_readmes_two_process_synthetic_command_runs_as_written_at_a_small_size(tmp_path):
+    """README's two-process example (FedProx's Synthetic(1, 1), SCAFFOLD) at 40 clients: each process
+    generates its own clients when they are sampled or scored, and the run writes the one-process metrics."""
+    args = ["--dataset", "synthetic:1,1", "--algorithm", "scaffold", "--num-clients", "40", "--clients-per-round", "4",
+            "--rounds", "2", "--local-epochs", "1", "--no-progress", "--no-tensorboard"]
+    run_two(*args, "--out", tmp_path / "two")
+    assert main(["run", *args, "--out", str(tmp_path / "one")]) == 0
+    expected, got = records(tmp_path / "one"), records(tmp_path / "two")
+    assert len(got) == 2 and [r.keys() for r in got] == [r.keys() for r in expected]
+    for mine, theirs in zip(got, expected):
+        for name, value in theirs.items():
+            assert mine[name] == pytest.approx(value, rel=1e-5, abs=1e-6), name
+    assert json.loads((tmp_path / "two" / "summary.json").read_text())["processes"] == 2

@@ -622,3 +622,46 @@ def test_library_jit_keeps_cpu_convolutions_out_of_ynnpack():
     assert "ynn_fusion" not in jit(conv).lower(*args).compile().as_text()
     dense = (jax.ShapeDtypeStruct((64, 256), jnp.float32), jax.ShapeDtypeStruct((256, 256), jnp.float32))
     assert "ynn_fusion" in jit(lambda a, b: jnp.tanh(a @ b)).lower(*dense).compile().as_text()
+
+
+def test_char_lstm_is_tensorflows_basic_lstm_cell_written_out_in_numpy():
+    """A sequence through char_lstm against its layers by hand: the embedding a row lookup, each LSTM step
+    TF's BasicLSTMCell (gates i, g, f, o of one kernel over [x_t, h_(t-1)], forget bias 1, h_0 = c_0 = 0),
+    the output the last step's; with a unit mask, the masked unit's h is 0 at every step, fed back too."""
+    model = get_model("char_lstm", (3,), 5)
+    rng = np.random.default_rng(0)
+    params = jax.tree_util.tree_map(lambda a: rng.normal(0, 0.3, a.shape).astype(np.float32),
+                                    jax.device_get(model.init(jax.random.key(0))["params"]))
+    tokens = np.array([[4, 0, 2]], np.int32)
+
+    def sigmoid(z):
+        return 1 / (1 + np.exp(-z))
+
+    def by_hand(keep):
+        h_seq = params["embed"]["kernel"][tokens[0]]  # [3, 8]
+        for name in ("lstm1", "lstm2"):
+            kernel, bias = params[name]["kernel"].astype(np.float64), params[name]["bias"]
+            h, c, out = np.zeros(256), np.zeros(256), []
+            for x_t in h_seq:
+                z = [np.concatenate([x_t, h]) @ kernel[gate] + bias[gate] for gate in range(4)]
+                c = sigmoid(z[2] + 1.0) * c + sigmoid(z[0]) * np.tanh(z[1])
+                h = sigmoid(z[3]) * np.tanh(c) * keep[name]
+                out.append(h)
+            h_seq = np.stack(out)
+        return h_seq[-1] @ params["fc"]["kernel"] + params["fc"]["bias"]
+
+    full = {l.name: np.ones(l.num_units, np.float32) for l in model.structure.layers}
+    logits, _ = model.apply({"params": params, "batch_stats": {}}, jnp.asarray(tokens), train=False)
+    np.testing.assert_allclose(logits[0], by_hand(full), rtol=2e-4, atol=2e-5)
+    masks = {**full, "lstm1": np.where(np.arange(256) == 3, 0.0, 1.0).astype(np.float32)}
+    masked, _ = model.apply({"params": params, "batch_stats": {}, "unit_masks": masks}, jnp.asarray(tokens),
+                            train=False)
+    np.testing.assert_allclose(masked[0], by_hand(masks), rtol=2e-4, atol=2e-5)
+    assert not np.allclose(masked, logits)
+    # the dropped unit's weights (its gate columns, its row read back) take no part
+    changed = {**params, "lstm1": {"kernel": params["lstm1"]["kernel"].copy(), "bias": params["lstm1"]["bias"]}}
+    changed["lstm1"]["kernel"][:, :, 3] += 5.0
+    changed["lstm1"]["kernel"][:, 8 + 3, :] += 5.0
+    again, _ = model.apply({"params": changed, "batch_stats": {}, "unit_masks": masks}, jnp.asarray(tokens),
+                           train=False)
+    np.testing.assert_array_equal(again, masked)

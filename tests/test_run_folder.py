@@ -29,7 +29,7 @@ from fedjax_sparse.run_folder import hold_run_folder
 
 ROUNDS, ARGS = SCAFFOLD_ROUNDS, SCAFFOLD_ARGS
 DISK = ["--client-store", "disk"]
-WALL_CLOCK = ("first_round_seconds", "wall_seconds", "client_store")
+WALL_CLOCK = ("first_round_seconds", "median_round_seconds", "wall_seconds", "client_store")
 
 
 def cli(capsys, *args):

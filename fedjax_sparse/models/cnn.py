@@ -30,14 +30,16 @@
   choices left to the algorithms: here it is the ordinary masked BatchNorm.
   For SPATL (no split in the papers): convs = encoder, dense = predictor.
 
-`cnn2` -- SPATL's 2-layer CNN for FEMNIST, the FedAvg/LEAF CNN:
+`cnn2` (also `femnist_cnn`) -- SPATL's 2-layer CNN for FEMNIST, FedAvg's CNN (McMahan et al. 2017):
   conv 32@5x5 pad 2 -> ReLU -> maxpool 2 -> conv 64@5x5 pad 2 -> ReLU ->
   maxpool 2 -> flatten -> dense 512 -> ReLU -> dense num_classes, with biases,
   no normalization. On 28x28x1 with 62 classes (28 -> 14 -> 7):
   832 + 51,264 + 1,606,144 + 31,806 = 1,690,046 parameters.
   SPATL's paper does not spell the network out (and its released code only
-  has a LeNet-style `SimpleCNN` with 6/16 channels), so the LEAF definition is
-  used. Convs are part='encoder', denses part='predictor' (SPATL's split).
+  has a LeNet-style `SimpleCNN` with 6/16 channels), so FedAvg's 2-layer CNN is
+  used; LEAF's FEMNIST CNN (models/femnist/cnn.py) is the same with a dense
+  layer of 2,048 (6.6 M parameters). Convs are part='encoder', denses
+  part='predictor' (SPATL's split).
   Smallest input 4x4.
 """
 
