@@ -10,7 +10,8 @@ Inputs that only some processes hold reach the round as blocks: each process fil
 [K, ...] block with its own clients' rows at their positions in the sampled list and zeros
 elsewhere; `process_blocks` makes the global [P, K, ...] array of them (one block per
 process) and the round takes the elementwise max over P, which is exact (every entry is
-held by exactly one process; rows are raw bytes, labels and counts are >= 0). The result is
+held by exactly one process; rows are raw bytes, labels and counts are >= 0; float features,
+which may be negative, take the sum, `combine_blocks`). The result is
 sharded over every device of the `processes` x `clients` mesh (`process_mesh`).
 
 What is not a round (evaluation, a run's decisions) runs in each process on its own device,
@@ -33,6 +34,7 @@ import threading
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
@@ -170,8 +172,16 @@ def process_blocks(local: Any, mesh: Mesh | None) -> Any:
 
 
 def combine_blocks(blocks: Any) -> Any:
-    """[P, K, ...] blocks -> [K, ...] (traceable): exact, since each entry is non-zero in one block."""
-    return jax.tree_util.tree_map(lambda b: b[0] if b.shape[0] == 1 else b.max(axis=0), blocks)
+    """[P, K, ...] blocks -> [K, ...] (traceable): exact, since each entry is held by one block and zero in
+    the others: their max where entries are >= 0 (raw bytes, labels, counts, images, tokens), their sum
+    where they may be negative (float features: x + 0 is x)."""
+
+    def combine(b):
+        if b.shape[0] == 1:
+            return b[0]
+        return b.sum(axis=0) if jnp.issubdtype(b.dtype, jnp.floating) else b.max(axis=0)
+
+    return jax.tree_util.tree_map(combine, blocks)
 
 
 def replicated(tree: Any, mesh: Mesh | None) -> Any:
