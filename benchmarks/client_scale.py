@@ -27,6 +27,16 @@ outputs on the host (the row stores also wait for their writes and prefetch). Me
 - read_s / write_s: one round's store reads + data windows, and its writes, timed apart after
   the rounds (what bounds the row stores against the device store).
 The full benchmark's results are in benchmarks/results/client_scale_cpu.{md,json}.
+
+The command line's path (`--cli`): the same figures for whole `fedjax-sparse run` processes on
+FedProx's Synthetic(1, 1) (`--dataset synthetic:1,1`: 60 features, clients of 50-1,000 examples,
+each process generating its own clients when a round samples them), the MLP, one local epoch of
+batch 16 at lr 0.05, K = 100, disk store: SCAFFOLD at N = 10^3 and 10^5, FedAvg at 10^3 and 10^6.
+Each run evaluates once, after its last round (`--eval-every` = rounds). Measured per run: its
+median round (summary.json's `median_round_seconds`, rounds after the first), first round
+(compiles), the process's wall time, its set-up and final evaluation (the run's wall time minus
+its rounds: the population's sizes, the store, the compilations, every client scored once), and
+its peak resident memory (the child's own, from wait4). Results: benchmarks/results/client_scale_cli_cpu.md.
 """
 
 from __future__ import annotations
@@ -301,6 +311,95 @@ def ratios(records: list[dict]) -> dict:
             "two_processes_over_one_1e4": ratio(seconds("scaffold", 10**4, "host", 2), seconds("scaffold", 10**4, "host"))}
 
 
+# ---------------------------------------------------------------- the command line's path
+
+@dataclasses.dataclass(frozen=True)
+class CliSetting:
+    algorithm: str
+    num_clients: int
+    store: str = "disk"
+    clients_per_round: int = 100
+    rounds: int = 5
+
+    @property
+    def name(self) -> str:
+        return f"cli {self.algorithm} N={self.num_clients:,} {self.store}"
+
+    def command(self, out: Path) -> list[str]:
+        return ["fedjax-sparse", "run", "--dataset", "synthetic:1,1", "--algorithm", self.algorithm,
+                "--num-clients", str(self.num_clients), "--clients-per-round", str(self.clients_per_round),
+                "--client-store", self.store, "--rounds", str(self.rounds), "--eval-every", str(self.rounds),
+                "--local-epochs", "1", "--batch-size", "16", "--lr", "0.05", "--no-progress", "--no-tensorboard",
+                "--no-compilation-cache", "--out", str(out)]
+
+
+def cli_settings(quick: bool) -> list[CliSetting]:
+    if quick:
+        return [CliSetting("scaffold", 200, clients_per_round=10, rounds=2)]
+    return [CliSetting("scaffold", 10**3), CliSetting("scaffold", 10**5), CliSetting("fedavg", 10**3),
+            CliSetting("fedavg", 10**6)]
+
+
+def measure_cli(setting: CliSetting, out: Path) -> dict:
+    """One `fedjax-sparse run` in a child process: its summary's timings and its own peak RSS."""
+    command = setting.command(out)
+    argv = [sys.executable, "-m", "fedjax_sparse", *command[1:]]
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with open(out.parent / f"{out.name}.log", "w") as log:
+        start = time.perf_counter()
+        proc = subprocess.Popen(argv, cwd=Path(__file__).resolve().parents[1], stdout=log, stderr=log)
+        _, status, usage = os.wait4(proc.pid, 0)
+        wall = time.perf_counter() - start
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{setting.name} failed (exit {proc.returncode}): "
+                           f"{(out.parent / f'{out.name}.log').read_text()[-2000:]}")
+    summary = json.loads((out / "summary.json").read_text())
+    rounds = summary["first_round_seconds"] + (setting.rounds - 1) * summary["median_round_seconds"]
+    return {"setting": dataclasses.asdict(setting), "name": setting.name, "command": " ".join(command),
+            "round_seconds": summary["median_round_seconds"], "first_round_seconds": summary["first_round_seconds"],
+            "run_seconds": summary["wall_seconds"], "process_seconds": wall,
+            "evaluation_seconds": summary["wall_seconds"] - rounds, "peak_rss_bytes": usage.ru_maxrss * 1024,
+            "client_store": summary["client_store"], "num_train_examples": summary["num_train_examples"],
+            "final_test_accuracy": summary["final_test_accuracy"]}
+
+
+def cli_table(records: list[dict]) -> str:
+    head = "| setting | s/round | first round s | set-up + final evaluation s | process wall s | peak RSS GB |"
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    for r in records:
+        lines.append(f"| {r['name']} | {r['round_seconds']:.3f} | {r['first_round_seconds']:.1f} | "
+                     f"{r['evaluation_seconds']:.1f} | {r['process_seconds']:.1f} | {_gb(r['peak_rss_bytes'])} |")
+    return "\n".join(lines)
+
+
+def run_cli(args, env: dict) -> list[dict]:
+    work = Path(args.work_dir) if args.work_dir else Path(tempfile.mkdtemp(prefix="client_scale_cli_"))
+    records = []
+    try:
+        for setting in cli_settings(args.quick):
+            if args.only is not None and args.only not in setting.name:
+                continue
+            print(f"# {setting.name}: {' '.join(setting.command(Path('OUT')))}", flush=True)
+            records.append(measure_cli(setting, work / setting.name.replace(" ", "_").replace(",", "")))
+            print(cli_table(records[-1:]).splitlines()[-1], flush=True)
+    finally:
+        if not args.work_dir:
+            shutil.rmtree(work, ignore_errors=True)
+    by = {(r["setting"]["algorithm"], r["setting"]["num_clients"]): r["round_seconds"] for r in records}
+    summary = {"scaffold_1e5_over_1e3": by.get(("scaffold", 10**5), 0) / by[("scaffold", 10**3)]
+               if ("scaffold", 10**3) in by else None,
+               "fedavg_1e6_over_1e3": by.get(("fedavg", 10**6), 0) / by[("fedavg", 10**3)]
+               if ("fedavg", 10**3) in by else None}
+    print(cli_table(records))
+    print(json.dumps(summary, indent=1))
+    if args.json:
+        Path(args.json).write_text(json.dumps({"environment": env, "ratios": summary, "settings": records}, indent=1))
+    if args.markdown:
+        Path(args.markdown).write_text(cli_table(records) + "\n")
+    return records
+
+
 def main(argv: Sequence[str] | None = None) -> list[dict]:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = argparse.ArgumentParser(prog="python -m benchmarks.client_scale", description=__doc__.split("\n\n")[0])
@@ -312,6 +411,8 @@ def main(argv: Sequence[str] | None = None) -> list[dict]:
     parser.add_argument("--only", metavar="TEXT", help="run only the settings whose name contains TEXT, e.g. "
                                                         "'scaffold N=1,000'")
     parser.add_argument("--work-dir", help="folder for data and store files (default: a temporary one, removed)")
+    parser.add_argument("--cli", action="store_true", help="measure whole fedjax-sparse run processes on synthetic:1,1 "
+                                                           "instead (the command line's path)")
     parser.add_argument("--one", help=argparse.SUPPRESS)
     parser.add_argument("--data", help=argparse.SUPPRESS)
     parser.add_argument("--process-id", type=int, default=0, help=argparse.SUPPRESS)
@@ -322,6 +423,8 @@ def main(argv: Sequence[str] | None = None) -> list[dict]:
         return []
 
     env = environment(argv, "benchmarks.client_scale")
+    if args.cli:
+        return run_cli(args, env)
     settings = quick_settings() if args.quick else full_settings()
     settings = [s for s in settings if args.only is None or args.only in s.name]
     work = Path(args.work_dir) if args.work_dir else Path(tempfile.mkdtemp(prefix="client_scale_"))

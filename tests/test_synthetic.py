@@ -127,3 +127,23 @@ def test_the_device_store_trains_the_generated_clients_exactly_as_the_host_store
     assert figures_d == figures_h
     population = exp.dataset
     assert len(population.global_test[1]) == population.counts["test"].sum()
+
+
+def test_normalize_standardizes_images_only():
+    """What a model sees: uint8 images as (x / 255 - mean) / std, float features and int tokens as they are."""
+    import jax.numpy as jnp
+
+    from fedjax_sparse.data.federated import normalize
+
+    mean, std = jnp.asarray([0.5]), jnp.asarray([0.25])
+    images = jnp.asarray([[[[0], [255]]]], jnp.uint8)
+    np.testing.assert_allclose(normalize(images, mean, std), [[[[-2.0], [2.0]]]])
+    features = jnp.asarray([[-1.5, 2.0]], jnp.float32)
+    tokens = jnp.asarray([[3, 79]], jnp.int32)
+    for x in (features, tokens):
+        out = normalize(x, jnp.zeros(0), jnp.zeros(0))
+        assert out.dtype == x.dtype
+        np.testing.assert_array_equal(out, x)
+    with pytest.raises(ValueError, match="uint8 images, float32 features or int32 tokens, got float64"):
+        data.Dataset("d", np.zeros((2, 3)), np.zeros(2, np.int32), np.zeros((1, 3)), np.zeros(1, np.int32), 2,
+                     ("a", "b"), (), ())
