@@ -172,7 +172,6 @@ class RunConfig:
             raise ValueError(f"--client-chunk {self.client_chunk} and --shard-clients do not combine: "
                              f"sharding splits the vmap of all sampled clients over the devices")
 
-
     @property
     def split_by(self) -> str:
         """The partition: `partition`, else natural where the data set has its own clients, else dirichlet."""
