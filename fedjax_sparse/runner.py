@@ -338,6 +338,10 @@ def evaluate(exp: Experiment, server_state) -> tuple[dict, bool]:
     if exp.evaluate_global is not None:
         scores = exp.evaluate_global(exp.algorithm.global_variables(server_state))
         out = {"test_accuracy": float(scores["accuracy"]), "test_loss": float(scores["loss"])}
+        variants = exp.algorithm.global_variants(server_state) if exp.algorithm.global_variants else {}
+        for name, variables in variants.items():
+            scores = exp.evaluate_global(variables)
+            out.update({f"test_accuracy_{name}": float(scores["accuracy"]), f"test_loss_{name}": float(scores["loss"])})
     if on_device:
         client_states = exp.store.states
         finite = bool(all_finite(client_states))
@@ -398,6 +402,7 @@ class Counters:
     total_uplink_bytes: int = 0
     total_downlink_bytes: int = 0
     dense_train_flops_total: int = 0
+    train_flops_total: float = 0.0  # the sum of the clients' reported `train_flops` over all rounds
     padded_step_fractions: list = dataclasses.field(default_factory=list)
 
 
@@ -589,6 +594,8 @@ def _run_rounds(exp: Experiment, config: RunConfig, out: Path, counters: Counter
         counters.total_uplink_bytes += uplink
         counters.total_downlink_bytes += downlink
         counters.dense_train_flops_total += 3 * dense_forward * config.local_epochs * int(counts[ids].sum())
+        if "train_flops" in round_out.metrics:  # what the clients' sparse computation cost (SpaFL, sub-models, ...)
+            counters.train_flops_total += float(np.asarray(round_out.metrics["train_flops"], np.float64).sum())
         counters.padded_step_fractions.append(
             padded_step_fraction(counts[ids], config.batch_size, exp.client_chunk))
         if (r + 1) % config.eval_every == 0 or r + 1 == config.rounds:
@@ -600,6 +607,8 @@ def _run_rounds(exp: Experiment, config: RunConfig, out: Path, counters: Counter
                       "downlink_bytes": downlink, "cumulative_bytes": counters.cumulative_bytes,
                       "dense_train_flops": counters.dense_train_flops_total / config.num_clients,
                       "padded_step_fraction": counters.padded_step_fractions[-1],
+                      **({"train_flops": counters.train_flops_total / config.num_clients}
+                         if "train_flops" in round_out.metrics else {}),
                       **client_metrics(round_out.metrics), **figures}
             if lead:
                 writer.append_metrics(record)
@@ -635,6 +644,7 @@ def _totals(counters: Counters) -> dict:
             "total_downlink_bytes": counters.total_downlink_bytes,
             "cumulative_bytes": counters.cumulative_bytes,
             "dense_train_flops_total": counters.dense_train_flops_total,
+            "train_flops_total": counters.train_flops_total,
             "mean_padded_step_fraction": float(np.mean(fractions)) if fractions else None}
 
 
@@ -657,6 +667,8 @@ def _summary(exp: Experiment, history: list, totals: dict, first_round_seconds: 
         "final_train_loss": final.get("train_loss"),
         **totals,
         "num_params": exp.num_params,
+        # the weights of the prunable layers (SpaFL's d: kernels only), in structure order
+        "prunable_layer_weights": {l.name: l.num_weights for l in exp.model.structure.layers},
         "client_chunk": exp.client_chunk,
         "client_store": exp.store.backend,
         "processes": exp.process.count,

@@ -10,11 +10,17 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from fedjax_sparse.algorithms import fedadp as _fedadp
 from fedjax_sparse.algorithms import fedavg as _fedavg
+from fedjax_sparse.algorithms import feddyn as _feddyn
 from fedjax_sparse.algorithms import fedgse as _fedgse
 from fedjax_sparse.algorithms import fedldf as _fedldf
 from fedjax_sparse.algorithms import fednova as _fednova
+from fedjax_sparse.algorithms import fedp3 as _fedp3
+from fedjax_sparse.algorithms import fedpm as _fedpm
+from fedjax_sparse.algorithms import fjord as _fjord
 from fedjax_sparse.algorithms import fedprox as _fedprox
+from fedjax_sparse.algorithms import fedspa as _fedspa
 from fedjax_sparse.algorithms import local as _local
 from fedjax_sparse.algorithms import scaffold as _scaffold
 from fedjax_sparse.algorithms import spafl as _spafl
@@ -31,8 +37,8 @@ from fedjax_sparse.core.algorithm import AlgorithmSpec, BuildContext, FederatedA
 from fedjax_sparse.core.options import from_mapping, option_fields, validate
 
 ALGORITHMS: dict[str, AlgorithmSpec] = {spec.name: spec for spec in (
-    _fedavg.SPEC, _fedprox.SPEC, _scaffold.SPEC, _fednova.SPEC, _local.SPEC, *_spafl.SPECS, *_fedldf.SPECS,
-    *_submodels.SPECS, _fedgse.SPEC, _spatl.SPEC,
+    _fedavg.SPEC, _fedprox.SPEC, _scaffold.SPEC, _fednova.SPEC, _local.SPEC, *_spafl.SPECS, *_fedldf.SPECS, _fedadp.SPEC,
+    *_submodels.SPECS, _fedgse.SPEC, _spatl.SPEC, _fedpm.SPEC, _fjord.SPEC, _fedp3.SPEC, _fedspa.SPEC, _feddyn.SPEC,
 )}
 ALGORITHM_NAMES = tuple(ALGORITHMS)
 

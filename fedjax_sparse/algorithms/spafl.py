@@ -238,7 +238,7 @@ def local_objective(structure: ModelStructure, alpha: float, weight_bounds: bool
                 {"train_flops": jnp.asarray(flops, jnp.float32), "threshold_resets": resets})
 
     return LocalObjective(
-        forward=lambda t: {"params": t["params"],
+        forward=lambda t, key: {"params": t["params"],
                            "unit_masks": ste_masks(structure, t["params"], t["thresholds"])},
         extra_loss=lambda t: sparsity_penalty(t["thresholds"], alpha),
         after_step=after_step)
