@@ -49,6 +49,8 @@ class Setting:
     quick: overrides that make a CPU-sized version of the setting.
     extra_columns: metrics.jsonl/summary keys to report too (e.g. 'density').
     arm_columns: columns computed from each arm's config (e.g. the aggregation it ran with).
+    run_columns: columns computed from each run (config, metrics history, summary), e.g. a paper's
+      own accounting of its bytes and FLOPs.
     """
 
     name: str
@@ -60,6 +62,7 @@ class Setting:
     quick: dict = dataclasses.field(default_factory=dict)
     extra_columns: tuple[str, ...] = ()
     arm_columns: Callable[[RunConfig], dict] | None = None
+    run_columns: Callable[[RunConfig, list, dict], dict] | None = None
 
     def arm_config(self, arm: Arm, out: Path, quick: bool) -> RunConfig:
         fields = {**(self.quick if quick else {}), **arm.overrides, "out": str(out / arm.label)}
@@ -86,6 +89,7 @@ def arm_row(setting: Setting, arm: Arm, config: RunConfig, history: list[dict], 
         "uplink_gbit": summary["total_uplink_bytes"] * 8 / 1e9,
         "mb_per_client_round": per_client_round / 1e6,
         **(setting.arm_columns(config) if setting.arm_columns is not None else {}),
+        **(setting.run_columns(config, history, summary) if setting.run_columns is not None else {}),
     }
     for key in setting.extra_columns:
         last = next((h[key] for h in reversed(history) if key in h), summary.get(key))

@@ -10,7 +10,7 @@ state and writes `flops_check.md` / `.json` beside them:
 
   * per client, the inference FLOPs reduction of its salient sub-model as the
     library counts it (`core.flops.layer_forward_flops`, count_inputs=True, the
-    figure `flops_reduction_mean` logs) and as `core.flops.measure_layers` reads
+    figure `inference_flops_reduction_mean` logs) and as `core.flops.measure_layers` reads
     it off the computation itself (the physically smaller network's multiply-
     accumulates: channels that are non-zero on a batch of the client's own
     images, outputs that reach the logits), encoder only and whole model;
