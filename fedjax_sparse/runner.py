@@ -605,6 +605,7 @@ def _run_rounds(exp: Experiment, config: RunConfig, out: Path, counters: Counter
                                f"({likely_culprit(config)})")
             record = {"round": r + 1, "train_loss": train_loss, "uplink_bytes": uplink,
                       "downlink_bytes": downlink, "cumulative_bytes": counters.cumulative_bytes,
+                      "cumulative_uplink_bytes": counters.total_uplink_bytes,
                       "dense_train_flops": counters.dense_train_flops_total / config.num_clients,
                       "padded_step_fraction": counters.padded_step_fractions[-1],
                       **({"train_flops": counters.train_flops_total / config.num_clients}

@@ -255,6 +255,9 @@ def test_experiment_settings_and_uplink_curve():
     assert cumulative_uplink(sparse) == [100, 200]
     with pytest.raises(ValueError, match="eval-every 1"):
         cumulative_uplink([{"round": 10, "uplink_bytes": 1}, {"round": 20, "uplink_bytes": 2}])
+    logged = [{"round": 10, "uplink_bytes": 1, "cumulative_uplink_bytes": 7},  # today's records carry it
+              {"round": 20, "uplink_bytes": 2, "cumulative_uplink_bytes": 19}]
+    assert cumulative_uplink(logged) == [7, 19]
 
 
 def test_experiment_module_writes_the_uplink_table_and_plot(monkeypatch, tmp_path):
@@ -274,10 +277,10 @@ def test_experiment_module_writes_the_uplink_table_and_plot(monkeypatch, tmp_pat
         if cells[0] in ("fedldf", "fedldf_random", "hdfl", "fedadp", "fedavg"):
             rows[cells[0]] = cells
     assert set(rows) == {"fedldf", "fedldf_random", "hdfl", "fedadp", "fedavg"}
-    uplink = {name: int(cells[3].replace(",", "")) for name, cells in rows.items()}
+    uplink = {name: int(cells[4].replace(",", "")) for name, cells in rows.items()}
     feedback = 5 * 3 * 4  # K x L x 4 bytes a round
     assert uplink["fedldf"] == uplink["fedldf_random"] == 2 * (2 * MLP_BYTES + feedback)
     assert uplink["hdfl"] == 2 * 2 * MLP_BYTES and uplink["fedavg"] == 2 * 5 * MLP_BYTES
     assert 0.19 < uplink["fedadp"] / uplink["fedavg"] <= 0.2 + 1e-3  # 20 % of the weights, plus unit indexes
-    assert float(rows["fedldf"][5]) == pytest.approx(uplink["fedldf"] / uplink["fedavg"], abs=1e-4)
+    assert float(rows["fedldf"][6]) == pytest.approx(uplink["fedldf"] / uplink["fedavg"], abs=1e-4)
     assert (folder / "uplink.png").stat().st_size > 1000 and (folder / "results.csv").exists()
