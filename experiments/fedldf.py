@@ -58,9 +58,9 @@ SETTINGS = {
     "cifar10_cpu": Setting(
         name="cifar10_cpu",
         description=DESCRIPTION + " This setting: CPU-sized, Dirichlet alpha = 1 on 3,000 training and 1,000 test "
-                                  "images (60 per client), 30 rounds.",
-        config=BASE.replace(partition="dirichlet", alpha=1.0, rounds=30, batch_size=32, max_train_examples=3000,
-                            max_test_examples=1000, min_examples=5, eval_every=1),
+                                  "images (60 per client), 20 rounds.",
+        config=BASE.replace(partition="dirichlet", alpha=1.0, rounds=20, batch_size=32, max_train_examples=3000,
+                            max_test_examples=1000, min_examples=5, eval_every=2),
         arms=_arms({}),
         target_accuracy=0.4,
         quick={**QUICK, "partition": "dirichlet", "alpha": 1.0},

@@ -6,7 +6,7 @@ Columns. Comm and FLOPs twice: by SpaFL's conventions (appendix A.4/A.5: `comm_g
 
 Differences from the paper, known in advance: the CIFAR-10 data is the JPEG copy (accuracy runs slightly below the original pixels); the CIFAR-10 CNN has 650 units, hence 650 thresholds, where the paper states 1,418 (see fedjax_sparse/models/cnn.py), so SpaFL's traffic is 500 x 10 x 2 x 650 x 4 bytes = 0.208 Gbit instead of the paper's 0.4537 (LeNet-5-Caffe's 580 thresholds give exactly the paper's 0.1856 Gbit). No GPU was lent to the sessions that wrote this module, so no full-scale CIFAR-10 or FMNIST result is recorded; run `python -m experiments.spafl --setting cifar10` on a GPU to produce one.
 
-`digits` is the CPU-sized twin: scikit-learn's digits, the MLP, 20 clients, Dirichlet(0.5), 10 per round, 50 rounds, 5 local epochs, batch 16, lr 0.1 for every arm (FedPM's Adam too), no momentum, alpha = 0.002 (the CLI default). `cifar10_cpu` is the CPU-sized CIFAR-10: the paper's CNN and its Table 7 learning rates on 3,000 training images, 30 clients, Dirichlet(0.1), 10 per round, 30 rounds, 2 local epochs, batch 16. `--quick` runs only `digits` (20 rounds) unless --setting names others; `--quick --setting cifar10` runs a tiny CIFAR-10 subset for a smoke test.
+`digits` is the CPU-sized twin: scikit-learn's digits, the MLP, 20 clients, Dirichlet(0.5), 10 per round, 50 rounds, 5 local epochs, batch 16, lr 0.1 for every arm (FedPM's Adam too), no momentum, alpha = 0.002 (the CLI default). `cifar10_cpu` is the CPU-sized CIFAR-10: the paper's CNN and its Table 7 learning rates on 2,000 training images, 20 clients, Dirichlet(0.1), 10 per round, 25 rounds, 2 local epochs, batch 16. `--quick` runs only `digits` (20 rounds) unless --setting names others; `--quick --setting cifar10` runs a tiny CIFAR-10 subset for a smoke test.
 
     python -m experiments.spafl [--quick] [--setting cifar10|cifar10_cpu|fmnist|digits] [--seeds 0,1,2] [--out DIR]
 """
@@ -144,10 +144,10 @@ SETTINGS = {
     "cifar10": _setting("cifar10", "CIFAR-10 (JPEG copy), spafl_cnn.", CIFAR10, PAPER["cifar10"], RATES["cifar10"],
                         0.6, TINY),
     "cifar10_cpu": _setting(
-        "cifar10_cpu", "CIFAR-10 (JPEG copy), spafl_cnn, CPU-sized: 3,000 training and 1,000 test images, 30 "
-                       "clients, 10 per round, 30 rounds, 2 local epochs.",
-        CIFAR10.replace(num_clients=30, rounds=30, local_epochs=2, max_train_examples=3000, max_test_examples=1000,
-                        min_examples=5, eval_every=3), PAPER["cifar10"], RATES["cifar10"], 0.35, TINY),
+        "cifar10_cpu", "CIFAR-10 (JPEG copy), spafl_cnn, CPU-sized: 2,000 training and 1,000 test images, 20 "
+                       "clients, 10 per round, 25 rounds, 2 local epochs.",
+        CIFAR10.replace(num_clients=20, rounds=25, local_epochs=2, max_train_examples=2000, max_test_examples=1000,
+                        min_examples=5, eval_every=5), PAPER["cifar10"], RATES["cifar10"], 0.35, TINY),
     "fmnist": _setting(
         "fmnist", "FMNIST (TFDS fashion_mnist), lenet5_caffe.",
         RunConfig.create(dataset="fashion_mnist", model="lenet5_caffe", num_clients=100, clients_per_round=10,
