@@ -161,8 +161,11 @@ class CodedMask:
     bits: jax.Array
 
 
+PRICED_LEAVES = (SparseArray, KnownMaskArray, Known, CodedMask, QuantizedArray)
+
+
 def _is_priced_leaf(x) -> bool:
-    return isinstance(x, (SparseArray, KnownMaskArray, Known, CodedMask, QuantizedArray))
+    return isinstance(x, PRICED_LEAVES)
 
 
 def index_itemsize(size: int) -> int:
