@@ -113,6 +113,7 @@ def _config(args: argparse.Namespace):
             raise ValueError(f"{where}{flag_name(name)} is an option of {', '.join(users[name])}; --algorithm "
                              f"{config.algorithm} does not read it")
     refuse_ignored(config.algorithm_options, given)
+    refuse_ignored(config, given)  # the run's own patterns (uplink compression's settings)
     if args.config is not None:  # a file's key set away from its default is as deliberate as a flag
         options = config.algorithm_options
         defaults = {f.name: f.default for f in dataclasses.fields(options)}

@@ -18,6 +18,8 @@ import jax
 import numpy as np
 
 from fedjax_sparse.algorithms import ALGORITHM_NAMES, make_algorithm, make_options, option_users, options_dict
+from fedjax_sparse.algorithms.personalization import PersonalizationOptions, personalize
+from fedjax_sparse.algorithms.uplink_compression import UplinkCompressionOptions, compress_uplink
 from fedjax_sparse.checkpoint import KEEP, RunCheckpointer, config_mismatches, has_checkpoints
 from fedjax_sparse.core.algorithm import BuildContext, NeedsDeviceData
 from fedjax_sparse.core.client_store import (BACKENDS, DeviceStore, RowLayout, choose_store, client_state_shapes,
@@ -50,8 +52,11 @@ class DivergenceError(RuntimeError):
 
 
 @dataclasses.dataclass(frozen=True)
-class RunConfig:
+class RunConfig(UplinkCompressionOptions, PersonalizationOptions):
     """A run: the options every algorithm shares, and the chosen algorithm's own options.
+
+    Two patterns apply to any algorithm they fit, from the run's options: uplink compression
+    (`algorithms.uplink_compression`) and personal layers (`algorithms.personalization`).
 
     The shared options are the fields below; each algorithm declares its own
     beside its math (e.g. `algorithms.fedprox.FedProxOptions`). `options` holds
@@ -233,7 +238,8 @@ def build_experiment(config: RunConfig, progress: bool = True, *, process: Proce
                            train=None, num_classes=dataset.num_classes, seed=config.seed,
                            labels_per_client=config.labels_per_client if config.partition == "labels" else None)
     try:  # built without the clients' data first: most algorithms never read them
-        algorithm, needs_device = make_algorithm(config.algorithm, context, config.algorithm_options), None
+        algorithm, needs_device = with_patterns(make_algorithm(config.algorithm, context, config.algorithm_options),
+                                                context, config), None
     except NeedsDeviceData as e:
         algorithm, needs_device = None, e
     key = stream_key(config.seed, "algorithm_init")
@@ -251,8 +257,8 @@ def build_experiment(config: RunConfig, progress: bool = True, *, process: Proce
         local_test = host_data(dataset.x_test, dataset.y_test, test_indices, dataset.mean, dataset.std,
                                process=process)
     if algorithm is None:
-        algorithm = make_algorithm(config.algorithm, dataclasses.replace(context, train=train),
-                                   config.algorithm_options)
+        context = dataclasses.replace(context, train=train)
+        algorithm = with_patterns(make_algorithm(config.algorithm, context, config.algorithm_options), context, config)
     store = make_store(backend, algorithm, key, variables, config.num_clients,
                        directory=Path(config.out) / "client_store", process=process, keep=KEEP)
     mesh = None
@@ -271,6 +277,11 @@ def build_experiment(config: RunConfig, progress: bool = True, *, process: Proce
                       np.array([len(ix) for ix in client_indices], np.int64), store, round_fn,
                       evaluate_global, evaluate_personalized, server_state, model.num_params(variables), chunk,
                       process)
+
+
+def with_patterns(algorithm, context: BuildContext, config: RunConfig):
+    """The algorithm with the run's personal layers and uplink compression, where asked for."""
+    return compress_uplink(personalize(algorithm, context, config), context, config)
 
 
 def _data_bytes(dataset, client_indices: list, test_indices: list) -> int:

@@ -146,7 +146,8 @@ class QuantizedArray:
     bits: int = flax.struct.field(pytree_node=False)
 
     def dense(self) -> jax.Array:
-        return self.norm * self.levels.astype(jnp.float32) / (2 ** self.bits - 1)
+        norm = jnp.reshape(self.norm, jnp.shape(self.norm) + (1,) * (self.levels.ndim - jnp.ndim(self.norm)))
+        return norm * self.levels.astype(jnp.float32) / (2 ** self.bits - 1)
 
 
 def quantized_bytes(leaf: QuantizedArray) -> int:
