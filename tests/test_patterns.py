@@ -108,7 +108,8 @@ def test_random_k_pays_values_only_and_personal_layers_never_travel(setting):
     server, clients, (out,) = rounds(fedper, split, variables, 1)
     head = 4 * (256 * 10 + 10)
     assert int(out.uplink_bytes[0]) == int(out.downlink_bytes[0]) == 4 * MLP_PARAMS - head
-    np.testing.assert_array_equal(server["variables"]["params"]["fc3"]["kernel"], variables["params"]["fc3"]["kernel"])
+    np.testing.assert_allclose(server["variables"]["params"]["fc3"]["kernel"], variables["params"]["fc3"]["kernel"],
+                               rtol=1e-6)  # the server's own head, averaged with itself
     heads = np.asarray(clients["personal"]["params"]["fc3"]["kernel"])
     sampled = np.asarray(out.client_ids)
     assert not np.array_equal(heads[sampled[0]], heads[sampled[1]])  # each client its own predictor

@@ -8,7 +8,7 @@ statistics stay on each client.
 The personal leaves never travel: the broadcast leaves them out, a client puts its own in place
 (its initial ones until it first trains), trains the whole model as the algorithm does, keeps the
 personal leaves it trained and uploads the rest; the server sees its own current values in their
-place, so its rule leaves them as they were. Each client is evaluated with its personal leaves over
+place, so its rule leaves them as they were (a mean of equal values, to float rounding). Each client is evaluated with its personal leaves over
 the algorithm's model (`client_variables`); the global model, if the algorithm has one, keeps the
 personal leaves it started with.
 
