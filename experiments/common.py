@@ -17,9 +17,9 @@ import sys
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from fedjax_sparse.checkpoint import CheckpointError
-from fedjax_sparse.reporting import device_description, plot_accuracy
-from fedjax_sparse.runner import DivergenceError, Interrupted, RunConfig, run_experiment
+from fedjax_sparse.run.checkpoints import CheckpointError
+from fedjax_sparse.run.outputs import device_description, plot_accuracy
+from fedjax_sparse.run import DivergenceError, Interrupted, RunConfig, run_experiment
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -117,6 +117,23 @@ def combine_seeds(rows: list[dict]) -> dict:
     return out
 
 
+def finished_summary(config: RunConfig) -> dict | None:
+    """The summary of the run already in `config.out` when it completed with exactly `config`, else None.
+
+    An experiment stopped half-way (a crash, a closed laptop) is run again with the same command and
+    redoes only the arms that did not finish; a changed option redoes that arm.
+    """
+    out = Path(config.out)
+    try:
+        summary = json.loads((out / "summary.json").read_text())
+        saved = json.loads((out / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    if summary.get("status") != "completed" or saved != json.loads(json.dumps(config.to_dict())):
+        return None
+    return summary
+
+
 def run_setting(setting: Setting, out_root: Path, quick: bool, progress: bool = True,
                 command: str = "", seeds: Sequence[int] | None = None) -> list[dict]:
     """Runs every arm (for each of `seeds`, default the setting's own seed) and writes the table and plot.
@@ -135,8 +152,12 @@ def run_setting(setting: Setting, out_root: Path, quick: bool, progress: bool = 
                 config = config.replace(seed=seed, out=str(Path(config.out) / f"seed_{seed}"))
             print(f"[{setting.name}] {arm.label}: {config.algorithm} for {config.rounds} rounds"
                   + (f", seed {seed}" if seed is not None else ""), flush=True)
-            # an experiment redoes every arm when run again: its folders are its own to overwrite
-            summary = run_experiment(config, progress=progress, overwrite=True)
+            summary = finished_summary(config)
+            if summary is None:
+                # a folder holding anything but this very run, finished, is the experiment's own to redo
+                summary = run_experiment(config, progress=progress, overwrite=True)
+            else:
+                print(f"  kept the finished run in {config.out}", flush=True)
             history = [json.loads(line) for line in (Path(config.out) / "metrics.jsonl").read_text().splitlines()]
             histories.setdefault(arm.label, history)
             per_seed.append(arm_row(setting, arm, config, history, summary))

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Sequence
 
 from experiments.common import Arm, Setting, cifar10_folder, main
-from fedjax_sparse.runner import RunConfig
+from fedjax_sparse.run import RunConfig
 
 MODULE = "experiments.fedldf"
 DEFAULT_OUT = "runs/experiments"  # experiments.common.main's default for --out

@@ -21,7 +21,7 @@ import numpy as np
 
 from experiments.common import Arm, Setting, cifar10_folder, main
 from fedjax_sparse.algorithms.fedp3 import assigned_layers
-from fedjax_sparse.runner import RunConfig
+from fedjax_sparse.run import RunConfig
 
 MODULE = "experiments.spafl"
 DOC = __doc__.split("\n\n")

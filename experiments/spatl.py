@@ -21,14 +21,14 @@ import numpy as np
 
 from experiments.common import Arm, Setting, cifar10_folder, main
 from fedjax_sparse.algorithms.spatl import fit_predictor
-from fedjax_sparse.checkpoint import RunCheckpointer
+from fedjax_sparse.run.checkpoints import RunCheckpointer
 from fedjax_sparse.core.compilation import jit
 from fedjax_sparse.core.evaluation import global_evaluator
 from fedjax_sparse.core.model_parts import overlay
 from fedjax_sparse.core.local_training import LocalSGD
 from fedjax_sparse.core.streams import stream_key, stream_seed
 from fedjax_sparse.data.federated import federated_split
-from fedjax_sparse.runner import RunConfig, build_experiment
+from fedjax_sparse.run import RunConfig, build_experiment
 
 MODULE = "experiments.spatl"
 DOC = __doc__.split("\n\n")

@@ -34,11 +34,11 @@ import numpy as np
 
 from experiments.common import cifar10_folder
 from fedjax_sparse.algorithms.spatl import agent_holdout, encoder_layers
-from fedjax_sparse.checkpoint import RunCheckpointer
+from fedjax_sparse.run.checkpoints import RunCheckpointer
 from fedjax_sparse.core.flops import layer_forward_flops, measure_layers
 from fedjax_sparse.data.federated import client_batch
-from fedjax_sparse.reporting import device_description
-from fedjax_sparse.runner import RunConfig, build_experiment, run_experiment
+from fedjax_sparse.run.outputs import device_description
+from fedjax_sparse.run import RunConfig, build_experiment, run_experiment
 
 
 def config(rounds: int, max_train_examples: int, out: str) -> RunConfig:

@@ -12,7 +12,7 @@ import pytest
 
 from fedjax_sparse.algorithms import ALGORITHMS, fedavg, fedldf, fedldf_random, hdfl
 from fedjax_sparse.algorithms.fedldf import random_n_per_layer, top_n_per_layer
-from fedjax_sparse.cli import main
+from fedjax_sparse.run.cli import main
 from fedjax_sparse.core.layer_groups import layer_groups, model_layer_groups
 from fedjax_sparse.core.local_training import LocalSGD
 from fedjax_sparse.core.messages import message_bytes

@@ -16,11 +16,11 @@ import pytest
 from conftest import synthetic_split
 from fedjax_sparse.algorithms import make_algorithm, make_options
 from fedjax_sparse.algorithms.fedpm import beta_posterior, masked_paths, sampled_mask
-from fedjax_sparse.cli import main
+from fedjax_sparse.run.cli import main
 from fedjax_sparse.core.algorithm import BuildContext
 from fedjax_sparse.core.local_training import LocalSGD
 from fedjax_sparse.core.messages import CodedMask, Known, coded_mask_bytes, message_bytes
-from fedjax_sparse.core.round import build_round, round_info
+from fedjax_sparse.core.round import round_info
 from fedjax_sparse.models import Layer, Model, ModelStructure, get_model
 from fedjax_sparse.models import layers as L
 from fedjax_sparse.models.structure import get_path
@@ -215,7 +215,8 @@ def test_local_training_runs_frozen_signed_constants_times_fresh_bits(tiny):
             assert (values > 0).any() and (values < 0).any()
     np.testing.assert_array_equal(w["bn"]["scale"], np.ones(5))
     np.testing.assert_array_equal(w["bn"]["bias"], np.zeros(5))
-    theta = {name: jnp.full(t.shape, 0.1 if name.startswith("fc1") else 0.8) for name, t in server["theta"].items()}
+    theta = {name: jnp.full(t.shape, 0.1 if name.startswith("fc1") else 0.8, jnp.float32)  # not weak: one compile
+             for name, t in server["theta"].items()}
     server = {**server, "theta": theta}
     info = round_info(0, SLOW, jnp.array([0, 1]))
     down = algorithm.broadcast(server, 0, info)
@@ -413,11 +414,8 @@ def test_both_evaluations_by_hand():
 
 def test_adam_moments_persist_per_client_or_reset(tiny):
     """`client`: a client's Adam moments after its round start its next one: the count goes on, and the
-    moments and the upload differ from a fresh optimizer's on the same key. Through the engine, after
-    three rounds each client's count is its steps per round (n / 2 at batch 2: 6, 10, 8) times the rounds
-    it was sampled in (0 for one never sampled), and the round's bytes are those of the messages
-    (212 down, between the counts and the counts + ceil((n + 2) / 8) of the four leaves, + 40, up).
-    `reset`: no client state at all."""
+    moments and the upload differ from a fresh optimizer's on the same key (12 examples at batch 2: 6 steps
+    a round). `reset`: no client state at all."""
     model, split, kept, server, clients, client_update = tiny
     info = round_info(0, FAST, jnp.array([0, 1]))
     np.testing.assert_array_equal(clients["adam"][0].count, [0, 0, 0])
@@ -430,15 +428,6 @@ def test_adam_moments_persist_per_client_or_reset(tiny):
     assert not np.allclose(carried["adam"][0].mu["params"]["fc1/kernel"], fresh["adam"][0].mu["params"]["fc1/kernel"])
     assert not np.allclose(carried["adam"][0].nu["params"]["fc2/kernel"], fresh["adam"][0].nu["params"]["fc2/kernel"])
     assert any(not np.array_equal(up_carried["mask"][n].bits, up_fresh["mask"][n].bits) for n in up_fresh["mask"])
-
-    round_fn = build_round(kept, split, 2, seed=5)
-    sampled = np.zeros(3, int)
-    for r in range(3):
-        server, clients, out = round_fn(server, clients, r)
-        sampled[np.asarray(out.client_ids)] += 1
-        np.testing.assert_array_equal(out.downlink_bytes, [212, 212])
-        assert np.all((44 <= np.asarray(out.uplink_bytes)) & (np.asarray(out.uplink_bytes) <= 52))
-    np.testing.assert_array_equal(clients["adam"][0].count, np.array([6, 10, 8]) * sampled)
 
     reset = build(model, split, fedpm_optimizer_state="reset")
     _, none = jax.eval_shape(lambda k: reset.init(k, model.init(jax.random.key(0)), 3), jax.random.key(1))

@@ -17,12 +17,13 @@ import pytest
 from conftest import synthetic_split
 from fedjax_sparse.algorithms import make_algorithm, make_options
 from fedjax_sparse.algorithms.fedspa import prune_and_grow, swap_fraction
-from fedjax_sparse.cli import main
+from fedjax_sparse.run.cli import main
 from fedjax_sparse.core.algorithm import BuildContext
 from fedjax_sparse.core.local_training import LocalSGD
 from fedjax_sparse.core.messages import KnownMaskArray, SparseArray, message_bytes
 from fedjax_sparse.core.round import build_round, round_info
 from fedjax_sparse.models import Layer, Model, ModelStructure
+from fedjax_sparse.models.layers import batch_norm
 
 tree_map = jax.tree_util.tree_map
 
@@ -88,7 +89,6 @@ class _Net(nn.Module):
     @nn.compact
     def __call__(self, x, train, mask=None, unit_masks=None):
         del unit_masks
-        from fedjax_sparse.models.layers import batch_norm
         x = nn.Dense(61, name="fc1")(x.reshape(x.shape[0], -1))
         x = nn.relu(batch_norm(train, "bn")(x, mask=mask))
         return nn.Dense(3, name="fc2")(x)

@@ -8,7 +8,7 @@ import pytest
 
 from fedjax_sparse.algorithms import make_algorithm, make_options
 from fedjax_sparse.algorithms.fjord import batch_width, client_width, tier_width
-from fedjax_sparse.cli import main
+from fedjax_sparse.run.cli import main
 from fedjax_sparse.core.algorithm import BuildContext
 from fedjax_sparse.core.local_training import LocalSGD
 from fedjax_sparse.core.messages import KnownMaskArray

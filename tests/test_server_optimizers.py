@@ -162,7 +162,7 @@ def test_server_optimizer_flags_the_chosen_optimizer_does_not_read_are_refused(t
     """A flag is refused, in one line and before any data is loaded, where the chosen server optimizer
     would ignore it (sgd reads no momentum; momentum no moments; adagrad no beta2); a config file's key
     set away from its default is refused alike, and the flags it does read pass."""
-    from fedjax_sparse.cli import main
+    from fedjax_sparse.run.cli import main
 
     out = tmp_path / "run"
     assert main(["run", "--algorithm", algorithm, "--out", str(out), "--no-progress", *flags]) == 2

@@ -13,7 +13,7 @@ from fedjax_sparse.algorithms import spafl, spafl_local
 from fedjax_sparse.algorithms.spafl import (global_threshold_update, init_thresholds, local_objective,
                                             reset_collapsed_layers, ste_masks, threshold_masks,
                                             unit_magnitudes)
-from fedjax_sparse.cli import main
+from fedjax_sparse.run.cli import main
 from fedjax_sparse.core.flops import forward_flops, training_flops
 from fedjax_sparse.core.local_training import LocalSGD, masked_cross_entropy
 from fedjax_sparse.core.messages import message_bytes

@@ -12,7 +12,7 @@ import pytest
 from fedjax_sparse.algorithms import fedavg, make_algorithm, make_options
 from fedjax_sparse.algorithms.spatl import (encoder_flops, encoder_layers, fit_predictor, salient_masks,
                                             uniform_keep_ratio, unit_l2_norms)
-from fedjax_sparse.cli import main
+from fedjax_sparse.run.cli import main
 from fedjax_sparse.core.algorithm import BuildContext
 from fedjax_sparse.core.layer_groups import leaf_paths
 from fedjax_sparse.core.model_parts import part_labels, take_part

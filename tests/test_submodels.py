@@ -15,7 +15,7 @@ from fedjax_sparse.algorithms import fedavg, make_algorithm, make_options
 from fedjax_sparse.algorithms.fedgse import (public_set, similar_batch, top_labels,
                                              unit_gradient_scores)
 from fedjax_sparse.algorithms.submodels import SubmodelOptions, client_capacity
-from fedjax_sparse.cli import main
+from fedjax_sparse.run.cli import main
 from fedjax_sparse.core.algorithm import BuildContext
 from fedjax_sparse.core.evaluation import population_batch_stats
 from fedjax_sparse.core.local_training import LocalSGD

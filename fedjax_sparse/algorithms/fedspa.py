@@ -45,7 +45,7 @@ import jax
 import jax.numpy as jnp
 
 from fedjax_sparse.core.aggregation import mean_of_sent
-from fedjax_sparse.core.algorithm import AlgorithmSpec, BuildContext, FederatedAlgorithm, replicate
+from fedjax_sparse.core.algorithm import AlgorithmSpec, BuildContext, FederatedAlgorithm
 from fedjax_sparse.core.local_training import LocalObjective, masked_cross_entropy
 from fedjax_sparse.core.messages import KnownMaskArray, SparseArray
 from fedjax_sparse.core.options import option
