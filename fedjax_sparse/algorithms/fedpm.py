@@ -110,6 +110,21 @@ def sampled_mask(theta: jax.Array, key: jax.Array) -> jax.Array:
     return theta + jax.lax.stop_gradient(sample - theta)
 
 
+def sampled_masks(thetas: dict, key: jax.Array) -> dict:
+    """`sampled_mask` of every leaf, from one draw of uniforms for them all (one random-number kernel
+    per forward pass instead of one per leaf: XLA compiles each draw separately)."""
+    names = sorted(thetas)
+    flat = jnp.concatenate([thetas[n].reshape(-1) for n in names])
+    sample = (jax.random.uniform(key, flat.shape) < flat).astype(flat.dtype)
+    masks = flat + jax.lax.stop_gradient(sample - flat)
+    out, start = {}, 0
+    for n in names:
+        size = thetas[n].size
+        out[n] = masks[start:start + size].reshape(thetas[n].shape)
+        start += size
+    return out
+
+
 def masked_params(weights: dict, paths: dict, masks: dict) -> dict:
     """The frozen weights with each masked leaf multiplied by its mask."""
     for name, path in paths.items():
@@ -153,9 +168,7 @@ def fedpm(context: BuildContext, options: FedPMOptions) -> FederatedAlgorithm:
 
     def objective(weights):
         def forward(trainable, key):
-            keys = jax.random.split(key, len(paths))
-            masks = {name: sampled_mask(jax.nn.sigmoid(trainable["params"][name]), k)
-                     for k, name in zip(keys, paths)}
+            masks = sampled_masks(tree_map(jax.nn.sigmoid, trainable["params"]), key)
             return {"params": masked_params(weights, paths, masks)}
 
         def after_step(before, after, batch):
@@ -193,9 +206,7 @@ def fedpm(context: BuildContext, options: FedPMOptions) -> FederatedAlgorithm:
         trained, adam, stats = local.train_with_optimizer_state(
             {"params": scores, "batch_stats": down["batch_stats"]}, data, train_key, round_index=info.index,
             objective=objective(down["weights"].value), optimizer_state=client_state.get("adam"))
-        keys = jax.random.split(upload_key, len(paths))
-        bits = {name: jax.random.bernoulli(k, jax.nn.sigmoid(trained["params"][name]))
-                for k, name in zip(keys, paths)}
+        bits = tree_map(lambda m: m > 0.5, sampled_masks(tree_map(jax.nn.sigmoid, trained["params"]), upload_key))
         ones = sum(jnp.sum(b) for b in bits.values())
         total = sum(b.size for b in bits.values())
         up = {"mask": {name: CodedMask(b) for name, b in bits.items()}, "batch_stats": trained["batch_stats"]}
@@ -215,9 +226,7 @@ def fedpm(context: BuildContext, options: FedPMOptions) -> FederatedAlgorithm:
 
     def sampled_network(server_state):
         key = jax.random.fold_in(evaluation_key, server_state["round"])
-        keys = jax.random.split(key, len(paths))
-        return network(server_state, {name: jax.random.bernoulli(k, server_state["theta"][name]).astype(jnp.float32)
-                                      for k, name in zip(keys, paths)})
+        return network(server_state, sampled_masks(server_state["theta"], key))
 
     def thresholded_network(server_state):
         return network(server_state, tree_map(lambda t: (t > 0.5).astype(jnp.float32), server_state["theta"]))
