@@ -20,13 +20,13 @@ Unit masks and sub-models (`core.unit_masks`, `core.unit_selection`)
 
 A top-k upload with error feedback, priced, in a few lines:
 
->>> import jax.numpy as jnp
->>> delta = {"w": jnp.array([0.5, -2.0, 0.1, 1.0])}
->>> message, residual = error_feedback(delta, {"w": jnp.zeros(4)}, lambda t: top_k(t, 0.5))
->>> decompressed(message)["w"].tolist(), int(message_bytes(message))  # 2 floats + a 1-byte bitmask
-([0.0, -2.0, 0.0, 1.0], 9)
->>> residual["w"].tolist()
-[0.5, 0.0, 0.10000000149011612, 0.0]
+    >>> import jax.numpy as jnp
+    >>> delta = {"w": jnp.array([0.5, -2.0, 0.1, 1.0])}
+    >>> message, residual = error_feedback(delta, {"w": jnp.zeros(4)}, lambda t: top_k(t, 0.5))
+    >>> decompressed(message)["w"].tolist(), int(message_bytes(message))  # 2 floats + a 1-byte bitmask
+    ([0.0, -2.0, 0.0, 1.0], 9)
+    >>> residual["w"].tolist()
+    [0.5, 0.0, 0.10000000149011612, 0.0]
 
 The tutorial "Write your own algorithm" (docs/) builds top-k FedAvg with error feedback, FedDyn and
 FedPer from these pieces.

@@ -15,14 +15,14 @@ that `core.messages.message_bytes` prices by what it holds:
                          residual (Seide et al. 2014; Stich et al. 2018), so nothing is lost, only delayed.
 `decompressed` turns any such message back into dense arrays.
 
->>> import jax, jax.numpy as jnp
->>> message = top_k({"w": jnp.array([0.1, -3.0, 2.0, 0.0])}, 0.5)
->>> decompressed(message)["w"].tolist()
-[0.0, -3.0, 2.0, 0.0]
->>> message, residual = error_feedback({"w": jnp.array([0.1, -3.0, 2.0, 0.0])},
-...                                    {"w": jnp.zeros(4)}, lambda t: top_k(t, 0.25))
->>> residual["w"].tolist()  # what the single entry sent left out, carried into the next round
-[0.10000000149011612, 0.0, 2.0, 0.0]
+    >>> import jax, jax.numpy as jnp
+    >>> message = top_k({"w": jnp.array([0.1, -3.0, 2.0, 0.0])}, 0.5)
+    >>> decompressed(message)["w"].tolist()
+    [0.0, -3.0, 2.0, 0.0]
+    >>> message, residual = error_feedback({"w": jnp.array([0.1, -3.0, 2.0, 0.0])},
+    ...                                    {"w": jnp.zeros(4)}, lambda t: top_k(t, 0.25))
+    >>> residual["w"].tolist()  # what the single entry sent left out, carried into the next round
+    [0.10000000149011612, 0.0, 2.0, 0.0]
 """
 
 from __future__ import annotations

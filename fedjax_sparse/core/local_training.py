@@ -97,8 +97,8 @@ def proximal_term(params: Any, anchor: Any, mu: float) -> jax.Array:
     """(mu / 2) ||params - anchor||^2 over every leaf: FedProx's term, and the pull toward a point of
     any method that adds one to its local loss (`LocalObjective.extra_loss`).
 
-    >>> float(proximal_term({"w": jnp.array([1.0, 2.0])}, {"w": jnp.array([0.0, 0.0])}, 0.5))
-    1.25
+        >>> float(proximal_term({"w": jnp.array([1.0, 2.0])}, {"w": jnp.array([0.0, 0.0])}, 0.5))
+        1.25
     """
     squares = jax.tree_util.tree_map(lambda w, a: jnp.sum((w - a) ** 2), params, anchor)
     return 0.5 * mu * sum(jax.tree_util.tree_leaves(squares))

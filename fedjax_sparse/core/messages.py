@@ -69,10 +69,10 @@ from fedjax_sparse.models.structure import ModelStructure
 class SparseArray:
     """`values` where `mask` is True; zeros elsewhere are not sent.
 
-    >>> import jax.numpy as jnp
-    >>> leaf = SparseArray.from_indices(jnp.array([3, 0]), jnp.array([5.0, 7.0]), (4,))
-    >>> leaf.dense().tolist(), int(message_bytes(leaf))  # 2 float32 values + a 1-byte bitmask
-    ([7.0, 0.0, 0.0, 5.0], 9)
+        >>> import jax.numpy as jnp
+        >>> leaf = SparseArray.from_indices(jnp.array([3, 0]), jnp.array([5.0, 7.0]), (4,))
+        >>> leaf.dense().tolist(), int(message_bytes(leaf))  # 2 float32 values + a 1-byte bitmask
+        ([7.0, 0.0, 0.0, 5.0], 9)
     """
 
     values: jax.Array

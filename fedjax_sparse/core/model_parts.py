@@ -7,15 +7,15 @@ private `predictor`, `shared`, `private`), and a leaf belongs to the part of the
 only a part of the model (SPATL's encoder, FedPer's predictor, FedBN's normalization) take it with
 `take_part` and put it back with `overlay`; `merge` joins parts that share no leaf.
 
->>> labels = {"params": {"fc1": {"kernel": "encoder"}, "fc2": {"kernel": "predictor"}}}
->>> variables = {"params": {"fc1": {"kernel": 1.0}, "fc2": {"kernel": 2.0}}}
->>> encoder = take_part(variables, labels, "encoder")
->>> encoder
-{'params': {'fc1': {'kernel': 1.0}}}
->>> overlay(variables, {"params": {"fc1": {"kernel": 5.0}}})["params"]["fc1"]
-{'kernel': 5.0}
->>> merge(encoder, take_part(variables, labels, "predictor")) == variables
-True
+    >>> labels = {"params": {"fc1": {"kernel": "encoder"}, "fc2": {"kernel": "predictor"}}}
+    >>> variables = {"params": {"fc1": {"kernel": 1.0}, "fc2": {"kernel": 2.0}}}
+    >>> encoder = take_part(variables, labels, "encoder")
+    >>> encoder
+    {'params': {'fc1': {'kernel': 1.0}}}
+    >>> overlay(variables, {"params": {"fc1": {"kernel": 5.0}}})["params"]["fc1"]
+    {'kernel': 5.0}
+    >>> merge(encoder, take_part(variables, labels, "predictor")) == variables
+    True
 """
 
 from __future__ import annotations

@@ -169,13 +169,15 @@ class ServerOptimizer:
 def without_optimizer_state(server_state: dict) -> dict:
     """The server state less the optimizer's state, which never leaves the server (what a broadcast sends).
 
-    >>> import jax.numpy as jnp
-    >>> server = server_optimizer("momentum", lr=1.0, momentum=0.5)
-    >>> state = server.init_state({"params": {"w": jnp.zeros(2)}})
-    >>> state = server.step_toward(state, {"params": {"w": jnp.ones(2)}})  # u = 1, w = 0 + 1
-    >>> state = server.step_toward(state, {"params": {"w": jnp.ones(2)}})  # u = 0.5 + 0 = 0.5, w = 1.5
-    >>> state["variables"]["params"]["w"].tolist(), sorted(without_optimizer_state(state))
-    ([1.5, 1.5], ['variables'])
+    Server momentum over two rounds toward the same aggregate, and what a broadcast would send:
+
+        >>> import jax.numpy as jnp
+        >>> server = server_optimizer("momentum", lr=1.0, momentum=0.5)
+        >>> state = server.init_state({"params": {"w": jnp.zeros(2)}})
+        >>> state = server.step_toward(state, {"params": {"w": jnp.ones(2)}})  # u = 1, w = 0 + 1
+        >>> state = server.step_toward(state, {"params": {"w": jnp.ones(2)}})  # u = 0.5 + 0 = 0.5, w = 1.5
+        >>> state["variables"]["params"]["w"].tolist(), sorted(without_optimizer_state(state))
+        ([1.5, 1.5], ['variables'])
     """
     return {k: v for k, v in server_state.items() if k != STATE_KEY}
 
