@@ -23,7 +23,7 @@ import jax
 import numpy as np
 import optax
 
-from fedjax_sparse.reporting import strict_json
+from fedjax_sparse.run.outputs import strict_json
 
 
 def device_name() -> str:

@@ -98,7 +98,7 @@ def run_model(model_name: str, setting: Setting) -> dict:
 
 def run_issue_setting(cifar10: Path, repeats: int) -> dict:
     """SpaFL, spafl_cnn, 100 clients, Dirichlet(0.2): the runner's personalized evaluation of all clients."""
-    from fedjax_sparse.runner import RunConfig, build_experiment, evaluate
+    from fedjax_sparse.run import RunConfig, build_experiment, evaluate
 
     config = RunConfig.create(algorithm="spafl", dataset=f"imagefolder:{cifar10}", model="spafl_cnn",
                               num_clients=100, clients_per_round=10, rounds=1, local_epochs=5, batch_size=64,

@@ -137,7 +137,7 @@ def spatl_run(p: Plan, cifar10: Path) -> list[dict]:
         return [{"skipped": "left out in --quick"}]
     if not cifar10.is_dir():
         return [{"skipped": f"no CIFAR-10 image folder at {cifar10}"}]
-    from fedjax_sparse.runner import RunConfig, run_experiment
+    from fedjax_sparse.run import RunConfig, run_experiment
 
     with tempfile.TemporaryDirectory() as out:
         config = RunConfig.create(algorithm="spatl", dataset=f"imagefolder:{cifar10}", model="resnet20",

@@ -13,7 +13,7 @@ client moves in a round (up + down), our `mb_per_client_round`.
 """
 
 from experiments.common import Arm, Setting, cifar10_folder, main
-from fedjax_sparse.runner import RunConfig
+from fedjax_sparse.run import RunConfig
 
 SETTINGS = {
     "baselines_cifar10": Setting(

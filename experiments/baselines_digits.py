@@ -8,7 +8,7 @@ Dirichlet(0.5) label skew, 10 per round, 5 local epochs of batch 16 at lr 0.1,
 """
 
 from experiments.common import Arm, Setting, main
-from fedjax_sparse.runner import RunConfig
+from fedjax_sparse.run import RunConfig
 
 SETTINGS = {
     "baselines_digits": Setting(

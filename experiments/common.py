@@ -17,9 +17,9 @@ import sys
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from fedjax_sparse.checkpoint import CheckpointError
-from fedjax_sparse.reporting import device_description, plot_accuracy
-from fedjax_sparse.runner import DivergenceError, Interrupted, RunConfig, run_experiment
+from fedjax_sparse.run.checkpoints import CheckpointError
+from fedjax_sparse.run.outputs import device_description, plot_accuracy
+from fedjax_sparse.run import DivergenceError, Interrupted, RunConfig, run_experiment
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -49,6 +49,8 @@ class Setting:
     quick: overrides that make a CPU-sized version of the setting.
     extra_columns: metrics.jsonl/summary keys to report too (e.g. 'density').
     arm_columns: columns computed from each arm's config (e.g. the aggregation it ran with).
+    run_columns: columns computed from each run (config, metrics history, summary), e.g. a paper's
+      own accounting of its bytes and FLOPs.
     """
 
     name: str
@@ -60,6 +62,7 @@ class Setting:
     quick: dict = dataclasses.field(default_factory=dict)
     extra_columns: tuple[str, ...] = ()
     arm_columns: Callable[[RunConfig], dict] | None = None
+    run_columns: Callable[[RunConfig, list, dict], dict] | None = None
 
     def arm_config(self, arm: Arm, out: Path, quick: bool) -> RunConfig:
         fields = {**(self.quick if quick else {}), **arm.overrides, "out": str(out / arm.label)}
@@ -86,6 +89,7 @@ def arm_row(setting: Setting, arm: Arm, config: RunConfig, history: list[dict], 
         "uplink_gbit": summary["total_uplink_bytes"] * 8 / 1e9,
         "mb_per_client_round": per_client_round / 1e6,
         **(setting.arm_columns(config) if setting.arm_columns is not None else {}),
+        **(setting.run_columns(config, history, summary) if setting.run_columns is not None else {}),
     }
     for key in setting.extra_columns:
         last = next((h[key] for h in reversed(history) if key in h), summary.get(key))
@@ -113,6 +117,23 @@ def combine_seeds(rows: list[dict]) -> dict:
     return out
 
 
+def finished_summary(config: RunConfig) -> dict | None:
+    """The summary of the run already in `config.out` when it completed with exactly `config`, else None.
+
+    An experiment stopped half-way (a crash, a closed laptop) is run again with the same command and
+    redoes only the arms that did not finish; a changed option redoes that arm.
+    """
+    out = Path(config.out)
+    try:
+        summary = json.loads((out / "summary.json").read_text())
+        saved = json.loads((out / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    if summary.get("status") != "completed" or saved != json.loads(json.dumps(config.to_dict())):
+        return None
+    return summary
+
+
 def run_setting(setting: Setting, out_root: Path, quick: bool, progress: bool = True,
                 command: str = "", seeds: Sequence[int] | None = None) -> list[dict]:
     """Runs every arm (for each of `seeds`, default the setting's own seed) and writes the table and plot.
@@ -131,8 +152,12 @@ def run_setting(setting: Setting, out_root: Path, quick: bool, progress: bool = 
                 config = config.replace(seed=seed, out=str(Path(config.out) / f"seed_{seed}"))
             print(f"[{setting.name}] {arm.label}: {config.algorithm} for {config.rounds} rounds"
                   + (f", seed {seed}" if seed is not None else ""), flush=True)
-            # an experiment redoes every arm when run again: its folders are its own to overwrite
-            summary = run_experiment(config, progress=progress, overwrite=True)
+            summary = finished_summary(config)
+            if summary is None:
+                # a folder holding anything but this very run, finished, is the experiment's own to redo
+                summary = run_experiment(config, progress=progress, overwrite=True)
+            else:
+                print(f"  kept the finished run in {config.out}", flush=True)
             history = [json.loads(line) for line in (Path(config.out) / "metrics.jsonl").read_text().splitlines()]
             histories.setdefault(arm.label, history)
             per_seed.append(arm_row(setting, arm, config, history, summary))

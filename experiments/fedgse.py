@@ -14,7 +14,7 @@ from __future__ import annotations
 from typing import Sequence
 
 from experiments.common import Arm, Setting, cifar10_folder, main
-from fedjax_sparse.runner import RunConfig
+from fedjax_sparse.run import RunConfig
 
 MODULE = "experiments.fedgse"
 DOC = __doc__.split("\n\n")

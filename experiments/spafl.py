@@ -1,84 +1,164 @@
-"""SpaFL's Table 2 (and the Table 3 ablation): FedAvg, Local and SpaFL side by side.
+"""SpaFL's Table 2 (and the Table 3 ablation): all eight rows, SpaFL, FedAvg, FedPM, HeteroFL, Fjord, FedSpa, FedP3 and Local, side by side.
 
-Settings (SpaFL section 5.1 and appendix A.1): 100 clients, K = 10 sampled per round, 500 rounds, 5 local epochs, SGD with momentum 0.9, all thresholds initialized to zero. CIFAR-10: the paper's 4-conv/3-dense CNN (`spafl_cnn`), Dirichlet(0.1), batch 16, lr 0.01, alpha = 0.00015. FMNIST: LeNet-5-Caffe, Dirichlet(0.2), batch 64, lr 0.001, alpha = 0.002 (TFDS 'fashion_mnist'). FedAvg uses the paper's Table 7 learning rate (the same as SpaFL's) and Local is SpaFL's pruning with no communication (spafl_local). Accuracy is personalized: each client's model on its own test split, averaged over clients. Columns: mean_layer_density = the unweighted mean of the layers' densities of the clients' personal models (mean over clients, at the last evaluation), the official code's `get_density` and the figure in the paper's Table 2 (which reports it at the best accuracy); weight_density = kept kernel weights / all prunable kernel weights; train_flops = cumulative training FLOPs by appendix A.5 (eq. 50) with the masks of every local step, divided by the number of clients (the official code's per-client convention, the one of Table 2); dense_train_flops = the same examples through the dense model, per client, which is what FedAvg spends (logged for every arm). FedAvg averages with equal weights, as appendix A.1.1 states.
+Settings (SpaFL section 5.1 and appendix A.1): 100 clients, K = 10 sampled per round, 500 rounds, 5 local epochs, SGD with momentum 0.9, all thresholds initialized to zero. CIFAR-10: the paper's 4-conv/3-dense CNN (`spafl_cnn`), Dirichlet(0.1), batch 16, alpha = 0.00015. FMNIST: LeNet-5-Caffe, Dirichlet(0.2), batch 64, alpha = 0.002 (TFDS 'fashion_mnist'). Every arm runs at its Table 7 learning rate (CIFAR-10: 0.01 for SpaFL, FedAvg, Fjord, FedSpa, FedP3 and Local, whose OCR'd "001" we read as 0.01, 0.005 for HeteroFL and 0.1 for FedPM; FMNIST: 0.001, and 0.1 for FedPM, the "015" of the OCR read as appendix A.1.1's 0.1). The baselines as SpaFL's appendix A.1.1 runs them: FedAvg averaging with equal weights; FedPM with Adam on its scores (the run's lr is Adam's); HeteroFL at width p = 0.5 for every client; Fjord at p ~ U(0.4, 0.6) per client and round; FedSpa at density 0.5, swap rate 0.5 cosine-annealed over the run's rounds; FedP3 in OPU2 (two layers up, its downlink ordered-dropped to 0.5); Local is SpaFL's pruning with no communication (spafl_local). Each method's own reading is in its module's docstring (`fedjax_sparse/algorithms`). Accuracy is personalized: each client's model on its own test split, averaged over clients.
 
-Differences from the paper, known in advance: the CIFAR-10 data is the JPEG copy (accuracy runs slightly below the original pixels); the CIFAR-10 CNN has 650 units, hence 650 thresholds, where the paper states 1,418 (see fedjax_sparse/models/cnn.py), so SpaFL's traffic is 500 x 10 x 2 x 650 x 4 bytes = 0.208 Gbit instead of the paper's 0.4537 (LeNet-5-Caffe's 580 thresholds give exactly the paper's 0.1856 Gbit); with the per-client convention FedAvg's FLOPs follow from the setting (FMNIST: 500 rounds x 6,000 examples x 5 epochs x 3 x 2,293,000 / 100 clients = 1.032e12 against the paper's 1.0345e12; tests/test_spafl.py checks it). No GPU was lent to the session that wrote this module, so no full-scale CIFAR-10 or FMNIST result is recorded here; run `python -m experiments.spafl --setting cifar10` on a GPU to produce one (results.md then holds our figures beside the paper's: SpaFL 69.75 %, FedAvg 61.33 %, 0.4537 Gbit).
+Columns. Comm and FLOPs twice: by SpaFL's conventions (appendix A.4/A.5: `comm_gbit_spafl` counts a dense model as d x 32 bits per direction, d = the prunable layers' weights, and a message as its share of d, a width-p sub-model at density p; FedPM's uplink is its code's estimate d H(f) + log2 d bits, f its share of ones; `flops_spafl` scales the dense training FLOPs by the same density, SpaFL's own eq. 50 count for SpaFL and Local) and as counted: `total_gbit` from the messages themselves (values, indexes, coded masks, biases and normalization included) and `flops_counted`, the FLOPs of each client's actual computation (its sparse model's multiply-adds, a dropped unit's inputs not counted; the dense count for FedAvg and FedP3, whose clients train whole models), both per client as the official code reports them (FedAvg's FMNIST 1.0345e12 = 500 rounds x 6,000 examples x 5 epochs x 3 x LeNet-5-Caffe's 2,293,000 forward FLOPs / 100 clients, to 0.3 %). mean_layer_density and weight_density describe SpaFL's and Local's personal models (the official code's `get_density` is the first, Table 2's density).
 
-`digits` is the CPU-sized twin and the issue's done criterion: scikit-learn's digits, the MLP, 20 clients, Dirichlet(0.5), 10 per round, 50 rounds, 5 local epochs, batch 16, lr 0.1, no momentum, alpha = 0.002 (the CLI default). `--quick` runs only `digits` (20 rounds) unless --setting names others; `--quick --setting cifar10` runs a tiny CIFAR-10 subset for a smoke test.
+Differences from the paper, known in advance: the CIFAR-10 data is the JPEG copy (accuracy runs slightly below the original pixels); the CIFAR-10 CNN has 650 units, hence 650 thresholds, where the paper states 1,418 (see fedjax_sparse/models/cnn.py), so SpaFL's traffic is 500 x 10 x 2 x 650 x 4 bytes = 0.208 Gbit instead of the paper's 0.4537 (LeNet-5-Caffe's 580 thresholds give exactly the paper's 0.1856 Gbit). No GPU was lent to the sessions that wrote this module, so no full-scale CIFAR-10 or FMNIST result is recorded; run `python -m experiments.spafl --setting cifar10` on a GPU to produce one.
 
-    python -m experiments.spafl [--quick] [--setting cifar10|fmnist|digits] [--out DIR]
+`digits` is the CPU-sized twin: scikit-learn's digits, the MLP, 20 clients, Dirichlet(0.5), 10 per round, 50 rounds, 5 local epochs, batch 16, lr 0.1 for every arm (FedPM's Adam too), no momentum, alpha = 0.002 (the CLI default). `cifar10_cpu` is the CPU-sized CIFAR-10: the paper's CNN and its Table 7 learning rates on 2,000 training images, 20 clients, Dirichlet(0.1), 10 per round, 25 rounds, 2 local epochs, batch 16. `--quick` runs only `digits` (20 rounds) unless --setting names others; `--quick --setting cifar10` runs a tiny CIFAR-10 subset for a smoke test.
+
+    python -m experiments.spafl [--quick] [--setting cifar10|cifar10_cpu|fmnist|digits] [--seeds 0,1,2] [--out DIR]
 """
 
 from __future__ import annotations
 
+import math
 from typing import Sequence
 
+import jax.numpy as jnp
+import numpy as np
+
 from experiments.common import Arm, Setting, cifar10_folder, main
-from fedjax_sparse.runner import RunConfig
+from fedjax_sparse.algorithms.fedp3 import assigned_layers
+from fedjax_sparse.run import RunConfig
 
 MODULE = "experiments.spafl"
 DOC = __doc__.split("\n\n")
-DESCRIPTION = " ".join(DOC[1:3])
-EXTRA = ("mean_layer_density", "weight_density", "train_flops", "dense_train_flops")
+DESCRIPTION = " ".join(DOC[1:4])
+EXTRA = ("mean_layer_density", "weight_density", "dense_train_flops")  # besides `spafl_columns`' own
+ROWS = ("spafl", "fedavg", "fedpm", "heterofl", "fjord", "fedspa", "fedp3", "local", "spafl_no_eq13")
 
 
-def _arms(paper: dict[str, dict]) -> tuple[Arm, ...]:
-    return (
-        Arm("fedavg", {"algorithm": "fedavg", "aggregation_weights": "uniform"}, paper["fedavg"]),
-        Arm("local", {"algorithm": "spafl_local"}, paper["local"]),
-        Arm("spafl", {"algorithm": "spafl"}, paper["spafl"]),
-        Arm("spafl_no_eq13", {"algorithm": "spafl", "threshold_update": False}, paper["spafl_no_eq13"]),
-    )
+def _arms(paper: dict[str, dict], rates: dict[str, float], rounds: int) -> tuple[Arm, ...]:
+    overrides = {
+        "spafl": {"algorithm": "spafl"},
+        "fedavg": {"algorithm": "fedavg", "aggregation_weights": "uniform"},
+        "fedpm": {"algorithm": "fedpm"},
+        "heterofl": {"algorithm": "heterofl", "capacities": (0.5,)},
+        "fjord": {"algorithm": "fjord"},
+        "fedspa": {"algorithm": "fedspa", "swap_anneal_rounds": rounds},
+        "fedp3": {"algorithm": "fedp3"},
+        "local": {"algorithm": "spafl_local"},
+        "spafl_no_eq13": {"algorithm": "spafl", "threshold_update": False},
+    }
+    return tuple(Arm(name, {"lr": rates.get(name, rates["spafl"]), **overrides[name]}, paper.get(name, {}))
+                 for name in ROWS)
+
+
+def _mean(history: list, key: str) -> float | None:
+    values = [h[key] for h in history if h.get(key) is not None]
+    return sum(values) / len(values) if values else None
+
+
+def _entropy(f: float) -> float:
+    return 0.0 if f <= 0 or f >= 1 else -(f * math.log2(f) + (1 - f) * math.log2(1 - f))
+
+
+def _fedp3_fractions(config: RunConfig, layer_weights: list[int]) -> tuple[float, float]:
+    """FedP3's (uplink, downlink) shares of d by SpaFL's convention, mean over the clients: two assigned
+    layers up; down those two whole and the other shared layers at their keep ratio (width p = density p)."""
+    shared, d = len(layer_weights) - 1, sum(layer_weights)
+    keep = config.algorithm_options.downlink_keep
+    assigned = np.asarray([assigned_layers(jnp.int32(c), config.num_clients, shared)
+                           for c in range(config.num_clients)])
+    per_layer = np.asarray(layer_weights[:-1], np.float64)
+    up = float((assigned * per_layer).sum(axis=1).mean()) / d
+    down = float((np.where(assigned, 1.0, keep) * per_layer).sum(axis=1).mean()) / d
+    return up, down
+
+
+def spafl_columns(config: RunConfig, history: list, summary: dict) -> dict:
+    """Comm (Gbit) and FLOPs (per client) by SpaFL's appendix A.4/A.5 conventions, and the FLOPs counted
+    from the clients' computation (see the module docstring)."""
+    layer_weights = list(summary["prunable_layer_weights"].values())
+    d = sum(layer_weights)
+    participations = summary["rounds_done"] * config.clients_per_round
+    dense = summary["dense_train_flops_total"] / config.num_clients
+    counted = summary["train_flops_total"] / config.num_clients if summary.get("train_flops_total") else dense
+    name = config.algorithm
+    if name in ("spafl", "spafl_local"):  # thresholds are dense float32 both ways; eq. 50 with the masks
+        bits, flops = summary["cumulative_bytes"] * 8 / max(participations, 1), counted
+    elif name in ("heterofl", "fjord"):
+        p = _mean(history, "client_capacity")
+        bits, flops = 2 * p * d * 32, p * dense
+    elif name == "fedspa":
+        density = config.algorithm_options.sparse_density
+        bits, flops = 2 * density * d * 32, density * dense
+    elif name == "fedpm":
+        f = _mean(history, "client_mask_density")
+        bits, flops = d * 32 + d * _entropy(f) + math.log2(d), f * dense
+    elif name == "fedp3":
+        up, down = _fedp3_fractions(config, layer_weights)
+        bits, flops = (up + down) * d * 32, dense
+    else:  # the dense model both ways
+        bits, flops = 2 * d * 32, dense
+    return {"comm_gbit_spafl": bits * participations / 1e9, "flops_spafl": flops, "flops_counted": counted}
+
+
+PAPER = {  # Table 2: accuracy %, Gbit, training FLOPs per client, density; Table 3: no eq. 13
+    "cifar10": {
+        "spafl": {"accuracy %": 69.75, "Gbit": 0.4537, "FLOPs": 1.4974e13, "density": 0.3057},
+        "fedavg": {"accuracy %": 61.33, "Gbit": 258.36, "FLOPs": 1.2382e14, "density": 1.0},
+        "fedpm": {"accuracy %": 52.05, "Gbit": 133.19, "FLOPs": 7.0013e13},
+        "heterofl": {"accuracy %": 66.83, "Gbit": 129.178, "FLOPs": 6.1908e13},
+        "fjord": {"accuracy %": 66.38, "Gbit": 128.638, "FLOPs": 6.1428e13},
+        "fedspa": {"accuracy %": 67.03, "Gbit": 129.31, "FLOPs": 4.2978e13},
+        "fedp3": {"accuracy %": 67.54, "Gbit": 67.345, "FLOPs": 6.8625e13},
+        "local": {"accuracy %": 57.06, "Gbit": 0, "FLOPs": 1.9373e13, "density": 0.501},
+        "spafl_no_eq13": {"accuracy %": 68.63},
+    },
+    "fmnist": {
+        "spafl": {"accuracy %": 89.21, "Gbit": 0.1856, "FLOPs": 2.3779e11, "density": 0.3536},
+        "fedavg": {"accuracy %": 88.73, "Gbit": 133.8, "FLOPs": 1.0345e12, "density": 1.0},
+        "fedpm": {"accuracy %": 63.27, "Gbit": 66.554, "FLOPs": 5.8901e11},
+        "heterofl": {"accuracy %": 85.97, "Gbit": 68.88, "FLOPs": 5.1621e11},
+        "fjord": {"accuracy %": 89.08, "Gbit": 64.21, "FLOPs": 5.1311e11},
+        "fedspa": {"accuracy %": 89.30, "Gbit": 55.256, "FLOPs": 5.2510e11},
+        "fedp3": {"accuracy %": 89.12, "Gbit": 41.327, "FLOPs": 5.8923e11},
+        "local": {"accuracy %": 84.31, "Gbit": 0, "FLOPs": 3.7982e11, "density": 0.512},
+        "spafl_no_eq13": {"accuracy %": 88.20},
+    },
+}
+TINY = {"num_clients": 10, "clients_per_round": 5, "rounds": 2, "local_epochs": 1, "max_train_examples": 500,
+        "max_test_examples": 500, "min_examples": 2, "eval_every": 1}
+CIFAR10 = RunConfig.create(dataset=f"imagefolder:{cifar10_folder()}", model="spafl_cnn", num_clients=100,
+                           clients_per_round=10, rounds=500, local_epochs=5, batch_size=16, lr=0.01, momentum=0.9,
+                           partition="dirichlet", alpha=0.1, sparsity_coef=0.00015, min_examples=10, eval_every=5)
+
+
+# Table 7, per arm (others: SpaFL's own rate); the OCR'd "001" read as 0.01 (CIFAR-10) and 0.001 (FMNIST),
+# FedPM's FMNIST "015" as appendix A.1.1's 0.1
+RATES = {"cifar10": {"spafl": 0.01, "fedpm": 0.1, "heterofl": 0.005},
+         "fmnist": {"spafl": 0.001, "fedpm": 0.1},
+         "digits": {"spafl": 0.1}}
+
+
+def _setting(name, description, config, paper, rates, target, quick) -> Setting:
+    return Setting(name=name, description=DESCRIPTION + " This setting: " + description, config=config,
+                   arms=_arms(paper, rates, config.rounds), target_accuracy=target,
+                   metric="personalized_accuracy", quick=quick, extra_columns=EXTRA, run_columns=spafl_columns)
 
 
 SETTINGS = {
-    "cifar10": Setting(
-        name="cifar10",
-        description=DESCRIPTION + " This setting: CIFAR-10 (JPEG copy), spafl_cnn.",
-        config=RunConfig.create(dataset=f"imagefolder:{cifar10_folder()}", model="spafl_cnn", num_clients=100,
-                         clients_per_round=10, rounds=500, local_epochs=5, batch_size=16, lr=0.01, momentum=0.9,
-                         partition="dirichlet", alpha=0.1, sparsity_coef=0.00015, min_examples=10, eval_every=5),
-        arms=_arms({
-            "fedavg": {"accuracy %": 61.33, "Gbit": 258.36, "FLOPs": 1.2382e14, "density": 1.0},
-            "local": {"accuracy %": 57.06, "Gbit": 0, "FLOPs": 1.9373e13, "density": 0.501},
-            "spafl": {"accuracy %": 69.75, "Gbit": 0.4537, "FLOPs": 1.4974e13, "density": 0.3057},
-            "spafl_no_eq13": {"accuracy %": 68.63},
-        }),
-        target_accuracy=0.6,
-        metric="personalized_accuracy",
-        quick={"num_clients": 10, "clients_per_round": 5, "rounds": 2, "local_epochs": 1,
-               "max_train_examples": 500, "max_test_examples": 500, "min_examples": 2, "eval_every": 1},
-        extra_columns=EXTRA,
-    ),
-    "fmnist": Setting(
-        name="fmnist",
-        description=DESCRIPTION + " This setting: FMNIST (TFDS fashion_mnist), lenet5_caffe.",
-        config=RunConfig.create(dataset="fashion_mnist", model="lenet5_caffe", num_clients=100, clients_per_round=10,
-                         rounds=500, local_epochs=5, batch_size=64, lr=0.001, momentum=0.9,
-                         partition="dirichlet", alpha=0.2, sparsity_coef=0.002, min_examples=10, eval_every=5),
-        arms=_arms({
-            "fedavg": {"accuracy %": 88.73, "Gbit": 133.8, "FLOPs": 1.0345e12, "density": 1.0},
-            "local": {"accuracy %": 84.31, "Gbit": 0, "FLOPs": 3.7982e11, "density": 0.512},
-            "spafl": {"accuracy %": 89.21, "Gbit": 0.1856, "FLOPs": 2.3779e11, "density": 0.3536},
-            "spafl_no_eq13": {"accuracy %": 88.20},
-        }),
-        target_accuracy=0.85,
-        metric="personalized_accuracy",
-        quick={"num_clients": 10, "clients_per_round": 5, "rounds": 2, "local_epochs": 1,
-               "max_train_examples": 500, "max_test_examples": 500, "min_examples": 2, "eval_every": 1},
-        extra_columns=EXTRA,
-    ),
-    "digits": Setting(
-        name="digits",
-        description=DESCRIPTION + " This setting: " + DOC[3].split(". `--quick`")[0].replace("\n", " ") + ".",
-        config=RunConfig.create(dataset="digits", model="mlp", num_clients=20, clients_per_round=10, rounds=50,
+    "cifar10": _setting("cifar10", "CIFAR-10 (JPEG copy), spafl_cnn.", CIFAR10, PAPER["cifar10"], RATES["cifar10"],
+                        0.6, TINY),
+    "cifar10_cpu": _setting(
+        "cifar10_cpu", "CIFAR-10 (JPEG copy), spafl_cnn, CPU-sized: 2,000 training and 1,000 test images, 20 "
+                       "clients, 10 per round, 25 rounds, 2 local epochs.",
+        CIFAR10.replace(num_clients=20, rounds=25, local_epochs=2, max_train_examples=2000, max_test_examples=1000,
+                        min_examples=5, eval_every=5), PAPER["cifar10"], RATES["cifar10"], 0.35, TINY),
+    "fmnist": _setting(
+        "fmnist", "FMNIST (TFDS fashion_mnist), lenet5_caffe.",
+        RunConfig.create(dataset="fashion_mnist", model="lenet5_caffe", num_clients=100, clients_per_round=10,
+                         rounds=500, local_epochs=5, batch_size=64, lr=0.001, momentum=0.9, partition="dirichlet",
+                         alpha=0.2, sparsity_coef=0.002, min_examples=10, eval_every=5),
+        PAPER["fmnist"], RATES["fmnist"], 0.85, TINY),
+    "digits": _setting(
+        "digits", DOC[4].split(" `cifar10_cpu`")[0].replace("\n", " ").split("twin: ", 1)[1],
+        RunConfig.create(dataset="digits", model="mlp", num_clients=20, clients_per_round=10, rounds=50,
                          local_epochs=5, batch_size=16, lr=0.1, partition="dirichlet", alpha=0.5),
-        arms=_arms({"fedavg": {}, "local": {}, "spafl": {}, "spafl_no_eq13": {}}),
-        target_accuracy=0.9,
-        metric="personalized_accuracy",
-        quick={"rounds": 20},
-        extra_columns=EXTRA,
-    ),
+        {}, RATES["digits"], 0.9, {"rounds": 20}),
 }
 
 

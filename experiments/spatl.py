@@ -1,6 +1,6 @@
 """SPATL against FedAvg, FedProx, FedNova and SCAFFOLD: Fig. 4, Tables 1 and 2, and the transfer of section 4.5.
 
-The paper's setting (SPATL section 4.1): CIFAR-10 (the JPEG image folder), Dirichlet(0.1) label skew, 10 clients all sampled every round, 100 rounds, 10 local epochs, lr 0.005 for ResNet-20/32 and 0.01 for VGG-11, each client's local test split a fifth of its training size with its own label distribution (the paper's 5,000 / 1,000); batch 64, momentum 0.9 and FedProx mu 0.01 are NIID-Bench's defaults (the code base SPATL builds on; the paper gives none). SPATL runs twice: with the fixed salient policy (the largest uniform keep ratio that cuts the encoder's FLOPs by 20 %, the official code's target) and with each client's learned GNN-PPO agent (the paper's selection, 5 PPO updates of 20 steps per client and round, learning continually across rounds). The metric is personalized accuracy (each client's model on its own test split, averaged), as in the paper. Table 1's columns: rounds to 80 %, MB per round per client (up + down), total; Table 2's: kept encoder weights of the uploads, FLOPs reduction (average and highest over clients). The paper's figures sit beside ours (ResNet-20: SPATL 84.27 %, 52 rounds, 2.1 MB; SCAFFOLD 49 rounds, 4.3 MB; Table 2: 84 % kept, 25.8 % / 31.9 % FLOPs). Transfer (section 4.5): after SPATL's run, a new client fits a predictor on the frozen global encoder (eq. 4) for 50 epochs of batch 64, on 90 % of the CIFAR-10 test images, and is scored on the other 10 % (paper, VGG-11: 87.06 %); written to transfer.md.
+The paper's setting (SPATL section 4.1): CIFAR-10 (the JPEG image folder), Dirichlet(0.1) label skew, 10 clients all sampled every round, 100 rounds, 10 local epochs, lr 0.005 for ResNet-20/32 and 0.01 for VGG-11, each client's local test split a fifth of its training size with its own label distribution (the paper's 5,000 / 1,000); batch 64, momentum 0.9 and FedProx mu 0.01 are NIID-Bench's defaults (the code base SPATL builds on; the paper gives none). SPATL runs twice: with the fixed salient policy (the largest uniform keep ratio that cuts the encoder's FLOPs by 20 %, the official code's target) and with each client's learned GNN-PPO agent (the paper's selection, 5 PPO updates of 20 steps per client and round, learning continually across rounds). The metric is personalized accuracy (each client's model on its own test split, averaged), as in the paper. Table 1's columns: rounds to 80 %, MB per round per client (up + down), total; Table 2's: the encoder parameters the clients' salient sub-models keep (inference_kept_weights; upload_kept_weights is what their uploads carry, the same under SPATL's eq. 12), the inference FLOPs reduction (average and highest over clients). The paper's figures sit beside ours (ResNet-20: SPATL 84.27 %, 52 rounds, 2.1 MB; SCAFFOLD 49 rounds, 4.3 MB; Table 2: 84 % kept, 25.8 % / 31.9 % FLOPs). Transfer (section 4.5): after SPATL's run, a new client fits a predictor on the frozen global encoder (eq. 4) for 50 epochs of batch 64, on 90 % of the CIFAR-10 test images, and is scored on the other 10 % (paper, VGG-11: 87.06 %); written to transfer.md.
 
 Differences from the paper, known in advance: the JPEG copy of CIFAR-10; eq. 12 is read with the sign that moves the global encoder toward the clients; our messages are priced as sent (SPATL's upload carries the kept values with their index and the control delta, its download the encoder and c_g), which is more than the 2.1 MB per client and round the paper's Table 1 states for SPATL on ResNet-20 (that figure equals FedAvg's model size).
 
@@ -23,20 +23,21 @@ import numpy as np
 
 from experiments.common import Arm, Setting, cifar10_folder, main
 from fedjax_sparse.algorithms.spatl import fit_predictor
-from fedjax_sparse.checkpoint import RunCheckpointer
+from fedjax_sparse.run.checkpoints import RunCheckpointer
 from fedjax_sparse.core.compilation import jit
 from fedjax_sparse.core.evaluation import global_evaluator
-from fedjax_sparse.core.layer_groups import overlay
+from fedjax_sparse.core.model_parts import overlay
 from fedjax_sparse.core.local_training import LocalSGD
 from fedjax_sparse.core.streams import stream_key, stream_seed
 from fedjax_sparse.data.federated import federated_split
-from fedjax_sparse.runner import RunConfig, build_experiment
+from fedjax_sparse.run import RunConfig, build_experiment
 
 MODULE = "experiments.spatl"
 DOC = __doc__.split("\n\n")
 DESCRIPTION = DOC[1]
 DEFAULT_OUT = "runs/experiments"
-EXTRA = ("salient_kept_weights", "flops_reduction_mean", "flops_reduction_max", "client_agent_reward")
+EXTRA = ("inference_kept_weights", "upload_kept_weights", "inference_flops_reduction_mean",
+         "inference_flops_reduction_max", "client_agent_reward")
 TRANSFER_EPOCHS, TRANSFER_BATCH, TRANSFER_TRAIN_SHARE = 50, 64, 0.9
 
 PAPER = {  # Table 1 (rounds to 80 %, MB per round per client), Fig. 4 final accuracy, Table 2

@@ -1,5 +1,5 @@
 import sys
 
-from fedjax_sparse.cli import main
+from fedjax_sparse.run.cli import main
 
 sys.exit(main())

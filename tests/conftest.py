@@ -77,7 +77,7 @@ SCAFFOLD_ROUNDS = 6
 
 @pytest.fixture(scope="session")
 def scaffold_reference(tmp_path_factory):
-    from fedjax_sparse.cli import main
+    from fedjax_sparse.run.cli import main
 
     run = tmp_path_factory.mktemp("reference") / "run"
     assert main(["run", *SCAFFOLD_ARGS, "--rounds", str(SCAFFOLD_ROUNDS), "--out", str(run)]) == 0

@@ -7,8 +7,8 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
-from fedjax_sparse.checkpoint import CheckpointError, RunCheckpointer
-from fedjax_sparse.cli import main
+from fedjax_sparse.run.checkpoints import CheckpointError, RunCheckpointer
+from fedjax_sparse.run.cli import main
 from test_tensorboard import assert_same_scalars, expected_scalars, read_scalars
 
 BASE = ["--num-clients", "8", "--clients-per-round", "4", "--local-epochs", "1", "--no-progress"]
@@ -69,8 +69,8 @@ def test_a_config_saved_before_options_moved_beside_their_algorithms_still_loads
     """The flat config.json of the earlier layout held every algorithm's flags; loading keeps the run's
     own algorithm's options, drops the others', fills options added since with their defaults, and
     resuming against it reports no mismatch."""
-    from fedjax_sparse.checkpoint import config_mismatches
-    from fedjax_sparse.runner import RunConfig
+    from fedjax_sparse.run.checkpoints import config_mismatches
+    from fedjax_sparse.run import RunConfig
     old = {"algorithm": "fedldf", "dataset": "digits", "model": "mlp", "num_clients": 20, "clients_per_round": 10,
            "rounds": 30, "local_epochs": 5, "batch_size": 16, "lr": 0.1, "momentum": 0.0, "weight_decay": 0.0,
            "partition": "dirichlet", "alpha": 0.5, "labels_per_client": None, "min_examples": 2,

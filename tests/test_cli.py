@@ -7,10 +7,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from fedjax_sparse.checkpoint import RunCheckpointer
-from fedjax_sparse.cli import main
-from fedjax_sparse.reporting import device_description
-from fedjax_sparse.runner import RunConfig, build_experiment
+from fedjax_sparse.run.checkpoints import RunCheckpointer
+from fedjax_sparse.run.cli import main
+from fedjax_sparse.run.outputs import device_description
+from fedjax_sparse.run import RunConfig, build_experiment
 from test_tensorboard import assert_same_scalars, expected_scalars, read_scalars
 
 SMALL = ["--num-clients", "6", "--clients-per-round", "3", "--rounds", "3", "--local-epochs", "1",

@@ -93,7 +93,7 @@ def test_per_client_init_matches_init_for_every_algorithm(setting):
         tree_map(np.testing.assert_array_equal, states, alg.init_clients(key, variables, jnp.arange(n)))
         some = alg.init_clients(key, variables, jnp.array([n - 1, 10**6]))
         tree_map(lambda a, b: np.testing.assert_array_equal(a[0], b[n - 1]), some, states)
-    assert stateful == {"scaffold", "local", "spafl", "spafl_local", "spatl"}
+    assert stateful == {"scaffold", "local", "spafl", "spafl_local", "spatl", "fedpm", "fedp3", "fedspa", "feddyn"}
     draws = np.asarray(states["policy"]["draw"])  # the last algorithm: SPATL with the drawn policy
     assert len({tuple(d) for d in draws}) == n  # every client its own key
 

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from fedjax_sparse.cli import _config, _parser, main
+from fedjax_sparse.run.cli import _config, _parser, main
 
 SMALL = ["--num-clients", "6", "--clients-per-round", "3", "--local-epochs", "1", "--no-progress"]
 

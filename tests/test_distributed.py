@@ -16,7 +16,7 @@ import pytest
 
 import distributed_job
 from conftest import SCAFFOLD_ARGS
-from fedjax_sparse.cli import main
+from fedjax_sparse.run.cli import main
 from fedjax_sparse.core import distributed
 from fedjax_sparse.core.round import sample_clients_host
 

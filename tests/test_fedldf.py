@@ -12,7 +12,7 @@ import pytest
 
 from fedjax_sparse.algorithms import ALGORITHMS, fedavg, fedldf, fedldf_random, hdfl
 from fedjax_sparse.algorithms.fedldf import random_n_per_layer, top_n_per_layer
-from fedjax_sparse.cli import main
+from fedjax_sparse.run.cli import main
 from fedjax_sparse.core.layer_groups import layer_groups, model_layer_groups
 from fedjax_sparse.core.local_training import LocalSGD
 from fedjax_sparse.core.messages import message_bytes
@@ -244,7 +244,10 @@ def test_experiment_settings_and_uplink_curve():
     for setting in SETTINGS.values():
         assert setting.config.model == "vgg9" and setting.config.clients_per_round == 20
         assert setting.config.num_clients == 50 and setting.config.options["clients_per_layer"] == 4
-        assert {a.overrides["algorithm"] for a in setting.arms} == {"fedldf", "fedldf_random", "hdfl", "fedavg"}
+        assert {a.overrides["algorithm"] for a in setting.arms} == {"fedldf", "fedldf_random", "hdfl", "fedadp",
+                                                                     "fedavg"}
+        fedadp = next(a for a in setting.arms if a.label == "fedadp")
+        assert fedadp.overrides["upload_keep"] == 4 / 20  # n/K: FedLDF's uplink
         setting.config.validate()
     every = [{"round": r, "uplink_bytes": b} for r, b in ((1, 5), (2, 7), (3, 5))]
     assert cumulative_uplink(every) == [5, 12, 17]
@@ -252,6 +255,9 @@ def test_experiment_settings_and_uplink_curve():
     assert cumulative_uplink(sparse) == [100, 200]
     with pytest.raises(ValueError, match="eval-every 1"):
         cumulative_uplink([{"round": 10, "uplink_bytes": 1}, {"round": 20, "uplink_bytes": 2}])
+    logged = [{"round": 10, "uplink_bytes": 1, "cumulative_uplink_bytes": 7},  # today's records carry it
+              {"round": 20, "uplink_bytes": 2, "cumulative_uplink_bytes": 19}]
+    assert cumulative_uplink(logged) == [7, 19]
 
 
 def test_experiment_module_writes_the_uplink_table_and_plot(monkeypatch, tmp_path):
@@ -268,12 +274,13 @@ def test_experiment_module_writes_the_uplink_table_and_plot(monkeypatch, tmp_pat
     rows = {}
     for line in (folder / "uplink.md").read_text().splitlines():
         cells = [c.strip() for c in line.strip("|").split("|")]
-        if cells[0] in ("fedldf", "fedldf_random", "hdfl", "fedavg"):
+        if cells[0] in ("fedldf", "fedldf_random", "hdfl", "fedadp", "fedavg"):
             rows[cells[0]] = cells
-    assert set(rows) == {"fedldf", "fedldf_random", "hdfl", "fedavg"}
-    uplink = {name: int(cells[3].replace(",", "")) for name, cells in rows.items()}
+    assert set(rows) == {"fedldf", "fedldf_random", "hdfl", "fedadp", "fedavg"}
+    uplink = {name: int(cells[4].replace(",", "")) for name, cells in rows.items()}
     feedback = 5 * 3 * 4  # K x L x 4 bytes a round
     assert uplink["fedldf"] == uplink["fedldf_random"] == 2 * (2 * MLP_BYTES + feedback)
     assert uplink["hdfl"] == 2 * 2 * MLP_BYTES and uplink["fedavg"] == 2 * 5 * MLP_BYTES
-    assert float(rows["fedldf"][5]) == pytest.approx(uplink["fedldf"] / uplink["fedavg"], abs=1e-4)
+    assert 0.19 < uplink["fedadp"] / uplink["fedavg"] <= 0.2 + 1e-3  # 20 % of the weights, plus unit indexes
+    assert float(rows["fedldf"][6]) == pytest.approx(uplink["fedldf"] / uplink["fedavg"], abs=1e-4)
     assert (folder / "uplink.png").stat().st_size > 1000 and (folder / "results.csv").exists()

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from fedjax_sparse import runner
-from fedjax_sparse.cli import main
+from fedjax_sparse import run as runner
+from fedjax_sparse.run.cli import main
 from fedjax_sparse.core import streams
 from fedjax_sparse.core.round import sample_clients
 from fedjax_sparse.core.streams import STREAMS, stream_key, stream_seed
@@ -50,7 +50,7 @@ def test_strict_parser_refuses_nan():
     (["--weight-decay", "-1"], "--weight-decay must be >= 0, got -1.0"),
     (["--algorithm", "scaffold", "--server-lr", "inf"], "--server-lr must be a finite number > 0, got inf"),
     (["--momentum", "1"], "--momentum must be in [0, 1), got 1.0"),
-    (["--seed", "-1"], "--seed must be >= 0, got -1"),
+    (["--seed", "-1"], "--seed must be in [0, 4294967295], got -1"),
     (["--algorithm", "fedprox", "--mu", "-1"], "--mu must be >= 0, got -1.0"),
     (["--lr", "nan"], "--lr must be a finite number > 0, got nan"),
 ])

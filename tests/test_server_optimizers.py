@@ -113,7 +113,7 @@ def test_every_algorithm_with_a_server_step_builds_its_optimizer_from_its_option
     ctx = BuildContext(local=LocalSGD(mlp, 0.5, 1, 8), num_clients=4, clients_per_round=2, train=split,
                        num_classes=10, seed=0, labels_per_client=2)
     users = [name for name, spec in ALGORITHMS.items() if issubclass(spec.options, ServerOptimizerOptions)]
-    assert set(ALGORITHMS) - set(users) == {"local", "spafl", "spafl_local"}
+    assert set(ALGORITHMS) - set(users) == {"local", "spafl", "spafl_local", "fedpm", "feddyn"}  # own server steps
     for name in users:
         algorithm = make_algorithm(name, ctx, make_options(name, {"server_optimizer": "yogi", "clients_per_layer": 1,
                                                                   "salient_keep": 0.5}))
@@ -149,3 +149,31 @@ def test_partial_uploads_step_held_entries_only(make_split, mlp, name, extra):
         units = keep_top_units(mlp.structure, prefix_scores(mlp.structure), 0.5)
         held = variable_masks(mlp.structure, variables, units)["params"]
         tree_map(lambda h, keep: np.testing.assert_array_equal(np.asarray(h), ~np.asarray(keep)), held, untouched)
+
+
+@pytest.mark.parametrize("algorithm,flags,refused", [
+    ("fedavg", ["--server-momentum", "0.5"], "--server-momentum is read only by --server-optimizer momentum"),
+    ("heterofl", ["--server-optimizer", "momentum", "--server-beta1", "0.5"], "--server-beta1 is read only by"),
+    ("spatl", ["--server-optimizer", "adagrad", "--server-beta2", "0.9"], "--server-beta2 is read only by"),
+    ("fedldf", ["--server-epsilon", "0.1"], "--server-epsilon is read only by"),
+])
+def test_server_optimizer_flags_the_chosen_optimizer_does_not_read_are_refused(tmp_path, capsys, algorithm, flags,
+                                                                                refused):
+    """A flag is refused, in one line and before any data is loaded, where the chosen server optimizer
+    would ignore it (sgd reads no momentum; momentum no moments; adagrad no beta2); a config file's key
+    set away from its default is refused alike, and the flags it does read pass."""
+    from fedjax_sparse.run.cli import main
+
+    out = tmp_path / "run"
+    assert main(["run", "--algorithm", algorithm, "--out", str(out), "--no-progress", *flags]) == 2
+    err = capsys.readouterr().err.strip()
+    assert refused in err and len(err.splitlines()) == 1
+    assert not (out / "config.json").exists()
+    config = tmp_path / "c.json"
+    config.write_text('{"algorithm": "fedavg", "server_momentum": 0.5}')
+    assert main(["run", "--config", str(config), "--out", str(out), "--no-progress"]) == 2
+    assert "--server-momentum is read only by" in capsys.readouterr().err
+    options = make_options("fedavg", {"server_optimizer": "adam", "server_beta1": 0.5, "server_beta2": 0.9,
+                                      "server_epsilon": 0.1})
+    assert options.ignored() == {"server_momentum": "is read only by --server-optimizer momentum; "
+                                                    "--server-optimizer adam does not read it"}

@@ -13,7 +13,7 @@ from fedjax_sparse.algorithms import spafl, spafl_local
 from fedjax_sparse.algorithms.spafl import (global_threshold_update, init_thresholds, local_objective,
                                             reset_collapsed_layers, ste_masks, threshold_masks,
                                             unit_magnitudes)
-from fedjax_sparse.cli import main
+from fedjax_sparse.run.cli import main
 from fedjax_sparse.core.flops import forward_flops, training_flops
 from fedjax_sparse.core.local_training import LocalSGD, masked_cross_entropy
 from fedjax_sparse.core.messages import message_bytes
@@ -28,6 +28,7 @@ from fedjax_sparse.models.structure import get_path, set_path
 tree_map = jax.tree_util.tree_map
 MLP_THRESHOLDS = 256 + 256 + 10
 MLP_PARAMS = 85002
+MLP_WEIGHTS = 64 * 256 + 256 * 256 + 256 * 10  # the kernels: SpaFL's d
 LR0 = 0.02  # small enough that no threshold passes its unit in the few steps of the alpha = 0 tests
 
 
@@ -484,22 +485,33 @@ def test_cli_spafl_on_digits_logs_density_flops_and_threshold_bytes(tmp_path, ca
 
 
 def test_experiment_settings_are_valid_and_quick_means_digits(monkeypatch, tmp_path):
+    """Every setting lays out Table 2's eight rows and the eq. 13 ablation, each arm as appendix A.1.1
+    runs it and at its Table 7 learning rate."""
     import experiments.spafl as module
-    expected = {"fedavg": ("fedavg", "uniform"), "local": ("spafl_local", None), "spafl": ("spafl", True),
-                "spafl_no_eq13": ("spafl", False)}
+    algorithms = {"fedavg": "fedavg", "local": "spafl_local", "spafl": "spafl", "spafl_no_eq13": "spafl",
+                  "fedpm": "fedpm", "heterofl": "heterofl", "fjord": "fjord", "fedspa": "fedspa", "fedp3": "fedp3"}
+    rates = {"cifar10": {"heterofl": 0.005, "fedpm": 0.1}, "cifar10_cpu": {"heterofl": 0.005, "fedpm": 0.1},
+             "fmnist": {"fedpm": 0.1}, "digits": {}}
     for setting in module.SETTINGS.values():
-        assert [a.label for a in setting.arms] == list(expected)
+        assert [a.label for a in setting.arms] == list(module.ROWS)
         for quick in (False, True):
             for arm in setting.arms:
                 config = setting.arm_config(arm, tmp_path, quick)
                 config.validate()
-                algorithm, option = expected[arm.label]
-                assert config.algorithm == algorithm
+                assert config.algorithm == algorithms[arm.label]
+                assert config.lr == rates[setting.name].get(arm.label, setting.config.lr), (setting.name, arm.label)
                 options = config.algorithm_options
-                if algorithm == "fedavg":  # appendix A.1.1: FedAvg's clients weigh equally
-                    assert options.aggregation_weights == option
-                elif algorithm == "spafl":
-                    assert options.threshold_update is option
+                if arm.label == "fedavg":  # appendix A.1.1: FedAvg's clients weigh equally
+                    assert options.aggregation_weights == "uniform"
+                elif arm.label in ("spafl", "spafl_no_eq13"):
+                    assert options.threshold_update is (arm.label == "spafl")
+                elif arm.label == "heterofl":
+                    assert options.capacities == (0.5,)
+                elif arm.label == "fjord":
+                    assert (options.width_low, options.width_high) == (0.4, 0.6)
+                elif arm.label == "fedspa":
+                    assert (options.sparse_density, options.swap_rate, options.swap_anneal_rounds) == (
+                        0.5, 0.5, setting.config.rounds)
     done = module.SETTINGS["digits"].config  # the issue's done criterion
     assert (done.model, done.num_clients, done.clients_per_round, done.rounds, done.local_epochs,
             done.batch_size, done.lr, done.alpha) == ("mlp", 20, 10, 50, 5, 16, 0.1, 0.5)
@@ -511,7 +523,8 @@ def test_experiment_settings_are_valid_and_quick_means_digits(monkeypatch, tmp_p
 
 
 def test_experiment_module_runs_and_tabulates_every_arm(monkeypatch, tmp_path):
-    """`python -m experiments.spafl --quick`, shrunk to 2 rounds of 3 clients: the Table 2 columns."""
+    """`python -m experiments.spafl --quick`, shrunk to 2 rounds of 3 clients: all eight rows of Table 2
+    (and the eq. 13 ablation), each with SpaFL's own Comm and FLOPs accounting beside the counted one."""
     import csv
     import dataclasses
 
@@ -522,14 +535,26 @@ def test_experiment_module_runs_and_tabulates_every_arm(monkeypatch, tmp_path):
     folder = tmp_path / "digits"
     with (folder / "results.csv").open() as f:
         rows = {r["algorithm"]: r for r in csv.DictReader(f)}
-    assert list(rows) == ["fedavg", "local", "spafl", "spafl_no_eq13"]
+    assert list(rows) == list(module.ROWS)
+    dense_gbit = 2 * 3 * 2 * MLP_WEIGHTS * 32 / 1e9  # SpaFL's d: the kernels' weights, 32 bits each way
     assert float(rows["fedavg"]["total_gbit"]) == pytest.approx(2 * 3 * 2 * MLP_PARAMS * 4 * 8 / 1e9)
+    assert float(rows["fedavg"]["comm_gbit_spafl"]) == pytest.approx(dense_gbit)
+    assert float(rows["heterofl"]["comm_gbit_spafl"]) == pytest.approx(dense_gbit / 2)  # width 0.5 counts 0.5
+    assert float(rows["fedspa"]["comm_gbit_spafl"]) == pytest.approx(dense_gbit / 2)
+    assert 0.4 * dense_gbit <= float(rows["fjord"]["comm_gbit_spafl"]) <= 0.6 * dense_gbit
+    assert 0.5 * dense_gbit < float(rows["fedpm"]["comm_gbit_spafl"]) < 0.52 * dense_gbit  # 32 bits down, ~1 up
     for name in ("spafl", "spafl_no_eq13"):
         assert float(rows[name]["total_gbit"]) == pytest.approx(2 * 3 * 2 * MLP_THRESHOLDS * 4 * 8 / 1e9)
+        assert float(rows[name]["comm_gbit_spafl"]) == pytest.approx(float(rows[name]["total_gbit"]))
         assert 0 < float(rows[name]["weight_density"]) <= 1 and 0 < float(rows[name]["mean_layer_density"]) <= 1
-        assert 0 < float(rows[name]["train_flops"]) <= float(rows[name]["dense_train_flops"]) + 6 * 1.5 * MLP_PARAMS
-    assert float(rows["local"]["total_gbit"]) == 0
-    assert "| spafl |" in (folder / "results.md").read_text()
+        assert 0 < float(rows[name]["flops_spafl"]) <= float(rows[name]["dense_train_flops"]) + 6 * 1.5 * MLP_PARAMS
+    dense = float(rows["fedavg"]["dense_train_flops"])
+    assert float(rows["fedavg"]["flops_counted"]) == float(rows["fedavg"]["flops_spafl"]) == dense
+    for name in ("heterofl", "fjord"):  # a width-p model: p by SpaFL's count, about p^2 computed
+        assert float(rows[name]["flops_counted"]) < float(rows[name]["flops_spafl"]) < 0.61 * dense
+    assert float(rows["fedspa"]["flops_counted"]) < 0.51 * float(rows["fedspa"]["dense_train_flops"])
+    assert float(rows["local"]["total_gbit"]) == 0 == float(rows["local"]["comm_gbit_spafl"])
+    assert "| fedpm |" in (folder / "results.md").read_text()
     assert (folder / "comparison.png").stat().st_size > 1000
 
 

@@ -12,9 +12,10 @@ import pytest
 from fedjax_sparse.algorithms import fedavg, make_algorithm, make_options
 from fedjax_sparse.algorithms.spatl import (encoder_flops, encoder_layers, fit_predictor, salient_masks,
                                             uniform_keep_ratio, unit_l2_norms)
-from fedjax_sparse.cli import main
+from fedjax_sparse.run.cli import main
 from fedjax_sparse.core.algorithm import BuildContext
-from fedjax_sparse.core.layer_groups import leaf_paths, part_labels, take_part
+from fedjax_sparse.core.layer_groups import leaf_paths
+from fedjax_sparse.core.model_parts import part_labels, take_part
 from fedjax_sparse.core.local_training import LocalSGD, masked_cross_entropy
 from fedjax_sparse.core.messages import SparseArray, message_bytes
 from fedjax_sparse.core.round import build_round, round_info
@@ -265,8 +266,9 @@ def test_cli_logs_table2_figures(tmp_path):
     import json
     last = json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])
     assert last["test_accuracy"] is None
-    assert last["encoder_flops_reduction_mean"] >= 0.2 - 1e-6  # the default target
-    assert 0 < last["salient_kept_weights"] < 1 and 0 < last["flops_reduction_mean"] <= last["flops_reduction_max"]
+    assert last["inference_encoder_flops_reduction_mean"] >= 0.2 - 1e-6  # the default target
+    assert 0 < last["inference_kept_weights"] < 1
+    assert 0 < last["inference_flops_reduction_mean"] <= last["inference_flops_reduction_max"]
     assert last["downlink_bytes"] == 4 * 3 * 2 * MLP_ENCODER  # encoder and c_g to each of 3 clients
     assert last["personalized_accuracy"] > 0.3
 
@@ -297,7 +299,7 @@ def test_experiment_settings_validate_and_the_module_runs_with_its_transfer(monk
     with (tmp_path / "digits" / "results.csv").open() as f:
         rows = {r["algorithm"]: r for r in csv.DictReader(f)}
     assert list(rows) == ["spatl", "fedavg", "fedprox", "fednova", "scaffold"]
-    assert float(rows["spatl"]["flops_reduction_mean"]) >= 0.19
+    assert float(rows["spatl"]["inference_flops_reduction_mean"]) >= 0.19
     assert float(rows["scaffold"]["mb_per_client_round"]) == pytest.approx(2 * float(rows["fedavg"]["mb_per_client_round"]))
     result = json.loads((tmp_path / "digits" / "transfer.json").read_text())
     assert 0.2 < result["transfer_accuracy"] <= 1 and result["epochs"] == 2
@@ -312,7 +314,7 @@ def test_partial_participation_evaluates_the_global_encoder_and_reports_the_roun
     256 and only their inputs, so (64 x 64 + 64 + 64 x 64 + 64) / 82,432 encoder weights, and the
     model's FLOPs fall from 64 x 256 + 256 x 256 + 256 x 10 to 64 x 64 + 64 x 64 + 64 x 10."""
     from fedjax_sparse.core.evaluation import population_diagnostics
-    from fedjax_sparse.core.layer_groups import overlay
+    from fedjax_sparse.core.model_parts import overlay
     from fedjax_sparse.core.streams import stream_key
     split = make_split([12, 16, 12, 20])
     alg, local = build(mlp, split, salient_keep=0.25, clients_per_round=1)
@@ -338,10 +340,19 @@ def test_partial_participation_evaluates_the_global_encoder_and_reports_the_roun
             assert float(jnp.abs(fitted["params"]["fc3"]["kernel"] - variables["params"]["fc3"]["kernel"]).max()) > 0
             assert_trees_close(mine["salient"], full_unit_masks(mlp.structure), atol=0, rtol=0)
     figures = population_diagnostics(alg, server, clients)
-    np.testing.assert_allclose(figures["salient_kept_weights"], (2 * 64 * 64 + 128) / MLP_ENCODER, rtol=1e-6)
+    np.testing.assert_allclose(figures["inference_kept_weights"], (2 * 64 * 64 + 128) / MLP_ENCODER, rtol=1e-6)
     reduction = 1 - (64 * 64 + 64 * 64 + 64 * 10) / (64 * 256 + 256 * 256 + 256 * 10)
-    np.testing.assert_allclose(figures["flops_reduction_mean"], reduction, rtol=1e-6)
-    np.testing.assert_allclose(figures["flops_reduction_max"], reduction, rtol=1e-6)
+    np.testing.assert_allclose(figures["inference_flops_reduction_mean"], reduction, rtol=1e-6)
+    np.testing.assert_allclose(figures["inference_flops_reduction_max"], reduction, rtol=1e-6)
+    np.testing.assert_allclose(figures["upload_kept_weights"], figures["inference_kept_weights"], rtol=0)
+    # the official code's aggregation: the same clients and sub-models, but the whole encoder travels
+    dense_upload, _ = build(mlp, split, salient_keep=0.25, clients_per_round=1, spatl_aggregation="fedavg")
+    server, clients = dense_upload.init(jax.random.key(1), variables, 4)
+    server, clients, out = build_round(dense_upload, split, 1, seed=0)(server, clients, 0)
+    dense_figures = population_diagnostics(dense_upload, server, clients)
+    assert dense_figures["upload_kept_weights"] == 1.0
+    for name in ("inference_kept_weights", "inference_flops_reduction_mean"):
+        np.testing.assert_allclose(dense_figures[name], figures[name], rtol=1e-6)
     full, _ = build(mlp, split, salient_keep=0.25)
     assert full.evaluation_clients is None  # all sampled every round: each client's own last encoder
 

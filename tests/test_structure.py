@@ -7,7 +7,8 @@ computation itself: the gradient of the masked model (zero exactly outside
 `variable_masks`, non-zero inside), and what every convolution and dense call really
 receives and delivers (`core.flops.measure_layers`), for unit masks drawn as the methods draw
 them: the group-tied sub-model selection over all hidden layers (HeteroFL, FedRolex,
-Federated Dropout, FedGSE), SPATL's encoder-only selection, and SpaFL's untied per-layer masks.
+Federated Dropout, FedGSE), ordered dropout's prefixes (Fjord, FedP3's downlink), SPATL's
+encoder-only selection, and SpaFL's untied per-layer masks.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from test_models import NATURAL
 from fedjax_sparse.algorithms.spatl import encoder_layers
 from fedjax_sparse.core.flops import layer_forward_flops, measure_layers
 from fedjax_sparse.core.unit_masks import input_unit_masks, variable_masks
-from fedjax_sparse.core.unit_selection import keep_top_units
+from fedjax_sparse.core.unit_selection import keep_top_units, prefix_scores
 from fedjax_sparse.models import MODEL_NAMES, get_model
 from fedjax_sparse.models.conv import Conv2D, conv2d
 from fedjax_sparse.models.recurrent import LSTM
@@ -81,13 +82,16 @@ def positive_variables(model, seed: int) -> dict:
 def mask_draws(structure, seed: int) -> dict[str, dict]:
     """{label: unit masks} drawn as the methods draw them: random scores through the group-tied
     selection (`keep_top_units`) over all hidden layers (the sub-model family) or over the encoder
-    (SPATL) at several keep fractions, and untied per-layer masks (SpaFL), the output layer included."""
+    (SPATL) at several keep fractions, ordered dropout's prefixes (HeteroFL, Fjord, FedP3's downlink),
+    and untied per-layer masks (SpaFL), the output layer included."""
     rng = np.random.default_rng(seed)
     encoder = encoder_layers(structure)
     fractions = jnp.asarray(FRACTIONS, jnp.float32)
     draws = {}
-    for label, layers in (("submodel", None), ("spatl", encoder)):
-        scores = {l.name: rng.standard_normal((len(FRACTIONS), l.num_units), np.float32) for l in structure.layers}
+    prefix = prefix_scores(structure)
+    for label, layers in (("submodel", None), ("spatl", encoder), ("ordered", None)):
+        scores = {l.name: (np.broadcast_to(prefix[l.name], (len(FRACTIONS), l.num_units)) if label == "ordered" else
+                           rng.standard_normal((len(FRACTIONS), l.num_units), np.float32)) for l in structure.layers}
         select = jax.jit(jax.vmap(lambda s, f: keep_top_units(structure, s, f, layers=layers)))
         masks = jax.device_get(select(scores, fractions))
         for i, fraction in enumerate(FRACTIONS):

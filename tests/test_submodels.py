@@ -15,7 +15,7 @@ from fedjax_sparse.algorithms import fedavg, make_algorithm, make_options
 from fedjax_sparse.algorithms.fedgse import (public_set, similar_batch, top_labels,
                                              unit_gradient_scores)
 from fedjax_sparse.algorithms.submodels import SubmodelOptions, client_capacity
-from fedjax_sparse.cli import main
+from fedjax_sparse.run.cli import main
 from fedjax_sparse.core.algorithm import BuildContext
 from fedjax_sparse.core.evaluation import population_batch_stats
 from fedjax_sparse.core.local_training import LocalSGD
@@ -270,25 +270,50 @@ def test_capacities_are_pure_functions_of_seed_round_and_client():
     assert all(abs(levels.count(v) / 400 - 1 / 3) < 0.08 for v in (1.0, 0.5, 0.25))
 
 
+def conv1_outputs(model, variables, split):
+    x = normalize(split.x, split.mean, split.std)
+    _, state = model.module.apply({"params": variables["params"], "batch_stats": variables["batch_stats"]}, x,
+                                  train=False, capture_intermediates=True, mutable=["intermediates"])
+    return np.asarray(state["intermediates"]["conv1"]["__call__"][0])
+
+
 def test_static_batchnorm_statistics_are_the_average_of_batch_statistics():
-    """20 examples in batches of 8, 8 and 4: bn1's mean and variance are the size-weighted averages
-    of the per-batch (biased) moments of conv1's outputs, computed here in NumPy."""
+    """20 examples in batches of 8, 8 and 4 of the key's permutation: bn1's mean and variance are the
+    size-weighted averages of the per-batch (biased) moments of conv1's outputs, computed here in NumPy."""
     model = get_model("cnn4", (8, 8, 1), 10)
     rng = np.random.default_rng(0)
     split = federated_split(rng.integers(0, 255, (20, 8, 8, 1), dtype=np.uint8), np.arange(20) % 10,
                             [np.arange(20)], [0.5], [0.25])
     variables = model.init(jax.random.key(0))
-    stats = population_batch_stats(model, variables, split, batch_size=8)
-    x = normalize(split.x, split.mean, split.std)
-    _, state = model.module.apply({"params": variables["params"], "batch_stats": variables["batch_stats"]}, x,
-                                  train=False, capture_intermediates=True, mutable=["intermediates"])
-    conv1 = np.asarray(state["intermediates"]["conv1"]["__call__"][0])
+    key = jax.random.key(5)
+    stats = population_batch_stats(model, variables, split, key, batch_size=8)
+    conv1 = conv1_outputs(model, variables, split)[np.asarray(jax.random.permutation(key, 20))]
     batches = [conv1[:8], conv1[8:16], conv1[16:]]
     sizes = np.array([8, 8, 4])
     means = np.array([b.mean(axis=(0, 1, 2)) for b in batches])
     variances = np.array([b.var(axis=(0, 1, 2)) for b in batches])
     np.testing.assert_allclose(stats["bn1"]["mean"], (sizes[:, None] * means).sum(0) / 20, rtol=1e-4, atol=1e-5)
     np.testing.assert_allclose(stats["bn1"]["var"], (sizes[:, None] * variances).sum(0) / 20, rtol=1e-4, atol=1e-5)
+
+
+def test_static_batchnorm_statistics_of_class_sorted_data_are_the_datas_not_one_class_at_a_time():
+    """Two clients of 32 examples each, one class each, the classes' images far apart (dark and
+    bright): batches taken in the split's order hold one class and would average within-class
+    variances; shuffled, as HeteroFL's code draws them, bn1's variance is near the whole data's."""
+    model = get_model("cnn4", (8, 8, 1), 10)
+    rng = np.random.default_rng(1)
+    dark = rng.integers(0, 40, (32, 8, 8, 1))
+    bright = rng.integers(215, 255, (32, 8, 8, 1))
+    split = federated_split(np.concatenate([dark, bright]).astype(np.uint8), np.repeat([0, 1], 32),
+                            [np.arange(32), np.arange(32, 64)], [0.5], [0.25])
+    variables = model.init(jax.random.key(0))
+    conv1 = conv1_outputs(model, variables, split)
+    whole = conv1.var(axis=(0, 1, 2))
+    within = (conv1[:32].var(axis=(0, 1, 2)) + conv1[32:].var(axis=(0, 1, 2))) / 2
+    assert np.median(within / whole) < 0.3  # the classes differ: sorted batches would see a third at most
+    stats = population_batch_stats(model, variables, split, jax.random.key(2), batch_size=16)
+    ratio = np.asarray(stats["bn1"]["var"]) / whole
+    assert 0.8 < np.median(ratio) < 1.05  # batches of 16 of 64 mixed examples: about 15/16 of the variance
 
 
 def test_heterofl_aggregation_averages_class_rows_over_the_clients_holding_the_label(mlp):
@@ -319,6 +344,68 @@ def test_heterofl_aggregation_averages_class_rows_over_the_clients_holding_the_l
     # labels: client 0 holds {0, 1}, client 1 holds {1, 2}
     np.testing.assert_allclose(het["fc3"]["bias"], [1.0, 2.0, 3.0] + [0.0] * 7)
     np.testing.assert_allclose(het["fc3"]["kernel"][:, 1], 2.0)
+
+
+def fedrolex_combine(old, uploads, masks, labels_held, counts, output_leaves):
+    """FedRolex's `combine` (resnet_server.py, --weighting avg) in numpy, leaf by leaf: every upload
+    adds K x value where it holds an entry (the output layer only on the rows of its labels) with
+    K = the entry's update count `counts` for 1-D leaves and the output layer, 1 for other kernels;
+    the result is the sum over the sum of K, the old value where nobody held the entry."""
+    out = {}
+    for path, value in old.items():
+        total, weight = np.zeros_like(value), np.zeros_like(value)
+        counted = value.ndim == 1 or path in output_leaves
+        for k, (up, mask) in enumerate(zip(uploads, masks)):
+            held = mask[path].astype(bool)
+            if path in output_leaves:  # the output layer's last axis is the classes
+                held = held & labels_held[k]
+            k_weight = counts[path] if counted else 1.0
+            total += np.where(held, k_weight * up[path], 0.0)
+            weight += np.where(held, k_weight, 0.0)
+        out[path] = np.where(weight > 0, total / np.where(weight > 0, weight, 1.0), value)
+    return out
+
+
+def test_fedrolexs_update_count_weights_cancel_into_the_plain_mean_over_holders(mlp):
+    """FedRolex's code weighs biases, normalization parameters and output rows by each entry's count
+    of past updates; every client of a round reads the same count at an entry, so it cancels: its
+    aggregate equals the library's `heterofl` rule (plain mean over holders, class rows over the
+    clients holding the label) for any counts, on two clients of different sub-models."""
+    split = federated_split(np.zeros((6, 8, 8, 1), np.uint8), np.array([0, 1, 1, 2, 3, 3]),
+                            [np.arange(3), np.arange(3, 6)], [0.5], [0.25])
+    algorithm = build("fedrolex", context(mlp, split), capacities=(0.5, 0.25), submodel_aggregation="heterofl")
+    variables = mlp.init(jax.random.key(0))
+    server, _ = algorithm.init(jax.random.key(1), variables, 2)
+    info = round_info(0, 3, jnp.array([0, 1]))
+    rng = np.random.default_rng(0)
+    ups, values, masks, held = [], [], [], []
+    for cid in (0, 1):
+        up = jax.jit(algorithm.client_update)(algorithm.broadcast(server, cid, info), {}, split.client(cid),
+                                              jax.random.key(cid), info)[0]
+        noisy = tree_map(lambda a: KnownMaskArray(jnp.asarray(rng.standard_normal(a.values.shape), jnp.float32),
+                                                  a.mask), up["variables"],
+                         is_leaf=lambda x: isinstance(x, KnownMaskArray))
+        ups.append({**up, "variables": noisy})
+        flat = {"/".join(p): a for p, a in layer_paths(noisy)}
+        values.append({k: np.asarray(a.values) for k, a in flat.items()})
+        masks.append({k: np.asarray(a.mask) for k, a in flat.items()})
+        held.append(np.asarray(up["labels_held"].value))
+    assert held[0].tolist() != held[1].tolist() and not np.array_equal(masks[0]["params/fc1/kernel"],
+                                                                       masks[1]["params/fc1/kernel"])
+    old = {k: np.asarray(a) for k, a in {"/".join(p): a for p, a in layer_paths({"params": variables["params"]})}.items()}
+    counts = {k: rng.integers(1, 9, size=v.shape).astype(np.float64) for k, v in old.items()}
+    expected = fedrolex_combine(old, values, masks, held, counts, {"params/fc3/kernel", "params/fc3/bias"})
+    stacked = tree_map(lambda *a: jnp.stack(a), *ups)
+    new = algorithm.server_update(server, stacked, jnp.array([3.0, 5.0]), info)["variables"]  # sizes unused
+    got = {"/".join(p): np.asarray(a) for p, a in layer_paths({"params": new["params"]})}
+    for k in old:
+        np.testing.assert_allclose(got[k], expected[k], rtol=1e-5, atol=1e-6, err_msg=k)
+
+
+def layer_paths(tree):
+    is_known = lambda x: isinstance(x, KnownMaskArray)  # noqa: E731
+    return [(tuple(e.key for e in path), leaf)
+            for path, leaf in jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_known)[0]]
 
 
 def test_bad_capacities_and_fractions_are_one_line_errors(tmp_path, capsys):

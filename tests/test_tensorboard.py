@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from fedjax_sparse.tensorboard_log import TensorBoardWriter, scalars
+from fedjax_sparse.run.tensorboard import TensorBoardWriter, scalars
 
 event_accumulator = pytest.importorskip("tensorboard.backend.event_processing.event_accumulator")
 

@@ -4,12 +4,9 @@ from __future__ import annotations
 
 import dataclasses
 
-import jax
-import jax.numpy as jnp
-
 from fedjax_sparse.algorithms.fedavg import fedavg
 from fedjax_sparse.core.algorithm import AlgorithmSpec, FederatedAlgorithm
-from fedjax_sparse.core.local_training import LocalObjective, LocalSGD
+from fedjax_sparse.core.local_training import LocalObjective, LocalSGD, proximal_term
 from fedjax_sparse.core.options import option
 from fedjax_sparse.core.server_optimizer import ServerOptimizer, ServerOptimizerOptions, from_options
 
@@ -17,11 +14,6 @@ from fedjax_sparse.core.server_optimizer import ServerOptimizer, ServerOptimizer
 @dataclasses.dataclass(frozen=True)
 class FedProxOptions(ServerOptimizerOptions):
     mu: float = option(0.01, "FedProx proximal coefficient", low=0.0)
-
-
-def proximal_term(params, anchor, mu: float):
-    squares = jax.tree_util.tree_map(lambda w, a: jnp.sum((w - a) ** 2), params, anchor)
-    return 0.5 * mu * sum(jax.tree_util.tree_leaves(squares))
 
 
 def fedprox(local: LocalSGD, mu: float, server: ServerOptimizer | None = None) -> FederatedAlgorithm:

@@ -86,7 +86,7 @@ Diagnostics (logged with each evaluation), over all clients' personal models:
     and it is the figure to set beside the paper's Table 2 (FedAvg's FMNIST
     1.0345e12 = 500 rounds x 6,000 examples x 5 epochs x 3 x LeNet-5-Caffe's
     2,293,000 forward FLOPs / 100 clients, to 0.3 %); `train_flops_total` is the
-    sum over clients. The runner logs, for every algorithm, `dense_train_flops`:
+    sum over clients. The run logs, for every algorithm, `dense_train_flops`:
     the same examples through the dense model (what FedAvg spends), per client;
   `mean_threshold`: mean of the global thresholds.
 
@@ -238,7 +238,7 @@ def local_objective(structure: ModelStructure, alpha: float, weight_bounds: bool
                 {"train_flops": jnp.asarray(flops, jnp.float32), "threshold_resets": resets})
 
     return LocalObjective(
-        forward=lambda t: {"params": t["params"],
+        forward=lambda t, key: {"params": t["params"],
                            "unit_masks": ste_masks(structure, t["params"], t["thresholds"])},
         extra_loss=lambda t: sparsity_penalty(t["thresholds"], alpha),
         after_step=after_step)

@@ -72,11 +72,15 @@ chose), and a client that never trained gets a predictor fitted by eq. 4
 at each evaluation; nothing of it is written back to the client. With every
 client sampled each round (the paper's setting) the own encoders are those of
 the last round and are used as they are.
-Logged each evaluation, over the last round's uploads (the clients sampled in
-it): `salient_kept_weights` (kept encoder weights / all encoder weights, mean:
+Logged each evaluation, over the clients sampled in the last round, each named for
+what it measures: of the salient sub-model a client predicts with,
+`inference_kept_weights` (its kept encoder parameters / all encoder parameters, mean:
 Table 2's "sparsity"), the whole model's inference FLOPs reduction
-(`flops_reduction_mean`, `_max`: Table 2) and the encoder's
-(`encoder_flops_reduction_mean`).
+(`inference_flops_reduction_mean`, `_max`: Table 2) and the encoder's
+(`inference_encoder_flops_reduction_mean`); of what the client sent,
+`upload_kept_weights` (the encoder parameters in its upload / all of them: the same
+as the inference figure under eq12 and masked_mean, 1 under fedavg, where the whole
+encoder travels).
 
 Transfer (eq. 4, section 4.5): `fit_predictor` trains a new client's predictor
 (and private parts) on a frozen encoder.
@@ -97,7 +101,7 @@ from fedjax_sparse.core.aggregation import masked_mean, weighted_mean
 from fedjax_sparse.core.algorithm import AlgorithmSpec, BuildContext, FederatedAlgorithm, replicate
 from fedjax_sparse.core.control_variates import control_update, corrected_gradients, server_control_update
 from fedjax_sparse.core.flops import layer_forward_flops
-from fedjax_sparse.core.layer_groups import overlay, part_labels, take_part
+from fedjax_sparse.core.model_parts import overlay, part_labels, take_part
 from fedjax_sparse.core.local_training import LocalObjective, LocalSGD
 from fedjax_sparse.core.messages import SparseArray, unit_sparse
 from fedjax_sparse.core.options import option
@@ -142,12 +146,14 @@ class SPATLOptions(ServerOptimizerOptions):
                                                 "candidate sub-model each round", low=1)
 
     def ignored(self) -> dict[str, str]:
-        """Options the chosen policy does not read (`core.options.refuse_ignored`)."""
+        """Options the chosen policy (and server optimizer) does not read (`core.options.refuse_ignored`)."""
+        out = super().ignored()
         if self.salient_policy == "agent":
-            return {"salient_keep": "is the fixed policy's keep ratio; --salient-policy agent searches its own "
-                                    "(toward --flops-reduction)"}
-        out = {f.name: "is a setting of the learned agent; --salient-policy fixed does not read it (add "
-                       "--salient-policy agent)" for f in dataclasses.fields(self) if f.name.startswith("agent_")}
+            out["salient_keep"] = ("is the fixed policy's keep ratio; --salient-policy agent searches its own "
+                                   "(toward --flops-reduction)")
+            return out
+        out.update({f.name: "is a setting of the learned agent; --salient-policy fixed does not read it (add "
+                            "--salient-policy agent)" for f in dataclasses.fields(self) if f.name.startswith("agent_")})
         if self.salient_keep is not None:
             out["flops_reduction"] = ("is not read when --salient-keep fixes the keep ratio (the fixed policy "
                                       "takes one or the other); give only one of them")
@@ -454,17 +460,21 @@ def spatl(context: BuildContext, options: SPATLOptions, policy: SalientPolicy | 
             return state["variables"]
         return {**state["variables"], "unit_masks": state["salient"]}
 
+    def kept_share(variables, masks):
+        kept = encoder_of(variable_masks(structure, variables, masks))["params"]
+        return sum(jnp.sum(m) for m in jax.tree_util.tree_leaves(kept)) / encoder_weights
+
     @jax.jit
     def client_diagnostics(server_state, client_states):
         def one(variables, masks):
-            kept = encoder_of(variable_masks(structure, variables, masks))["params"]
             per_layer = layer_forward_flops(structure, masks, count_inputs=True)
-            return (sum(jnp.sum(m) for m in jax.tree_util.tree_leaves(kept)) / encoder_weights,
+            sent = full_unit_masks(structure) if options.spatl_aggregation == "fedavg" else masks
+            return (kept_share(variables, masks), kept_share(variables, sent),
                     1.0 - sum(per_layer.values()) / dense_flops,
                     1.0 - sum(per_layer[n] for n in layers) / dense_encoder_flops)
 
-        kept, reduction, encoder_reduction = jax.vmap(one)(client_states["variables"], client_states["salient"])
-        return {"kept": kept, "reduction": reduction, "encoder_reduction": encoder_reduction,
+        kept, sent, reduction, encoder_reduction = jax.vmap(one)(client_states["variables"], client_states["salient"])
+        return {"kept": kept, "sent": sent, "reduction": reduction, "encoder_reduction": encoder_reduction,
                 "uploaded": client_states["last_round"] == server_state["round"]}  # the last round's senders
 
     def diagnostics(server_state, figures):
@@ -473,9 +483,10 @@ def spatl(context: BuildContext, options: SPATLOptions, policy: SalientPolicy | 
         def mean(values):
             return float(np.sum(np.where(uploaded, values, 0.0)) / max(int(np.sum(uploaded)), 1))
 
-        return {"salient_kept_weights": mean(figures["kept"]), "flops_reduction_mean": mean(figures["reduction"]),
-                "flops_reduction_max": float(np.max(np.where(uploaded, figures["reduction"], -np.inf))),
-                "encoder_flops_reduction_mean": mean(figures["encoder_reduction"])}
+        return {"inference_kept_weights": mean(figures["kept"]), "upload_kept_weights": mean(figures["sent"]),
+                "inference_flops_reduction_mean": mean(figures["reduction"]),
+                "inference_flops_reduction_max": float(np.max(np.where(uploaded, figures["reduction"], -np.inf))),
+                "inference_encoder_flops_reduction_mean": mean(figures["encoder_reduction"])}
 
     fit_key = stream_key(context.seed, "predictor_fit")
 

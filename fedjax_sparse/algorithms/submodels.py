@@ -76,7 +76,13 @@ Aggregation. `masked_mean` (default, as FedGSE's Algorithm 1 line 11): per
 entry, the data-size-weighted mean over the clients that hold it; entries no
 client holds keep their value. `heterofl`: HeteroFL's code and FedRolex's (its
 default `--weighting avg`): a plain mean over holders, and each output row
-(class) only over the clients holding that label.
+(class) only over the clients holding that label. FedRolex's `combine`
+(resnet_server.py) multiplies each upload of a bias, a normalization parameter
+or an output row by the entry's count of past updates (`tmp_counts`) and
+divides by the sum of those counts; every client of the round reads the same
+count at an entry (the counts are updated after the round), so the count
+cancels and the result is this plain mean over holders, for any counts
+(tests/test_submodels.py reproduces their loop).
 The server steps toward that mean with its optimizer (`core.server_optimizer`;
 sgd at lr 1 by default: the mean replaces the held entries), per entry over the
 clients holding it: an entry no client held this round keeps its value and its
@@ -98,6 +104,7 @@ from fedjax_sparse.core.aggregation import masked_mean
 from fedjax_sparse.core.algorithm import AlgorithmSpec, BuildContext, FederatedAlgorithm, RoundInfo
 from fedjax_sparse.core.compilation import jit
 from fedjax_sparse.core.evaluation import population_batch_stats
+from fedjax_sparse.core.flops import forward_flops
 from fedjax_sparse.core.local_training import LocalObjective
 from fedjax_sparse.core.messages import Known, KnownMaskArray
 from fedjax_sparse.core.options import option
@@ -150,7 +157,10 @@ class SubmodelOptions(ServerOptimizerOptions):
 
     def ignored(self) -> dict[str, str]:
         """Options these values make the round ignore (`core.options.refuse_ignored`)."""
-        return {} if self.label_mask else {"label_mask_fill": "is read only with --label-mask"}
+        out = super().ignored()
+        if not self.label_mask:
+            out["label_mask_fill"] = "is read only with --label-mask"
+        return out
 
 
 LABEL_MASK_FILLS = {"zero": 0.0, "exclude": -jnp.inf}
@@ -190,13 +200,29 @@ class ServerMemory:
     update: Callable[[Any, Any, RoundInfo], Any]
 
 
+# capacity(round_index, client_id) -> beta; step_masks(key, capacity) -> (unit masks, width) of one local step
+CapacityRule = Callable[[jax.Array, jax.Array], jax.Array]
+StepMasks = Callable[[jax.Array, jax.Array], tuple[dict, jax.Array]]
+
+
 def submodel_algorithm(name: str, context: BuildContext, options: SubmodelOptions, scores: ScoreRule, *,
                        feedback: Callable[[Any], dict] | None = None,
-                       memory: ServerMemory | None = None) -> FederatedAlgorithm:
+                       memory: ServerMemory | None = None, capacity: CapacityRule | None = None,
+                       step_masks: StepMasks | None = None, expected_step_flops: Callable | None = None
+                       ) -> FederatedAlgorithm:
     """The sub-model round around a rule's unit `scores` (see the module docstring).
 
     feedback(data) -> dict: extra values a client uploads (FedGSE-CSL's labels), priced.
     memory: per-client server memory updated from the uploads (FedGSE-SPL).
+    capacity: a client's capacity in a round (default: `client_capacity` from the options).
+    step_masks: each local step trains a smaller sub-model of the client's, drawn from the
+      step's key (Fjord's per-batch widths); its width is what the Scaler divides by.
+      `expected_step_flops(capacity)`: the forward FLOPs of one example, in expectation over
+      those draws (the `train_flops` figure).
+
+    Every client reports `train_flops`: 3 x the forward multiply-adds of its sub-model over
+    the examples it trained on (`core.flops`, with the inputs its dropped units no longer
+    feed: the computation of the physically smaller model).
     """
     local = context.local
     model = local.model
@@ -216,8 +242,13 @@ def submodel_algorithm(name: str, context: BuildContext, options: SubmodelOption
             state["memory"] = memory.init(num_clients)
         return state, {}
 
+    def capacity_of(round_index, client_id):
+        if capacity is not None:
+            return capacity(round_index, client_id)
+        return client_capacity(options, context.seed, round_index, client_id)
+
     def broadcast(server_state, client_id, info):
-        capacity = client_capacity(options, context.seed, info.index, client_id)
+        capacity = capacity_of(info.index, client_id)
         masks = keep_top_units(structure, scores(server_state, client_id, info, capacity), capacity)
         variables = server_state["variables"]
         entry_masks = variable_masks(structure, variables, masks)
@@ -231,14 +262,25 @@ def submodel_algorithm(name: str, context: BuildContext, options: SubmodelOption
         if options.static_bn:  # trains with batch statistics; its running ones are never used nor sent
             variables = {**variables, "batch_stats": tree_map(lambda s: jnp.zeros(s.shape, s.dtype), stats_shapes)}
         entry_masks = variable_masks(structure, variables, masks)
-        train_masks = training_unit_masks(structure, masks, capacity, options.scaler)
         labels_held = client_label_counts(data, num_classes) > 0
+
+        def forward(trainable, key):
+            if step_masks is None:
+                step, width = masks, capacity
+            else:
+                step, width = step_masks(key, capacity)
+            return {"params": trainable["params"],
+                    "unit_masks": training_unit_masks(structure, step, width, options.scaler)}
+
         objective = LocalObjective(
-            forward=lambda t: {"params": t["params"], "unit_masks": train_masks},
+            forward=forward,
             update_mask=entry_masks,
             label_mask=labels_held if options.label_mask else None,
             label_mask_fill=LABEL_MASK_FILLS[options.label_mask_fill])
         trained, stats = local.train(variables, data, key, round_index=info.index, objective=objective)
+        per_example = (forward_flops(structure, masks, count_inputs=True) if expected_step_flops is None
+                       else expected_step_flops(capacity))
+        stats = {**stats, "train_flops": 3.0 * per_example * (data.count * local.epochs).astype(jnp.float32)}
         up = {"variables": tree_map(KnownMaskArray, sent(trained), sent(entry_masks)),
               "unit_masks": Known(masks), "labels_held": Known(labels_held)}
         if feedback is not None:
@@ -271,7 +313,8 @@ def submodel_algorithm(name: str, context: BuildContext, options: SubmodelOption
         variables = server_state["variables"]
         return {**server_state, "variables": {**variables, "batch_stats": recompute(variables, train)}}
 
-    recompute = jit(lambda variables, split: population_batch_stats(model, variables, split))
+    shuffle_key = stream_key(context.seed, "evaluation")  # one shuffled order of the examples, every evaluation
+    recompute = jit(lambda variables, split: population_batch_stats(model, variables, split, shuffle_key))
     return FederatedAlgorithm(
         name=name,
         init=init,

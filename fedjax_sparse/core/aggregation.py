@@ -8,6 +8,8 @@ import chex
 import jax
 import jax.numpy as jnp
 
+from fedjax_sparse.core.messages import KnownMaskArray, SparseArray
+
 
 def normalized(weights: jax.Array) -> jax.Array:
     chex.assert_rank(weights, 1)
@@ -48,3 +50,20 @@ def masked_mean(stacked: Any, masks: Any, weights: jax.Array, fallback: Any) -> 
         return jnp.where(total > 0, summed / jnp.where(total > 0, total, 1.0), old).astype(leaf.dtype)
 
     return jax.tree_util.tree_map(mean, stacked, masks, fallback)
+
+
+def _has_entries(x) -> bool:
+    return isinstance(x, (SparseArray, KnownMaskArray))
+
+
+def mean_of_sent(sent: Any, weights: jax.Array, fallback: Any) -> tuple[Any, Any]:
+    """(`masked_mean` of stacked partial messages, which entries any client sent).
+
+    `sent` is a tree of `SparseArray`s / `KnownMaskArray`s stacked on the client axis (the
+    entries each client sent are its mask); the held tree (bool, shaped like `fallback`) is
+    what a server optimizer's step takes as `held`, so an entry nobody sent keeps its value.
+    """
+    values = jax.tree_util.tree_map(lambda s: s.values, sent, is_leaf=_has_entries)
+    masks = jax.tree_util.tree_map(lambda s: s.mask, sent, is_leaf=_has_entries)
+    held = jax.tree_util.tree_map(lambda m: jnp.any(m, axis=0), masks)
+    return masked_mean(values, masks, weights, fallback), held

@@ -60,6 +60,9 @@ class FederatedAlgorithm:
     client_variables(server_state, client_state) -> the variables a client predicts with
         (may hold 'unit_masks': the client's sub-model).
     global_variables(server_state) -> variables, or None when there is no global model.
+    global_variants(server_state) -> {name: variables}, optional (with global_variables)
+        other versions of the global model scored beside it on the test set, logged as
+        `test_accuracy_<name>` (FedPM's mask thresholded at 0.5 beside its sampled one).
     select_uploads(up_messages, weights, info) -> up_messages, optional
         for methods where the server tells clients what to upload after seeing
         their feedback (FedLDF): returns what is really sent, which is what the
@@ -90,6 +93,7 @@ class FederatedAlgorithm:
     server_update: Callable[[ServerState, Message, jax.Array, RoundInfo], ServerState]
     client_variables: Callable[[ServerState, ClientState], Variables]
     global_variables: Callable[[ServerState], Variables] | None = None
+    global_variants: Callable[[ServerState], dict[str, Variables]] | None = None
     init_clients: Callable[[jax.Array, Variables, jax.Array], ClientState] | None = None
     select_uploads: Callable[[Message, jax.Array, RoundInfo], Message] | None = None
     client_diagnostics: Callable[[ServerState, ClientState], dict] | None = None

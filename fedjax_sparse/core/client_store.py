@@ -300,7 +300,7 @@ class ClientStore:
         path = Path(directory) / self._snapshot_name()
         if not (path / "meta.json").exists():
             raise FileNotFoundError(f"no client-state snapshot of process {self.process.tag()} under {directory}")
-        meta = json.loads((path / "meta.json").read_text())
+        meta = read_snapshot_meta(path / "meta.json")
         expected = self._meta()
         for field in ("num_clients", "row_bytes", "layout"):
             if meta[field] != expected[field]:
@@ -352,10 +352,31 @@ def _read_rows_snapshot(path: Path, meta: dict) -> tuple[np.ndarray, np.ndarray]
     return np.load(path / "slots.npy"), np.load(path / "rows.npy", mmap_mode="r")
 
 
+class SnapshotError(ValueError):
+    """A client-state snapshot cannot be used; the message names the file and what to do."""
+
+
+class ClientRowsLost(SnapshotError):
+    """The disk store's rows file, which every checkpoint's client states live in, is missing or cut short."""
+
+
+def read_snapshot_meta(path: Path) -> dict:
+    """A snapshot's meta.json, or a SnapshotError naming it (a truncated or garbled file)."""
+    try:
+        meta = json.loads(path.read_text())
+        if not isinstance(meta, dict) or "backend" not in meta:
+            raise ValueError("it holds no snapshot description")
+        return meta
+    except (ValueError, UnicodeDecodeError) as err:
+        raise SnapshotError(f"the client-state snapshot {path} cannot be read ({' '.join(str(err).split())}); "
+                            f"delete its checkpoint folder {path.parents[1]} to resume from the one before, or "
+                            f"start again with --overwrite") from None
+
+
 def snapshot_backend(directory: str | Path, process: ProcessLayout) -> str | None:
     """The backend of the store whose snapshot of `process`'s clients is in `directory` (None: none there)."""
     meta = Path(directory) / f"client_states.{process.tag()}" / "meta.json"
-    return json.loads(meta.read_text())["backend"] if meta.exists() else None
+    return read_snapshot_meta(meta)["backend"] if meta.exists() else None
 
 
 class RowStore(ClientStore):
@@ -564,8 +585,11 @@ class DiskStore(RowStore):
         slots = np.load(path / "slots.npy")
         size = os.fstat(self._fd).st_size
         if size < meta["num_slots"] * self.row_bytes:
-            raise ValueError(f"{self.path} holds {size} bytes, fewer than the {meta['num_slots']} rows of "
-                             f"{self.row_bytes} bytes the snapshot in {path} refers to")
+            raise ClientRowsLost(
+                f"the disk client store's rows file {self.path} holds {size} bytes, fewer than the "
+                f"{meta['num_slots']} rows of {self.row_bytes} bytes its checkpoint refers to (missing or cut "
+                f"short); every checkpoint keeps its client states in that file, so none can be resumed: start "
+                f"the run again with --overwrite")
         self.slots.load(slots, size // max(self.row_bytes, 1), np.load(path / "older_slots.npy"))
         self._stale = False
         self.generation += 1

@@ -193,15 +193,18 @@ def population_diagnostics(algorithm: FederatedAlgorithm, server_state, client_s
     return algorithm.diagnostics(server_state, figures)
 
 
-def population_batch_stats(model: Model, variables, split: FederatedSplit, batch_size: int = 500):
+def population_batch_stats(model: Model, variables, split: FederatedSplit, key: jax.Array, batch_size: int = 500):
     """BatchNorm statistics of `variables` recomputed over every example of `split` (static BN).
 
     HeteroFL's "static batch normalization": sub-models train with batch statistics only,
     so before the global model is evaluated the server recomputes each BN's statistics as
     the average over the training batches of their batch means and variances (PyTorch's
-    cumulative average, `momentum=None`). Batches are consecutive slices of the split's
-    flat data (all clients' examples); the last, partial batch is weighted by its size.
-    Returns new `batch_stats` ({} for models without BatchNorm).
+    cumulative average, `momentum=None`). Batches are consecutive slices of one random
+    permutation of the split's examples drawn from `key`, as HeteroFL's code draws its
+    batches shuffled: the split's own order is client by client, often class by class
+    within a client, and batches of one class would average within-class variances, far
+    below the data's. The last, partial batch is weighted by its size. Returns new
+    `batch_stats` ({} for models without BatchNorm).
     """
     if not jax.tree_util.tree_leaves(variables["batch_stats"]):
         return variables["batch_stats"]
@@ -210,11 +213,12 @@ def population_batch_stats(model: Model, variables, split: FederatedSplit, batch
     n = math.ceil(total / batch_size)
     zeros = jax.tree_util.tree_map(jnp.zeros_like, variables["batch_stats"])
     keep = BN_MOMENTUM  # new = keep * old + (1 - keep) * batch, so from zeros: batch = new / (1 - keep)
+    order = jax.random.permutation(key, total)
 
     def one(i):
         pos = i * batch_size + jnp.arange(batch_size)
         mask = pos < total
-        index = jnp.minimum(pos, total - 1)
+        index = order[jnp.minimum(pos, total - 1)]
         x = normalize(split.x[index], split.mean, split.std)
         _, stats = model.apply({**variables, "batch_stats": zeros}, x, train=True, mask=mask)
         count = jnp.sum(mask).astype(jnp.float32)

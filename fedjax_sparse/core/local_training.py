@@ -64,8 +64,10 @@ class LocalObjective:
     """How a method's local step differs from plain (momentum) SGD on the cross-entropy.
 
     Every field is optional; `LocalSGD.train` runs one step for all methods:
-      forward(trainable) -> {'params', 'unit_masks'?}: what the forward pass uses, from the
-        trainable leaves (SpaFL: straight-through threshold masks; sub-models: fixed masks);
+      forward(trainable, key) -> {'params', 'unit_masks'?}: what the forward pass uses, from the
+        trainable leaves and the step's own key (SpaFL: straight-through threshold masks;
+        sub-models: fixed masks; FedPM: a Bernoulli mask sampled every step; Fjord: a width
+        drawn every batch);
       extra_loss(trainable) -> scalar added to the task loss (FedProx's proximal term,
         SpaFL's threshold regularizer);
       label_mask: [num_classes] bool (HeteroFL's label split): the logits of other classes
@@ -76,16 +78,30 @@ class LocalObjective:
         (a sub-model's weights; every other entry, momentum and weight decay included,
         stays exactly as it was, and so do the BatchNorm statistics of dropped units);
       after_step(before, after, batch) -> (trainable, metrics): a projection after each
-        step (SpaFL's clipping and reset) and per-step figures, summed over the real steps.
+        step (SpaFL's clipping and reset) and per-step figures, summed over the real steps;
+      optimizer(learning_rate) -> optax transformation replacing the run's (momentum) SGD
+        (FedPM trains its scores with Adam at the run's learning rate).
     """
 
-    forward: Callable[[dict], dict] | None = None
+    forward: Callable[[dict, jax.Array], dict] | None = None
     extra_loss: Callable[[dict], jax.Array] | None = None
     label_mask: jax.Array | None = None
     label_mask_fill: float = -math.inf
     grad_correction: Callable[[dict], dict] | None = None
     update_mask: dict | None = None
     after_step: Callable[[dict, dict, Batch], tuple[dict, dict]] | None = None
+    optimizer: Callable[[jax.Array], optax.GradientTransformation] | None = None
+
+
+def proximal_term(params: Any, anchor: Any, mu: float) -> jax.Array:
+    """(mu / 2) ||params - anchor||^2 over every leaf: FedProx's term, and the pull toward a point of
+    any method that adds one to its local loss (`LocalObjective.extra_loss`).
+
+        >>> float(proximal_term({"w": jnp.array([1.0, 2.0])}, {"w": jnp.array([0.0, 0.0])}, 0.5))
+        1.25
+    """
+    squares = jax.tree_util.tree_map(lambda w, a: jnp.sum((w - a) ** 2), params, anchor)
+    return 0.5 * mu * sum(jax.tree_util.tree_leaves(squares))
 
 
 def label_masked_cross_entropy(logits: jax.Array, labels: jax.Array, mask: jax.Array,
@@ -159,19 +175,31 @@ class LocalSGD:
 
         Returns (variables with the extra leaves added under their names, stats): stats are
         {'loss': mean task loss over all examples seen, 'num_steps': real steps} plus the sums
-        of `objective.after_step`'s metrics.
+        of `objective.after_step`'s metrics. The optimizer starts fresh.
         """
+        variables, _, stats = self.train_with_optimizer_state(variables, data, key, round_index=round_index,
+                                                              extra=extra, objective=objective)
+        return variables, stats
+
+    def train_with_optimizer_state(self, variables: dict, data: ClientData, key: jax.Array, *,
+                                   round_index: jax.Array | int = 0, extra: dict | None = None,
+                                   objective: LocalObjective | None = None,
+                                   optimizer_state: Any = None) -> tuple[dict, Any, dict]:
+        """`train`, continuing from `optimizer_state` (None: a fresh one) and returning the
+        optimizer's final state too: (variables, optimizer_state, stats). For a method whose
+        clients keep their optimizer between rounds (FedPM's per-client Adam)."""
         objective = objective or LocalObjective()
-        tx = self.optimizer(self.learning_rate_at(round_index))
+        learning_rate = self.learning_rate_at(round_index)
+        tx = objective.optimizer(learning_rate) if objective.optimizer is not None else self.optimizer(learning_rate)
         model = self.model
         extra = extra or {}
         if "params" in extra or "batch_stats" in extra:
             raise ValueError("extra trainable leaves may not be named 'params' or 'batch_stats'")
         mask = objective.update_mask
 
-        def forward(trainable):
+        def forward(trainable, key):
             if objective.forward is not None:
-                return objective.forward(trainable)
+                return objective.forward(trainable, key)
             return {"params": trainable["params"]}
 
         def after_step(before, after, batch):
@@ -180,11 +208,10 @@ class LocalSGD:
             return objective.after_step(before, after, batch)
 
         def step(carry, batch: Batch, key):
-            del key
             trainable, batch_stats, opt_state, sums = carry
 
             def loss_fn(trainable):
-                logits, new_stats = model.apply({**forward(trainable), "batch_stats": batch_stats}, batch.x,
+                logits, new_stats = model.apply({**forward(trainable, key), "batch_stats": batch_stats}, batch.x,
                                                 train=True, mask=batch.mask)
                 task = label_masked_cross_entropy(logits, batch.y, batch.mask, objective.label_mask,
                                                   objective.label_mask_fill)
@@ -208,7 +235,8 @@ class LocalSGD:
                                                           key, train=False))
         metric_shapes = jax.eval_shape(lambda t, b: after_step(t, t, b)[1], trainable, batch_shape)
         zeros = jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), metric_shapes)
-        carry = (trainable, variables["batch_stats"], tx.init(trainable), zeros)
-        (trainable, batch_stats, _, sums), stats = run_local_steps(step, carry, data, key, epochs=self.epochs,
-                                                                   batch_size=self.batch_size)
-        return {**trainable, "batch_stats": batch_stats}, {**stats, **sums}
+        opt_state = tx.init(trainable) if optimizer_state is None else optimizer_state
+        carry = (trainable, variables["batch_stats"], opt_state, zeros)
+        (trainable, batch_stats, opt_state, sums), stats = run_local_steps(step, carry, data, key, epochs=self.epochs,
+                                                                           batch_size=self.batch_size)
+        return {**trainable, "batch_stats": batch_stats}, opt_state, {**stats, **sums}

@@ -26,7 +26,8 @@ from (their input units) or whose units a normalization follows: a layer
 outside the message must keep every unit, as both sides know by protocol
 (SPATL selects encoder layers only). With those,
 `core.unit_masks.variable_masks` gives every entry (the receiver runs the
-sender's own computation).
+sender's own computation; with `inputs=False`, when the protocol sends each kept
+unit's whole incoming weights, it needs only the units of the layers sent).
 
 Two more leaf kinds, for what both sides already know:
   * `KnownMaskArray`: values at entries whose positions the receiver knows
@@ -36,7 +37,18 @@ Two more leaf kinds, for what both sides already know:
   * `Known`: a value both sides can compute themselves (a sub-model's unit
     masks and capacity, which the simulation hands to the client so that it
     can run the smaller model inside static shapes): costs nothing.
-One function prices every message of every algorithm, inside jit.
+A binary mask sent entropy-coded (`CodedMask`; FedPM's uploaded mask sample):
+it costs the size of a static binary arithmetic code of its bits. With k ones
+among n bits the coder's model is Bernoulli(k / n), told to the receiver as
+the count k (the smallest of 1, 2, 4 bytes that holds n), and the code of the
+bits takes at most -log2 P(bits) + 2 = n H(k / n) + 2 bits (H the binary
+entropy; arithmetic coding's bound, Cover & Thomas 13.3), rounded up to whole
+bytes; a mask of all zeros or all ones is told by its count alone. This is
+the bound an exact arithmetic coder meets, not the output of one run here
+(tests/test_fedpm.py codes masks with one and checks it stays within it).
+Stochastically quantized leaves (`QuantizedArray`, QSGD) cost a float32 norm plus
+bits + 1 (sign) per entry. One function prices every message of every algorithm,
+inside jit.
 """
 
 from __future__ import annotations
@@ -55,13 +67,27 @@ from fedjax_sparse.models.structure import ModelStructure
 
 @flax.struct.dataclass
 class SparseArray:
-    """`values` where `mask` is True; zeros elsewhere are not sent."""
+    """`values` where `mask` is True; zeros elsewhere are not sent.
+
+        >>> import jax.numpy as jnp
+        >>> leaf = SparseArray.from_indices(jnp.array([3, 0]), jnp.array([5.0, 7.0]), (4,))
+        >>> leaf.dense().tolist(), int(message_bytes(leaf))  # 2 float32 values + a 1-byte bitmask
+        ([7.0, 0.0, 0.0, 5.0], 9)
+    """
 
     values: jax.Array
     mask: jax.Array
 
     def dense(self) -> jax.Array:
         return jnp.where(self.mask, self.values, jnp.zeros_like(self.values))
+
+    @classmethod
+    def from_indices(cls, indices: jax.Array, values: jax.Array, shape: tuple[int, ...]) -> "SparseArray":
+        """The array of `shape` holding `values` at the flat positions `indices` (distinct), nothing else."""
+        size = int(np.prod(shape))
+        flat = jnp.zeros((size,), jnp.asarray(values).dtype).at[indices].set(values)
+        mask = jnp.zeros((size,), bool).at[indices].set(True)
+        return cls(flat.reshape(shape), mask.reshape(shape))
 
 
 @flax.struct.dataclass
@@ -74,13 +100,14 @@ class UnitSparseArray(SparseArray):
     layer: str = flax.struct.field(pytree_node=False)
 
 
-def unit_sparse(structure: ModelStructure, variables: dict, unit_masks: UnitMasks) -> dict:
+def unit_sparse(structure: ModelStructure, variables: dict, unit_masks: UnitMasks, *, inputs: bool = True) -> dict:
     """`variables` ({'params', 'batch_stats'}) as `UnitSparseArray`s: the entries of the sub-model
-    `unit_masks` selects (`variable_masks`), each leaf tagged with the layer that owns it
-    (`core.layer_groups`). Take a part of the result (e.g. SPATL's encoder) to send only that."""
+    `unit_masks` selects (`variable_masks`; `inputs=False`: the kept units' own entries), each leaf
+    tagged with the layer that owns it (`core.layer_groups`). Take a part of the result (e.g.
+    SPATL's encoder) to send only that."""
     variables = {c: variables.get(c, {}) for c in COLLECTIONS}
     owners = layer_groups(structure, variables).index
-    entries = variable_masks(structure, variables, unit_masks)
+    entries = variable_masks(structure, variables, unit_masks, inputs=inputs)
 
     def leaf(owner, value, mask):
         layer = structure.layers[owner]
@@ -107,8 +134,39 @@ class Known:
     value: Any
 
 
+@flax.struct.dataclass
+class QuantizedArray:
+    """Stochastic quantization (QSGD, Alistarh et al. 2017): the array is `norm x sign x level / s` with
+    s = 2^bits - 1 levels per sign; it costs its norm (4 bytes) plus `bits` + 1 sign bit per entry,
+    rounded up to whole bytes (QSGD's fixed-length code; its Elias coding of small levels is not
+    counted). Build it with `core.compression.stochastic_quantization`."""
+
+    levels: jax.Array  # signed integer levels in [-s, s]
+    norm: jax.Array
+    bits: int = flax.struct.field(pytree_node=False)
+
+    def dense(self) -> jax.Array:
+        norm = jnp.reshape(self.norm, jnp.shape(self.norm) + (1,) * (self.levels.ndim - jnp.ndim(self.norm)))
+        return norm * self.levels.astype(jnp.float32) / (2 ** self.bits - 1)
+
+
+def quantized_bytes(leaf: QuantizedArray) -> int:
+    return 4 + (int(np.prod(leaf.levels.shape)) * (leaf.bits + 1) + 7) // 8
+
+
+@flax.struct.dataclass
+class CodedMask:
+    """A binary mask sent arithmetic-coded: it costs its count of ones plus n H(k / n) + 2 bits
+    (see the module docstring)."""
+
+    bits: jax.Array
+
+
+PRICED_LEAVES = (SparseArray, KnownMaskArray, Known, CodedMask, QuantizedArray)
+
+
 def _is_priced_leaf(x) -> bool:
-    return isinstance(x, (SparseArray, KnownMaskArray, Known))
+    return isinstance(x, PRICED_LEAVES)
 
 
 def index_itemsize(size: int) -> int:
@@ -133,6 +191,17 @@ def _sparse_bytes(leaf: SparseArray) -> jax.Array:
     return jnp.minimum(_value_bytes(leaf) + _index_bytes(leaf.mask), dense)
 
 
+def coded_mask_bytes(bits: jax.Array) -> jax.Array:
+    """Bytes of a binary mask under a static arithmetic code (see the module docstring)."""
+    n = int(np.prod(bits.shape))
+    ones = jnp.sum(bits.astype(jnp.float32))
+    p = ones / n
+    safe = jnp.clip(p, 1e-12, 1 - 1e-12)
+    entropy = -(safe * jnp.log2(safe) + (1 - safe) * jnp.log2(1 - safe))
+    code_bits = jnp.where((ones > 0) & (ones < n), n * entropy + 2.0, 0.0)
+    return index_itemsize(n + 1) + jnp.ceil(code_bits / 8).astype(jnp.int32)
+
+
 def _unit_layer_bytes(leaves: list[UnitSparseArray]) -> jax.Array:
     """One layer's leaves: its unit index once plus their values, or each leaf on its own."""
     unit_coded = _index_bytes(leaves[0].units) + sum(_value_bytes(l) for l in leaves)
@@ -152,6 +221,10 @@ def message_bytes(message: Any) -> jax.Array:
             total = total + _sparse_bytes(leaf)
         elif isinstance(leaf, KnownMaskArray):
             total = total + _value_bytes(leaf)
+        elif isinstance(leaf, CodedMask):
+            total = total + coded_mask_bytes(leaf.bits)
+        elif isinstance(leaf, QuantizedArray):
+            total = total + quantized_bytes(leaf)
     for members in layers.values():
         total = total + _unit_layer_bytes(members)
     return total

@@ -63,7 +63,7 @@ class OptionSpec:
 
 
 def _num(x: float) -> str:
-    return f"{x:g}"
+    return str(int(x)) if float(x).is_integer() and abs(x) < 1e16 else f"{x:g}"
 
 
 def option(default: Any = dataclasses.MISSING, help: str = "", *, low: float | None = None,
@@ -141,7 +141,7 @@ def _parser_for(element: type, optional: bool, is_tuple: bool, name: str):
         try:
             return element(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"{flag_name(name)}: {text!r} is not a valid {element.__name__}")
+            raise argparse.ArgumentTypeError(f"{text!r} is not a valid {element.__name__}")
 
     def parse(text: str):
         if optional and text.lower() == "none":
@@ -168,7 +168,7 @@ def coerce(name: str, annotation: Any, value: Any) -> Any:
         try:
             return _parser_for(element, optional, is_tuple, name)(value)
         except argparse.ArgumentTypeError as err:
-            raise ValueError(str(err)) from None
+            raise ValueError(f"{flag_name(name)}: {err}") from None
     if is_tuple:
         if not isinstance(value, (list, tuple)):
             raise ValueError(f"{flag_name(name)}: {value!r} is not a list of {element.__name__}")

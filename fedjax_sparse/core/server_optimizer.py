@@ -70,6 +70,15 @@ class ServerOptimizerOptions:
     server_epsilon: float = option(1e-3, "adagrad, adam, yogi: tau, the adaptivity (smaller: more adaptive)",
                                    low=0.0, low_open=True)
 
+    def ignored(self) -> dict[str, str]:
+        """The server optimizer's flags that the chosen one does not read (`core.options.refuse_ignored`);
+        a subclass with its own adds them to these."""
+        readers = {"server_momentum": ("momentum",), "server_beta1": ("adagrad", "adam", "yogi"),
+                   "server_beta2": ("adam", "yogi"), "server_epsilon": ("adagrad", "adam", "yogi")}
+        return {name: f"is read only by --server-optimizer {' or '.join(users)}; --server-optimizer "
+                      f"{self.server_optimizer} does not read it"
+                for name, users in readers.items() if self.server_optimizer not in users}
+
 
 class FedOptState(NamedTuple):
     m: Any
@@ -158,7 +167,18 @@ class ServerOptimizer:
 
 
 def without_optimizer_state(server_state: dict) -> dict:
-    """The server state less the optimizer's state, which never leaves the server (what a broadcast sends)."""
+    """The server state less the optimizer's state, which never leaves the server (what a broadcast sends).
+
+    Server momentum over two rounds toward the same aggregate, and what a broadcast would send:
+
+        >>> import jax.numpy as jnp
+        >>> server = server_optimizer("momentum", lr=1.0, momentum=0.5)
+        >>> state = server.init_state({"params": {"w": jnp.zeros(2)}})
+        >>> state = server.step_toward(state, {"params": {"w": jnp.ones(2)}})  # u = 1, w = 0 + 1
+        >>> state = server.step_toward(state, {"params": {"w": jnp.ones(2)}})  # u = 0.5 + 0 = 0.5, w = 1.5
+        >>> state["variables"]["params"]["w"].tolist(), sorted(without_optimizer_state(state))
+        ([1.5, 1.5], ['variables'])
+    """
     return {k: v for k, v in server_state.items() if k != STATE_KEY}
 
 

@@ -134,15 +134,27 @@ def kernel_mask(layer: Layer, kernel_shape: tuple[int, ...], keep: jax.Array,
     return mask & rows.reshape((1,) * (len(kernel_shape) - 2) + (-1, 1))
 
 
-def variable_masks(structure: ModelStructure, variables: dict, unit_masks: UnitMasks) -> dict:
+def variable_masks(structure: ModelStructure, variables: dict, unit_masks: UnitMasks, *,
+                   inputs: bool = True) -> dict:
     """Bool trees shaped like `variables` ({'params', 'batch_stats'}): True on the sub-model's entries.
 
     Kernels: output unit kept and input unit live (`kernel_mask`); biases,
     normalization parameters and statistics: unit kept. Leaves outside the
-    prunable layers are all True.
+    prunable layers are all True. `inputs=False`: the kept units' own entries
+    instead, every kernel entry of a kept unit whatever its input (a neuron-level
+    upload sends a kept neuron's whole incoming weights, FedADP).
+
+        >>> from fedjax_sparse.models import get_model
+        >>> import jax, jax.numpy as jnp
+        >>> model = get_model("mlp", (8, 8, 1), 10)
+        >>> shapes = jax.eval_shape(model.init, jax.random.key(0))
+        >>> masks = {"fc1": jnp.arange(256) < 64, "fc2": jnp.arange(256) < 32, "fc3": jnp.ones(10, bool)}
+        >>> entries = variable_masks(model.structure, shapes, masks)["params"]
+        >>> int(entries["fc2"]["kernel"].sum()), int(entries["fc3"]["kernel"].sum())  # 64 x 32, 32 x 10
+        (2048, 320)
     """
     _check_masks(structure, unit_masks)
-    live = input_unit_masks(structure, unit_masks)
+    live = input_unit_masks(structure, unit_masks) if inputs else {l.name: None for l in structure.layers}
     out = jax.tree_util.tree_map(lambda leaf: jnp.ones(jnp.shape(leaf), bool), dict(variables))
     for layer in structure.layers:
         keep = jnp.asarray(unit_masks[layer.name]).astype(bool)

@@ -60,6 +60,11 @@ class Federation:
                           process=process),
                 host_data(d.x_test, d.y_test, self.test_indices, d.mean, d.std, process=process))
 
+    def first_client(self) -> FederatedSplit:
+        """Client 0's training examples alone (what a check on shapes needs)."""
+        d, first = self.dataset, np.asarray(self.train_indices[0])
+        return federated_split(d.x_train[first], d.y_train[first], [np.arange(len(first))], d.mean, d.std)
+
     def summary(self) -> list[dict]:
         return partition_summary(self.train_indices, self.dataset.y_train, self.dataset.num_classes)
 
@@ -98,6 +103,11 @@ class GeneratedFederation:
 
     def on_host(self, process: ProcessLayout) -> tuple[ClientWindows, ClientWindows]:
         return self.population.windows("train", process), self.population.windows("test", process)
+
+    def first_client(self) -> FederatedSplit:
+        """Client 0's training examples alone (what a check on shapes needs)."""
+        x, y = self.population.examples(0, "train")
+        return federated_split(x, y, [np.arange(len(y))], self.population.mean, self.population.std)
 
     def summary(self) -> dict:
         """Compact for a population of millions: its spec and each client's training examples (its labels

@@ -13,11 +13,10 @@ from __future__ import annotations
 import difflib
 import json
 import tomllib
-import typing
 from pathlib import Path
 from typing import Any
 
-from fedjax_sparse.core.options import check_value, coerce, option_fields, spec_of
+from fedjax_sparse.core.options import check_value, coerce
 
 FORMATS = {".json": "JSON", ".yaml": "YAML", ".yml": "YAML", ".toml": "TOML"}
 
@@ -28,9 +27,12 @@ def _parse(path: Path) -> Any:
         raise ValueError(f"--config {path}: unknown file type {path.suffix or '(none)'}; valid: "
                          f"{', '.join(FORMATS)}")
     try:
-        text = path.read_text()
+        text = path.read_text(encoding="utf-8")
     except OSError as err:
         raise ValueError(f"--config {path}: cannot read it ({err.strerror or err})") from None
+    except UnicodeDecodeError as err:
+        raise ValueError(f"--config {path}: not a text file (byte {err.object[err.start]:#04x} at offset {err.start} "
+                         f"is not UTF-8); give a JSON, YAML or TOML file") from None
     try:
         if kind == "JSON":
             return json.loads(text)
@@ -43,19 +45,6 @@ def _parse(path: Path) -> Any:
         raise ValueError(f"--config {path}: not valid {kind}: {' '.join(str(err).split())}") from None
 
 
-def declared_options() -> dict[str, tuple[Any, Any]]:
-    """Every option a run takes, shared or an algorithm's: name -> (OptionSpec, type annotation)."""
-    from fedjax_sparse.algorithms import ALGORITHMS
-    from fedjax_sparse.runner import RunConfig
-
-    out = {}
-    for cls in (RunConfig, *(spec.options for spec in ALGORITHMS.values())):
-        hints = typing.get_type_hints(cls)
-        for field in option_fields(cls):
-            out.setdefault(field.name, (spec_of(field), hints[field.name]))
-    return out
-
-
 def read_config_file(path: str | Path) -> dict[str, Any]:
     """The file's options as flat, typed values, each checked as its flag would be."""
     path = Path(path)
@@ -65,6 +54,8 @@ def read_config_file(path: str | Path) -> dict[str, Any]:
     if not isinstance(raw, dict):
         raise ValueError(f"--config {path}: expected a mapping of option names to values, got a "
                          f"{type(raw).__name__}")
+    from fedjax_sparse.run.config import declared_options
+
     declared = declared_options()
     values = {}
     for key, value in raw.items():

@@ -1,7 +1,7 @@
 """`fedjax-sparse run ...`: one federated experiment from the command line.
 
 The flags are built from the option declarations: the run's shared options
-(`runner.RunConfig`) and each algorithm's own dataclass. A flag is refused
+(`run.config.RunConfig`) and each algorithm's own dataclass. A flag is refused
 when the chosen algorithm does not read it, or when its other options make it
 ignore it (`core.options.refuse_ignored`), so a mistyped setting never passes
 silently. The launch flags of a run over several processes (`--coordinator`,
@@ -17,17 +17,25 @@ import dataclasses
 import sys
 from pathlib import Path
 
-from fedjax_sparse.stopping import stop_start_up_at_once
+from fedjax_sparse.run.signals import stop_start_up_at_once
 
 _HELP_EPILOG = "Algorithm options list, in brackets, the algorithms that read them."
 LAUNCH_FLAGS = ("coordinator", "num_processes", "process_id", "cluster", "launch_timeout")
 
 
+class OneLineParser(argparse.ArgumentParser):
+    """A malformed or unknown flag is one line naming it (argparse prints its whole usage first)."""
+
+    def error(self, message: str):
+        self.exit(2, f"fedjax-sparse: error: {' '.join(message.split())} (`{self.prog} --help` lists the "
+                     f"options)\n")
+
+
 def _run_parser(sub) -> argparse.ArgumentParser:
-    from fedjax_sparse.algorithms import ALGORITHMS, option_users
+    from fedjax_sparse.algorithms import algorithm_names, option_users, registered
     from fedjax_sparse.core.distributed import DEFAULT_TIMEOUT_S, LAUNCH_FAILURE_EXIT
     from fedjax_sparse.core.options import add_flags
-    from fedjax_sparse.runner import RunConfig
+    from fedjax_sparse.run import RunConfig
 
     p = sub.add_parser("run", help="run one federated experiment", epilog=_HELP_EPILOG)
     # The parsed namespace holds exactly the flags given (`add_flags` sets no defaults).
@@ -36,8 +44,11 @@ def _run_parser(sub) -> argparse.ArgumentParser:
     add_flags(shared, RunConfig, seen=seen)
     algo = p.add_argument_group("algorithm options")
     users = option_users()
-    for spec in ALGORITHMS.values():
+    for spec in registered().values():
         add_flags(algo, spec.options, used_by=users, seen=seen)
+    for action in shared._group_actions:  # the live registry's names, not a list frozen at import
+        if action.dest == "algorithm":
+            action.choices = algorithm_names()
     p.add_argument("--config", metavar="FILE", default=None,
                    help="read the options from a JSON, YAML or TOML file (a run's config.json is one); flags "
                         "given with it override it")
@@ -47,10 +58,13 @@ def _run_parser(sub) -> argparse.ArgumentParser:
                         "would change the results are refused")
     p.add_argument("--overwrite", action="store_true",
                    help="delete the files of another run in --out first (without it such a folder is refused)")
+    p.add_argument("--allow-data-change", action="store_true",
+                   help="with --resume: go on although the data differ from those the run started on (refused "
+                        "without it)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     launch = p.add_argument_group(
         "several processes (one run over every process's devices; start each process with the same flags "
-        "but --process-id; see README)")
+        "but --process-id; see docs/scale.md)")
     launch.add_argument("--coordinator", metavar="HOST:PORT", default=None,
                         help="address of process 0, where the processes meet")
     launch.add_argument("--num-processes", metavar="P", type=int, default=None, help="how many processes")
@@ -65,29 +79,29 @@ def _run_parser(sub) -> argparse.ArgumentParser:
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="fedjax-sparse",
-                                     description="Communication-efficient, sparse federated learning in JAX.")
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser = OneLineParser(prog="fedjax-sparse",
+                           description="Communication-efficient, sparse federated learning in JAX.")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=OneLineParser)
     _run_parser(sub)
     return parser
 
 
 def _config(args: argparse.Namespace):
     """The run's config: the flags given, over a --config file's options, or for --resume over the saved config."""
-    from fedjax_sparse.algorithms import get_spec, option_users
-    from fedjax_sparse.checkpoint import RunCheckpointer, has_checkpoints
+    from fedjax_sparse.algorithms import UnknownAlgorithm, get_spec, option_users
+    from fedjax_sparse.run.checkpoints import RunCheckpointer, has_checkpoints
     from fedjax_sparse.core.options import flag_name, refuse_ignored
-    from fedjax_sparse.reporting import say
-    from fedjax_sparse.run_folder import read_saved_config
-    from fedjax_sparse.runner import SHARED_OPTIONS, RunConfig
+    from fedjax_sparse.run.outputs import say
+    from fedjax_sparse.run.folder import read_saved_config
+    from fedjax_sparse.run import SHARED_OPTIONS, RunConfig
 
     given = {k: v for k, v in vars(args).items() if k not in ("command", "config", "resume", "overwrite",
-                                                               "no_progress", *LAUNCH_FLAGS)}
+                                                               "allow_data_change", "no_progress", *LAUNCH_FLAGS)}
     base = {}
     if args.config is not None:
         if args.resume is not None:
             raise ValueError("--config and --resume do not combine: --resume DIR continues with DIR/config.json")
-        from fedjax_sparse.config_file import read_config_file
+        from fedjax_sparse.run.config_file import read_config_file
 
         base = read_config_file(args.config)
     if args.resume is not None:
@@ -102,7 +116,7 @@ def _config(args: argparse.Namespace):
             meta = RunCheckpointer(run_dir).read_meta() if has_checkpoints(run_dir) else None
             return None if meta is None else meta["config"]
 
-        base = read_saved_config(run_dir, RunConfig.from_dict, checkpoint_config, say)
+        base = read_saved_config(run_dir, RunConfig.from_dict, checkpoint_config, say, fatal=(UnknownAlgorithm,))
         given["out"] = args.resume
     config = RunConfig.from_dict({**base, **given})
     own = {f for f in vars(config.algorithm_options)}
@@ -113,6 +127,7 @@ def _config(args: argparse.Namespace):
             raise ValueError(f"{where}{flag_name(name)} is an option of {', '.join(users[name])}; --algorithm "
                              f"{config.algorithm} does not read it")
     refuse_ignored(config.algorithm_options, given)
+    refuse_ignored(config, given)  # the run's own patterns (uplink compression's settings)
     if args.config is not None:  # a file's key set away from its default is as deliberate as a flag
         options = config.algorithm_options
         defaults = {f.name: f.default for f in dataclasses.fields(options)}
@@ -147,15 +162,21 @@ def _launch(args: argparse.Namespace) -> int:
 def _main(argv: list[str] | None) -> int:
     args = _parser().parse_args(argv)
 
-    from fedjax_sparse.checkpoint import CheckpointError
-    from fedjax_sparse.runner import DivergenceError, Interrupted, run_experiment
+    from fedjax_sparse.run import DivergenceError, Interrupted, RunFailed, run_experiment
+    from fedjax_sparse.run.checkpoints import CheckpointError, io_reason
+    from fedjax_sparse.run.outputs import RunWriteError
     try:
         lead = _launch(args) == 0
+        if args.allow_data_change and args.resume is None:
+            raise ValueError("--allow-data-change goes with --resume: a new run takes whatever data it is given")
         config = _config(args)
         summary = run_experiment(config, progress=not args.no_progress, resume=args.resume is not None,
-                                 overwrite=args.overwrite)
-    except (ValueError, FileNotFoundError, DivergenceError, CheckpointError) as e:
+                                 overwrite=args.overwrite, allow_data_change=args.allow_data_change)
+    except (ValueError, FileNotFoundError, DivergenceError, CheckpointError, RunFailed, RunWriteError) as e:
         print(f"fedjax-sparse: error: {' '.join(str(e).split())}", file=sys.stderr)
+        return 2
+    except OSError as e:  # an I/O failure outside the rounds (reading the data, the run folder)
+        print(f"fedjax-sparse: error: {io_reason(e)}", file=sys.stderr)
         return 2
     except Interrupted as e:
         print(f"fedjax-sparse: {e}", file=sys.stderr)

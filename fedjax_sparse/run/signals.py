@@ -1,4 +1,5 @@
-"""How a run answers SIGINT (Ctrl-C) and SIGTERM (what a cluster scheduler sends before it kills a job).
+"""How a run answers SIGINT (Ctrl-C), SIGTERM (what a cluster scheduler sends before it kills a job) and
+SIGHUP (a closed terminal, a dropped ssh session), all alike.
 
 * During start-up (imports, loading data, building; `stop_start_up_at_once`) a signal ends the
   process where it stands, with one line: nothing was run, and only the folder's lock file (and a
@@ -20,7 +21,8 @@ import sys
 import threading
 from typing import Iterator
 
-SIGNALS = (signal.SIGINT, signal.SIGTERM)
+# SIGHUP: a closed terminal or a dropped ssh session ends a run the way a scheduler's SIGTERM does
+SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 
 _rounds_began = False
@@ -65,11 +67,13 @@ def stop_start_up_at_once() -> Iterator[None]:
 
 class StopAfterRound:
     """While the rounds run: `signum` is the first signal received (None: none), `round` the round in
-    progress and `waiting_for` what the run is doing, for the messages a signal prints."""
+    progress (or, before the first, the first to run), `last_round` the run's last, and `waiting_for`
+    what the run is doing, for the messages a signal prints."""
 
-    def __init__(self):
+    def __init__(self, first_round: int = 1, last_round: int | None = None):
         self.signum: int | None = None
-        self.round = 0
+        self.round = first_round
+        self.last_round = last_round
         self.waiting_for = "the current round to finish"
         self._previous = {}
 
@@ -80,11 +84,14 @@ class StopAfterRound:
         return self
 
     def _handle(self, signum, frame):
-        from fedjax_sparse.reporting import say
+        from fedjax_sparse.run.outputs import say
         name = signal.Signals(signum).name
         if self.signum is None:
             self.signum = signum
-            say(f"{name}: stopping after round {self.round}, then saving a checkpoint")
+            if self.last_round is not None and self.round >= self.last_round:
+                say(f"{name}: round {self.round} is the run's last; the run ends after it, as it would have")
+            else:
+                say(f"{name}: stopping after round {self.round}, then saving a checkpoint")
         else:
             say(f"{name}: already stopping; waiting for {self.waiting_for} (kill -9 {os.getpid()} stops at "
                 f"once, losing the rounds since the last checkpoint)")

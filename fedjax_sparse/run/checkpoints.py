@@ -21,22 +21,29 @@ would leave a run believing it had saved.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
+import logging
+import os
+import re
+import shutil
 from pathlib import Path
 from typing import Any
 
 import jax
 import orbax.checkpoint as ocp
 
-from fedjax_sparse.core.client_store import ClientStore, DeviceStore
-from fedjax_sparse.faults import fault_point
+from fedjax_sparse.core.client_store import ClientStore, DeviceStore, SnapshotError
+from fedjax_sparse.run.faults import fault_point
 
 # Config fields a resumed run may change without changing its results. The client store may change
 # (each holds the same states), except that a disk store's checkpoint restores only into the disk
-# store (the runner refuses the others, and `auto` picks disk then).
-RESUMABLE_CHANGES = ("rounds", "out", "checkpoint_every", "shard_clients", "compilation_cache", "data_dir", "download",
-                     "tensorboard", "client_store")
+# store (the run refuses the others, and `auto` picks disk then). Sharding the clients over the
+# devices changes the order of the sum over them, hence the results' last bits: it may not change.
+RESUMABLE_CHANGES = ("rounds", "out", "checkpoint_every", "compilation_cache", "data_dir", "download", "tensorboard",
+                     "client_store")
+ASYNC_TIMEOUT_S = 60  # orbax's waits on its background save (its default: 20 minutes)
 KEEP = 2  # checkpoints kept; the disk client store never overwrites the rows they refer to
 CLIENT_STATES = "client_states"  # the checkpoint's item holding the client-state snapshots
 
@@ -81,26 +88,88 @@ def has_checkpoints(run_dir: str | Path) -> bool:
     return (Path(run_dir) / "checkpoints").is_dir()
 
 
+def io_reason(err: BaseException) -> str:
+    """The OS's words for an I/O failure anywhere in `err`'s causes ('No space left on device [errno 28]'),
+    else its own first line."""
+    seen = err
+    while seen is not None:
+        if isinstance(seen, OSError) and seen.errno:
+            return f"{seen.strerror} [errno {seen.errno}]" + (f": {seen.filename}" if seen.filename else "")
+        code = re.search(r"os_error_code='?(\d+)", str(seen))
+        if code:
+            return f"{os.strerror(int(code.group(1)))} [errno {code.group(1)}]"
+        seen = seen.__cause__ or seen.__context__
+    return " ".join(str(err).split())[:300]
+
+
+@contextlib.contextmanager
+def _quiet_orbax():
+    """Orbax logs each failure of its background threads with a traceback; the run reports it once."""
+    logger = logging.getLogger("absl")
+    level = logger.level
+    logger.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
 class RunCheckpointer:
-    """Keeps the latest checkpoints of one run under RUN_DIR/checkpoints/<rounds done>."""
+    """Keeps the latest checkpoints of one run under RUN_DIR/checkpoints/<rounds done>.
+
+    A save fails within seconds, never after orbax's own timeouts: the folder is probed for a
+    write first (a read-only, immutable or full disk answers at once), orbax's waits are bounded
+    by `ASYNC_TIMEOUT_S`, and its background threads' failures become one `CheckpointError`
+    naming the folder and the OS's reason; the checkpoints before stay as they were.
+    """
 
     def __init__(self, run_dir: str | Path, max_to_keep: int = KEEP):
         self.run_dir = Path(run_dir)
         self.directory = self.run_dir.resolve() / "checkpoints"
-        self._manager = ocp.CheckpointManager(self.directory,
-                                              options=ocp.CheckpointManagerOptions(max_to_keep=max_to_keep))
+        options = ocp.CheckpointManagerOptions(max_to_keep=max_to_keep,
+                                               async_options=ocp.AsyncOptions(timeout_secs=ASYNC_TIMEOUT_S))
+        with _quiet_orbax():
+            self._manager = ocp.CheckpointManager(self.directory, options=options)
+
+    def _probe(self, rounds_done: int) -> None:
+        probe = self.directory / f".write-probe-{os.getpid()}"
+        try:
+            fault_point("write:checkpoints")
+            self.directory.mkdir(parents=True, exist_ok=True)
+            probe.mkdir()
+            with open(probe / "bytes", "wb") as f:
+                f.write(b"\0" * 4096)
+                os.fsync(f.fileno())
+            shutil.rmtree(probe)
+        except OSError as err:
+            shutil.rmtree(probe, ignore_errors=True)
+            raise self._unsaved(rounds_done, err) from None
+
+    def _unsaved(self, rounds_done: int, err: BaseException) -> CheckpointError:
+        latest = self.latest_round()
+        kept = f"the checkpoint of round {latest} is intact" if latest is not None else "no earlier checkpoint"
+        return CheckpointError(f"cannot save the checkpoint of round {rounds_done} in {self.directory}: "
+                               f"{io_reason(err)}; {kept}; free the disk or fix the folder, then --resume "
+                               f"{self.run_dir}")
 
     def save(self, rounds_done: int, server_state: Any, store: ClientStore, meta: dict) -> Path:
         """Writes the checkpoint of `rounds_done` rounds, waits for it and reads its meta back."""
         latest = self.latest_round()
-        if not self._manager.save(rounds_done, args=ocp.args.Composite(
-                state=ocp.args.StandardSave({"server_state": server_state}), meta=ocp.args.JsonSave(meta),
-                **{CLIENT_STATES: ClientStatesSave(store)})):
+        self._probe(rounds_done)
+        try:
+            with _quiet_orbax():
+                saved = self._manager.save(rounds_done, args=ocp.args.Composite(
+                    state=ocp.args.StandardSave({"server_state": server_state}), meta=ocp.args.JsonSave(meta),
+                    **{CLIENT_STATES: ClientStatesSave(store)}))
+                if saved:
+                    fault_point("checkpoint_write")
+                    self._manager.wait_until_finished()
+        except Exception as err:  # noqa: BLE001 - orbax raises many kinds from its threads
+            raise self._unsaved(rounds_done, err) from err
+        if not saved:
             raise CheckpointError(f"cannot save the checkpoint of round {rounds_done} in {self.directory}: it "
                                   f"already holds one of round {latest}, from another run or an earlier "
                                   f"attempt; start again with --overwrite or choose a new --out")
-        fault_point("checkpoint_write")
-        self._manager.wait_until_finished()
         self._manager.reload()
         path = self.directory / str(rounds_done)
         if self.latest_round() != rounds_done or self.read_meta() != json.loads(json.dumps(meta)):
@@ -120,8 +189,10 @@ class RunCheckpointer:
         return path if path is not None and path.is_dir() else None
 
     def _unreadable(self, rounds_done: int, err: Exception) -> CheckpointError:
+        if isinstance(err, SnapshotError):  # it names its file and what to do itself
+            return CheckpointError(str(err))
         return CheckpointError(f"the checkpoint {self.directory / str(rounds_done)} cannot be read "
-                               f"({' '.join(str(err).split())[:160]}); delete that folder to resume from "
+                               f"({' '.join(str(err).split())[:400]}); delete that folder to resume from "
                                f"the one before, or start again with --overwrite")
 
     def restore(self, server_like: Any, store: ClientStore) -> tuple[int, Any, dict]:
@@ -144,7 +215,10 @@ class RunCheckpointer:
             restored = self._manager.restore(rounds_done, args=ocp.args.Composite(
                 state=ocp.args.StandardRestore(abstract), meta=ocp.args.JsonRestore(), **items))
         except Exception as err:  # orbax raises many kinds; each means this folder cannot be used
-            raise self._unreadable(rounds_done, err) from err
+            cause = err
+            while cause is not None and not isinstance(cause, SnapshotError):  # orbax may wrap the store's
+                cause = cause.__cause__ or cause.__context__
+            raise self._unreadable(rounds_done, cause or err) from err
         state = restored["state"]
         if "client_states" in state:
             store.states = state["client_states"]

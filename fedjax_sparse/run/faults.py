@@ -5,11 +5,14 @@ reaches `point` do `action`:
 
 * `kill`: SIGKILL itself (what kill -9 or a lost machine does);
 * `pause`: write the point's name into the file `$FEDJAX_SPARSE_FAULT_FLAG` and wait until a
-  test deletes that file (at most 120 s), so the test can act while the run stands there.
+  test deletes that file (at most 120 s), so the test can act while the run stands there;
+* `errno=N`: raise the OSError the OS raises with errno N (28: the disk is full, 27: the file is
+  too large, 30: a read-only file system, 13: permission denied) where the point stands.
 
 Points: `start_up` (the run folder locked, the data not loaded yet), `round_end` (a round done, its
 metrics written and any checkpoint due saved), `checkpoint_write` (a checkpoint's files being written
-in the background, not yet committed), `metrics_write` (half of a metrics line written and flushed).
+in the background, not yet committed), `metrics_write` (half of a metrics line written and flushed),
+`write:NAME` (the run is about to write its file NAME, or, for `write:checkpoints`, a checkpoint).
 Without the variable nothing happens.
 """
 
@@ -29,10 +32,13 @@ def fault_point(point: str) -> None:
         return
     _reached[point] = _reached.get(point, 0) + 1
     for item in spec.split(","):
-        name, count, action = item.split(":")
+        name, count, action = item.rsplit(":", 2)
         if name == point and int(count) == _reached[point]:
             if action == "kill":
                 os.kill(os.getpid(), signal.SIGKILL)
+            elif action.startswith("errno="):
+                code = int(action.split("=", 1)[1])
+                raise OSError(code, os.strerror(code), point.split(":", 1)[-1])
             elif action == "pause":
                 flag = Path(os.environ["FEDJAX_SPARSE_FAULT_FLAG"])
                 flag.write_text(point)
@@ -40,4 +46,5 @@ def fault_point(point: str) -> None:
                 while flag.exists() and time.monotonic() < deadline:
                     time.sleep(0.02)
             else:
-                raise ValueError(f"FEDJAX_SPARSE_FAULT: unknown action {action!r} in {item!r}; valid: kill, pause")
+                raise ValueError(f"FEDJAX_SPARSE_FAULT: unknown action {action!r} in {item!r}; valid: kill, pause, "
+                                 f"errno=N")

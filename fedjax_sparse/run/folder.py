@@ -1,13 +1,15 @@
 """A run folder belongs to one run: its lock, the files that make it a run's, and what a killed run left.
 
-* `hold_run_folder` takes an advisory lock (flock on RUN_DIR/.lock) for the whole run, so a second
-  process into the same folder fails at once, naming the holder's pid. The kernel drops the lock
-  when its process dies, kill -9 included, so a crashed run never leaves a stale lock.
+* `hold_run_folder` takes an advisory lock (flock on the run folder itself) for the whole run, so a
+  second process into the same folder fails at once, naming the holder's pid (kept in RUN_DIR/.lock).
+  The kernel drops the lock when its process dies, kill -9 included, so a crashed run never leaves a
+  stale lock; and since the lock is the folder's, deleting .lock by hand cannot let a second run in.
 * `claim_run_folder` refuses a new run in a folder holding another run's files (`RUN_FILES`) unless
   told to clear them first (--overwrite).
 * `recover_metrics` and `read_saved_config` read what a kill may have cut short: a torn last
-  metrics line is dropped (the checkpoint decides which rounds stand), an unusable config.json is
-  replaced by the config saved with the checkpoint. Every error names the file and what to do.
+  metrics line is dropped (the checkpoint decides which rounds stand, and restores those it covers:
+  `run.resume`), an unusable config.json is replaced by the config saved with the checkpoint. Every
+  error names the file and what to do.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ LOCK_FILE = ".lock"
 # "client_store": the disk client store's rows (`core.client_store.DiskStore`), part of the run's state
 RUN_FILES = ("config.json", "metrics.jsonl", "partition.json", "summary.json", "accuracy.png", "checkpoints",
              "client_store")
-TENSORBOARD_EVENTS = "events.out.tfevents.*"  # `tensorboard_log.TensorBoardWriter`'s files
+TENSORBOARD_EVENTS = "events.out.tfevents.*"  # `run.tensorboard.TensorBoardWriter`'s files
 
 
 class RunFolderError(ValueError):
@@ -37,25 +39,27 @@ def hold_run_folder(out: str | Path) -> Iterator[Path]:
     out = Path(out)
     try:
         out.mkdir(parents=True, exist_ok=True)
-        f = open(out / LOCK_FILE, "a+")
+        folder = os.open(out, os.O_RDONLY | os.O_DIRECTORY)
     except OSError as err:
         raise RunFolderError(f"--out {out} cannot be used as a run folder ({err.strerror}: {err.filename}); "
                              f"choose another --out") from None
-    with f:
+    try:
         try:
-            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            fcntl.flock(folder, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            f.seek(0)
-            holder = f.read().strip() or "unknown"
+            try:
+                holder = (out / LOCK_FILE).read_text().strip() or "unknown"
+            except OSError:
+                holder = "unknown"
             raise RunFolderError(f"--out {out} is in use by another run (pid {holder}); wait for it to end, "
                                  f"or choose another --out") from None
-        f.seek(0)
-        f.truncate()
-        f.write(f"{os.getpid()}\n")
-        f.flush()
+        try:  # who holds it, for the message above (the lock itself is the folder's)
+            (out / LOCK_FILE).write_text(f"{os.getpid()}\n")
+        except OSError:
+            pass  # a folder we cannot write says so at the run's first write, naming the file
         yield out
-    # Closing the file released the lock. The file is never deleted: a process that opened it just
-    # before could then lock the deleted file while a third one locks a new one.
+    finally:
+        os.close(folder)  # releases the lock
 
 
 def run_files(out: str | Path) -> list[str]:
@@ -82,10 +86,24 @@ def claim_run_folder(out: str | Path, overwrite: bool) -> None:
                              f"delete them first")
     for name in present:
         path = out / name
+        try:
+            if path.is_dir() and not path.is_symlink():
+                shutil.rmtree(path)
+            else:  # a file, or a link (to a folder too): the link goes, never what it points to
+                path.unlink()
+        except OSError as err:
+            raise RunFolderError(f"--overwrite cannot delete {path} ({err.strerror}); delete it by hand or "
+                                 f"choose a new --out") from None
+
+
+def check_run_files(out: str | Path) -> None:
+    """Refuses, in one line, a run folder whose files are not what a run writes (a directory where
+    metrics.jsonl or summary.json belong)."""
+    for name in ("config.json", "metrics.jsonl", "partition.json", "summary.json", "accuracy.png"):
+        path = Path(out) / name
         if path.is_dir():
-            shutil.rmtree(path)
-        else:
-            path.unlink()
+            raise RunFolderError(f"{path} is a directory, not the run's {name}; move it out of the run folder and "
+                                 f"run again")
 
 
 def recover_metrics(path: Path, rounds_done: int, warn: Callable[[str], None]) -> list[dict]:
@@ -123,10 +141,11 @@ def recover_metrics(path: Path, rounds_done: int, warn: Callable[[str], None]) -
 
 
 def read_saved_config(run_dir: Path, usable: Callable[[dict], object], checkpoint_config: Callable[[], dict | None],
-                      warn: Callable[[str], None]) -> dict:
+                      warn: Callable[[str], None], fatal: tuple[type, ...] = ()) -> dict:
     """The config of the run in `run_dir`: its config.json, or, when that file is missing, unreadable,
     not a JSON object or not `usable` (raises ValueError or TypeError), the config saved with its
-    latest checkpoint (`checkpoint_config()`, None when there is no checkpoint)."""
+    latest checkpoint (`checkpoint_config()`, None when there is no checkpoint). An exception of a
+    `fatal` type from `usable` (the checkpoint's config would raise it too) passes as it is."""
     path = run_dir / "config.json"
     try:
         values = json.loads(path.read_text())
@@ -134,6 +153,8 @@ def read_saved_config(run_dir: Path, usable: Callable[[dict], object], checkpoin
             raise ValueError(f"it holds a JSON {type(values).__name__}, not an object")
         usable(values)
         return values
+    except fatal:
+        raise
     except FileNotFoundError:
         problem = "is missing"
     except (OSError, ValueError, TypeError) as err:  # json.JSONDecodeError and UnicodeDecodeError are ValueErrors

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -12,7 +13,7 @@ from typing import Any, Callable, Sequence
 
 import jax
 
-from fedjax_sparse.faults import fault_point
+from fedjax_sparse.run.faults import fault_point
 
 
 def device_description() -> str:
@@ -49,25 +50,47 @@ def say(message: str) -> None:
     tqdm.write(f"fedjax-sparse: {message}", file=sys.stderr)
 
 
+class RunWriteError(RuntimeError):
+    """A run's own file could not be written; the message names it and the OS's reason, in one line."""
+
+
+@contextlib.contextmanager
+def writing(path: Path):
+    """Turns an OSError while writing `path` into one RunWriteError naming it and the OS's reason."""
+    try:
+        fault_point(f"write:{path.name}")
+        yield
+    except OSError as err:
+        reason = f"{err.strerror} [errno {err.errno}]" if err.errno else " ".join(str(err).split())
+        raise RunWriteError(f"cannot write {path}: {reason}") from None
+
+
 def replace_atomically(path: Path, write: Callable[[Path], None]) -> None:
     """`write(tmp)` to a hidden sibling, then rename it onto `path`: a kill leaves the old file or the
-    new one, never half of one."""
+    new one, never half of one; a failed write leaves the old one and no sibling."""
     tmp = path.with_name(f".{path.name}.tmp")
-    write(tmp)
-    os.replace(tmp, path)
+    with writing(path):
+        try:
+            write(tmp)
+            os.replace(tmp, path)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
 
 
 class RunWriter:
     """Writes a run's files into one directory, metrics line by line as they come.
 
     The metrics file starts with `records` (a resumed run's rounds that its checkpoint covers).
-    Every file but the metrics is replaced atomically; a metrics line cut short by a kill is
-    dropped on resume (`run_folder.recover_metrics`).
+    Every file but the metrics is replaced atomically; each metrics line is flushed to the disk
+    (fsync) before the run goes on, so a round whose record was written survives a crash of the
+    machine. A failed write is one `RunWriteError`.
     """
 
     def __init__(self, out: Path, records: Sequence[dict] = ()):
         self.out = Path(out)
-        self.out.mkdir(parents=True, exist_ok=True)
+        with writing(self.out):
+            self.out.mkdir(parents=True, exist_ok=True)
         self.metrics_path = self.out / "metrics.jsonl"
         text = "".join(dumps(r) + "\n" for r in records)
         replace_atomically(self.metrics_path, lambda tmp: tmp.write_text(text))
@@ -87,12 +110,14 @@ class RunWriter:
 
     def append_metrics(self, record: dict) -> None:
         line = dumps(record) + "\n"
-        with self.metrics_path.open("a") as f:
+        with writing(self.metrics_path), self.metrics_path.open("a") as f:
             # written in two parts only so that a crash test can stop the process between them
             f.write(line[:len(line) // 2])
             f.flush()
             fault_point("metrics_write")
             f.write(line[len(line) // 2:])
+            f.flush()
+            os.fsync(f.fileno())
 
     def plot(self, history: list[dict], title: str) -> Path:
         path = self.out / "accuracy.png"

@@ -1,0 +1,158 @@
+"""Uplink compression for any algorithm whose upload is a model or a delta: top-k, random-k or QSGD, with
+error feedback, as one wrapper around the algorithm's own functions.
+
+What is compressed. Every float leaf of a client's upload of 2 entries or more, except BatchNorm
+statistics (under a `batch_stats` key: not gradients, and a zeroed running variance would break the
+model), which travel dense, as do integer and scalar leaves. A leaf the server sent at the same
+path, shape and dtype (a model upload: FedAvg's, FedProx's, FedDyn's variables) is compressed as the
+client's change of it, upload - broadcast, and rebuilt by the server as broadcast + the decompressed
+change (it knows what it sent); any other leaf (SCAFFOLD's delta and control delta, FedNova's
+normalized update) is already a delta and is compressed as it is.
+
+Compressors (`core.compression`), each priced by its message leaves: `topk` keeps the ceil(r n)
+largest-magnitude entries of each leaf (values + index), `randk` ceil(r n) entries drawn from the
+client's round key (values only: the server draws the same entries), `qsgd` QSGD with
+`--quantization-bits` b (b + 1 bits an entry and the norm). `--error-feedback` keeps, per client,
+what its compressed messages left out and adds it to its next upload (Seide et al. 2014, Stich et al.
+2018): a residual per compressed leaf in the client's state, so checkpoints and resume carry it.
+
+Refused in one line: algorithms whose upload is already priced per entry (sparse or known-mask
+leaves: SpaFL, FedLDF, the sub-model family, SPATL, FedPM, ...) or chosen by the server after the
+clients answer (`select_uploads`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from fedjax_sparse.core.algorithm import BuildContext, FederatedAlgorithm, replicate
+from fedjax_sparse.core.compression import (COMPRESSORS, decompressed, error_feedback, random_k,
+                                            stochastic_quantization, top_k)
+from fedjax_sparse.core.messages import PRICED_LEAVES
+from fedjax_sparse.core.options import option
+from fedjax_sparse.core.round import round_info
+from fedjax_sparse.data.federated import ClientData
+
+tree_map = jax.tree_util.tree_map
+RANDOM_K_STREAM = 0x72616E64  # the client's round key folded with this draws its random-k entries
+
+
+@dataclasses.dataclass(frozen=True)
+class UplinkCompressionOptions:
+    uplink_compression: str = option("none", "compress every client's upload (a model or a delta): top-k, random-k "
+                                             "or QSGD (none: as the algorithm sends it)", choices=COMPRESSORS)
+    compression_ratio: float = option(0.01, "topk, randk: the share of each leaf's entries sent", low=0.0,
+                                      low_open=True, high=1.0)
+    quantization_bits: int = option(4, "qsgd: bits per entry besides the sign (2^b - 1 levels)", low=1, high=16)
+    error_feedback: bool = option(False, "keep what each client's compressed uploads left out and add it to its "
+                                         "next one")
+
+    def ignored(self) -> dict[str, str]:
+        out = {}
+        if self.uplink_compression == "none":
+            out.update({name: "is read only with --uplink-compression topk, randk or qsgd"
+                        for name in ("compression_ratio", "quantization_bits", "error_feedback")})
+        elif self.uplink_compression == "qsgd":
+            out["compression_ratio"] = "is read by --uplink-compression topk and randk, not qsgd"
+        else:
+            out["quantization_bits"] = "is read only by --uplink-compression qsgd"
+        return out
+
+
+def _flat(tree: Any) -> dict[str, Any]:
+    return {"/".join(str(getattr(e, "key", e)) for e in path): leaf
+            for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]}
+
+
+def compress_uplink(algorithm: FederatedAlgorithm, context: BuildContext,
+                    options: UplinkCompressionOptions) -> FederatedAlgorithm:
+    """`algorithm` with its clients' uploads compressed as `options` say (the module docstring)."""
+    if options.uplink_compression == "none":
+        return algorithm
+    flag = f"--uplink-compression {options.uplink_compression}"
+    if algorithm.select_uploads is not None:
+        raise ValueError(f"{flag}: {algorithm.name}'s server chooses what its clients upload after they answer; "
+                         f"compression applies to algorithms whose clients upload a model or a delta")
+    up_shape = upload_shapes(algorithm, context)
+    priced = [leaf for leaf in jax.tree_util.tree_leaves(up_shape, is_leaf=lambda x: isinstance(x, PRICED_LEAVES))
+              if isinstance(leaf, PRICED_LEAVES)]
+    if priced:
+        raise ValueError(f"{flag}: {algorithm.name}'s upload is already priced entry by entry (sparse or known-mask "
+                         f"leaves); compression applies to algorithms whose clients upload a dense model or delta")
+    up_leaves = _flat(up_shape)
+    down_leaves = _flat(broadcast_shapes(algorithm, context))
+    paths = sorted(path for path, leaf in up_leaves.items()
+                   if jnp.issubdtype(leaf.dtype, jnp.floating) and leaf.size > 1 and "batch_stats" not in path.split("/"))
+    referenced = {path for path in paths if path in down_leaves
+                  and (down_leaves[path].shape, down_leaves[path].dtype) == (up_leaves[path].shape, up_leaves[path].dtype)}
+
+    def compress(values: dict, key):
+        if options.uplink_compression == "topk":
+            return top_k(values, options.compression_ratio)
+        if options.uplink_compression == "randk":
+            return random_k(values, options.compression_ratio, jax.random.fold_in(key, RANDOM_K_STREAM))
+        return stochastic_quantization(values, options.quantization_bits, jax.random.fold_in(key, RANDOM_K_STREAM))
+
+    def split_message(up, down):
+        """(the leaves to compress, as changes where the server knows the reference; the rest)."""
+        flat_up, flat_down = _flat(up), _flat(down)
+        return ({p: flat_up[p] - flat_down[p] if p in referenced else flat_up[p] for p in paths},
+                {p: x for p, x in flat_up.items() if p not in paths})
+
+    def init_clients(key, variables, ids):
+        inner = algorithm.init_clients(key, variables, ids) if algorithm.init_clients is not None else {}
+        state = {"inner": inner}
+        if options.error_feedback:
+            state["residual"] = replicate({p: jnp.zeros(up_leaves[p].shape, up_leaves[p].dtype) for p in paths}, len(ids))
+        return state
+
+    def init(key, variables, n):
+        server_state, _ = algorithm.init(key, variables, n)
+        return server_state, init_clients(key, variables, jnp.arange(n))
+
+    def client_update(down, state, data, key, info):
+        up, inner, metrics = algorithm.client_update(down, state["inner"], data, key, info)
+        changes, rest = split_message(up, down)
+        if options.error_feedback:
+            sent, residual = error_feedback(changes, state["residual"], lambda t: compress(t, key))
+            return {"compressed": sent, "dense": rest}, {"inner": inner, "residual": residual}, metrics
+        return {"compressed": compress(changes, key), "dense": rest}, {"inner": inner}, metrics
+
+    def server_update(server_state, ups, weights, info):
+        downs = jax.vmap(lambda c: algorithm.broadcast(server_state, c, info))(info.client_ids)
+        flat_downs = _flat(downs)
+        changes = decompressed(ups["compressed"])
+        rebuilt = {p: changes[p] + flat_downs[p] if p in referenced else changes[p] for p in changes}
+        leaves = {**ups["dense"], **rebuilt}
+        stacked = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(up_shape), [leaves[p] for p in up_leaves])
+        return algorithm.server_update(server_state, stacked, weights, info)
+
+    return dataclasses.replace(algorithm, init=init, init_clients=init_clients, client_update=client_update,
+                               server_update=server_update, select_uploads=None)
+
+
+def _shapes(algorithm: FederatedAlgorithm, context: BuildContext):
+    """(server state, one client's state, round info) of `algorithm`, as shapes."""
+    variables = jax.eval_shape(context.local.model.init, jax.random.key(0))
+    server, clients = jax.eval_shape(lambda v: algorithm.init(jax.random.key(0), v, context.num_clients), variables)
+    one = tree_map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), clients)
+    return server, one, round_info(0, 0, jnp.zeros((1,), jnp.int32))
+
+
+def broadcast_shapes(algorithm: FederatedAlgorithm, context: BuildContext) -> Any:
+    server, _, info = _shapes(algorithm, context)
+    return jax.eval_shape(lambda s: algorithm.broadcast(s, jnp.int32(0), info), server)
+
+
+def upload_shapes(algorithm: FederatedAlgorithm, context: BuildContext) -> Any:
+    """The shapes of a client's upload (a one-example client stands in for every client)."""
+    server, one, info = _shapes(algorithm, context)
+    shape = context.local.model.input_shape
+    data = ClientData(x=jnp.zeros((1, *shape), jnp.uint8), y=jnp.zeros((1,), jnp.int32), offset=jnp.int32(0),
+                      count=jnp.int32(1), mean=jnp.zeros(shape[-1:]), std=jnp.ones(shape[-1:]), max_count=1)
+    return jax.eval_shape(lambda s, c: algorithm.client_update(algorithm.broadcast(s, jnp.int32(0), info), c, data,
+                                                               jax.random.key(0), info)[0], server, one)

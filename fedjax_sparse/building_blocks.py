@@ -1,0 +1,55 @@
+"""The pieces an algorithm author needs, in one place (each lives, and is documented, in its core module).
+
+Model parts (`core.model_parts`)
+    part_labels, take_part, overlay, merge: a model's encoder/predictor/... parts as nested dicts,
+    taken out, put back and joined (SPATL's encoder, FedPer's predictor, FedBN's norms).
+Messages and their price (`core.messages`, `core.compression`)
+    SparseArray (values at a mask; `SparseArray.from_indices`), KnownMaskArray (positions the
+    receiver knows), Known (free), CodedMask (an arithmetic-coded bit mask), QuantizedArray, and
+    message_bytes, which prices any of them inside jit; top_k, random_k, stochastic_quantization,
+    error_feedback, decompressed: the standard uplink compressors.
+Local objectives (`core.local_training`)
+    LocalSGD.train with a LocalObjective (a forward pass of its own, an extra loss, a gradient
+    correction, an update mask, a projection after each step, another optimizer); proximal_term.
+Aggregation and the server's step (`core.aggregation`, `core.server_optimizer`)
+    weighted_mean, masked_mean, mean_of_sent; ServerOptimizer (init_state, step_toward, apply: the
+    FedOpt step on the mean delta, over held entries only), STATE_KEY, without_optimizer_state.
+Unit masks and sub-models (`core.unit_masks`, `core.unit_selection`)
+    full_unit_masks, variable_masks, keep_top_units, prefix_scores: structured sparsity on any model
+    of the zoo.
+
+A top-k upload with error feedback, priced, in a few lines:
+
+    >>> import jax.numpy as jnp
+    >>> delta = {"w": jnp.array([0.5, -2.0, 0.1, 1.0])}
+    >>> message, residual = error_feedback(delta, {"w": jnp.zeros(4)}, lambda t: top_k(t, 0.5))
+    >>> decompressed(message)["w"].tolist(), int(message_bytes(message))  # 2 floats + a 1-byte bitmask
+    ([0.0, -2.0, 0.0, 1.0], 9)
+    >>> residual["w"].tolist()
+    [0.5, 0.0, 0.10000000149011612, 0.0]
+
+The tutorial "Write your own algorithm" (docs/) builds top-k FedAvg with error feedback, FedDyn and
+FedPer from these pieces.
+"""
+
+from fedjax_sparse.core.aggregation import masked_mean, mean_of_sent, weighted_mean
+from fedjax_sparse.core.algorithm import AlgorithmSpec, BuildContext, FederatedAlgorithm, NoOptions, RoundInfo, replicate
+from fedjax_sparse.core.compression import decompressed, error_feedback, random_k, stochastic_quantization, top_k
+from fedjax_sparse.core.local_training import LocalObjective, LocalSGD, proximal_term
+from fedjax_sparse.core.messages import (CodedMask, Known, KnownMaskArray, QuantizedArray, SparseArray,
+                                         message_bytes)
+from fedjax_sparse.core.model_parts import merge, overlay, part_labels, take_part
+from fedjax_sparse.core.options import option
+from fedjax_sparse.core.server_optimizer import (STATE_KEY, ServerOptimizer, ServerOptimizerOptions, from_options,
+                                                 server_optimizer, without_optimizer_state)
+from fedjax_sparse.core.unit_masks import full_unit_masks, variable_masks
+from fedjax_sparse.core.unit_selection import keep_top_units, prefix_scores
+
+__all__ = [
+    "AlgorithmSpec", "BuildContext", "CodedMask", "FederatedAlgorithm", "Known", "KnownMaskArray", "LocalObjective",
+    "LocalSGD", "NoOptions", "QuantizedArray", "RoundInfo", "STATE_KEY", "ServerOptimizer", "ServerOptimizerOptions",
+    "SparseArray", "decompressed", "error_feedback", "from_options", "full_unit_masks", "keep_top_units",
+    "masked_mean", "mean_of_sent", "merge", "message_bytes", "option", "overlay", "part_labels", "prefix_scores",
+    "proximal_term", "random_k", "replicate", "server_optimizer", "stochastic_quantization", "take_part", "top_k",
+    "variable_masks", "weighted_mean", "without_optimizer_state",
+]

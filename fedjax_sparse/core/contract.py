@@ -1,0 +1,150 @@
+"""The algorithm contract checked before the first round, abstractly (`jax.eval_shape`: nothing is computed).
+
+An algorithm written outside the library meets the engine only inside a jitted round, where a
+mistake surfaces as a JAX error about prefix pytrees or a KeyError after the round ran. `check_contract`
+evaluates `init`, `broadcast`, `client_update`, `select_uploads` and `server_update` on shapes and
+refuses, in one line naming the function and the leaf path with both shapes and dtypes:
+  * a client state whose structure, shapes or dtypes differ from `init`'s (a state that changes
+    shape cannot be stored, gathered or checkpointed);
+  * a server state that differs from `init`'s after `server_update` (it could not be resumed);
+  * metrics that are not a dict of scalars holding 'loss' and 'num_steps';
+  * a message (down or up) holding anything but arrays and priced leaves (`core.messages`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from fedjax_sparse.core.algorithm import FederatedAlgorithm
+from fedjax_sparse.core.messages import PRICED_LEAVES
+from fedjax_sparse.core.round import client_keys, round_info
+
+tree_map = jax.tree_util.tree_map
+
+
+class ContractError(ValueError):
+    """An algorithm breaks the contract; the message names the function and the leaf."""
+
+
+def _path(path) -> str:
+    return "/".join(str(getattr(e, "key", getattr(e, "idx", getattr(e, "name", e)))) for e in path) or "(root)"
+
+
+def _describe(x) -> str:
+    return f"{jnp.dtype(x.dtype).name}{list(x.shape)}" if hasattr(x, "shape") else type(x).__name__
+
+
+def same_tree(name: str, function: str, got: Any, expected: Any, what: str) -> None:
+    """Raises ContractError at the first leaf where `got` differs from `expected` in place, shape or dtype."""
+    got_leaves = dict((_path(p), x) for p, x in jax.tree_util.tree_flatten_with_path(got)[0])
+    expected_leaves = dict((_path(p), x) for p, x in jax.tree_util.tree_flatten_with_path(expected)[0])
+    for path in expected_leaves.keys() - got_leaves.keys():
+        raise ContractError(f"{name}: {function} returns a {what} without the leaf {path} "
+                            f"({_describe(expected_leaves[path])} in init's); it must keep init's structure")
+    for path in got_leaves.keys() - expected_leaves.keys():
+        raise ContractError(f"{name}: {function} returns a {what} with a leaf {path} ({_describe(got_leaves[path])}) "
+                            f"that init's has not; it must keep init's structure")
+    for path, x in got_leaves.items():
+        y = expected_leaves[path]
+        if x.shape != y.shape or x.dtype != y.dtype:
+            raise ContractError(f"{name}: {function} returns a {what} whose leaf {path} is {_describe(x)}, init's is "
+                                f"{_describe(y)}")
+    if jax.tree_util.tree_structure(got) != jax.tree_util.tree_structure(expected):
+        raise ContractError(f"{name}: {function} returns a {what} of another pytree structure than init's "
+                            f"({jax.tree_util.tree_structure(got)} against {jax.tree_util.tree_structure(expected)})")
+
+
+def message_leaves(name: str, function: str, message: Any) -> None:
+    """Raises ContractError unless every leaf of `message` is an array or a priced leaf."""
+    flat = jax.tree_util.tree_flatten_with_path(message, is_leaf=lambda x: isinstance(x, PRICED_LEAVES))[0]
+    for path, leaf in flat:
+        if not isinstance(leaf, PRICED_LEAVES) and not isinstance(leaf, jax.ShapeDtypeStruct):
+            raise ContractError(f"{name}: {function} returns a message whose leaf {_path(path)} is a "
+                                f"{type(leaf).__name__}; messages hold arrays and priced leaves "
+                                f"({', '.join(t.__name__ for t in PRICED_LEAVES)})")
+
+
+def check_metrics(name: str, metrics: Any) -> None:
+    if not isinstance(metrics, dict):
+        raise ContractError(f"{name}: client_update returns metrics of type {type(metrics).__name__}; they must be a "
+                            f"dict of scalars with 'loss' and 'num_steps'")
+    missing = [k for k in ("loss", "num_steps") if k not in metrics]
+    if missing:
+        raise ContractError(f"{name}: client_update's metrics lack {' and '.join(repr(k) for k in missing)} (they "
+                            f"hold {sorted(metrics)}); the engine weighs the loss and counts the steps")
+    for key, value in metrics.items():
+        if not hasattr(value, "shape") or value.shape != ():
+            raise ContractError(f"{name}: client_update's metric {key!r} is {_describe(value)}; metrics are scalars")
+
+
+def _abstractly(name: str, functions: str, fn, *args):
+    """`jax.eval_shape(fn, *args)`, a failure inside the algorithm's functions as one ContractError; an
+    output leaf that is no array (a string, an object) is named by its path."""
+    not_arrays = []
+
+    def arrays_only(*a):
+        def check(path, x):
+            if hasattr(x, "shape") and hasattr(x, "dtype") or isinstance(x, (bool, int, float, complex)):
+                return x
+            not_arrays.append(f"{_path(path)} is a {type(x).__name__}")
+            return jnp.zeros(())
+        return jax.tree_util.tree_map_with_path(check, fn(*a))
+
+    try:
+        out = jax.eval_shape(arrays_only, *args)
+    except ContractError:
+        raise
+    except Exception as err:  # noqa: BLE001 - whatever the algorithm's code raises on shapes
+        first = " ".join(str(err).split())[:300]
+        raise ContractError(f"{name}: {functions} fails when evaluated on shapes: {type(err).__name__}: {first}") \
+            from err
+    if not_arrays:
+        raise ContractError(f"{name}: {functions} returns a leaf that is not an array: {not_arrays[0]}; states, "
+                            f"messages and metrics hold arrays (and messages priced leaves, core.messages)")
+    return out
+
+
+def check_contract(algorithm: FederatedAlgorithm, variables: Any, num_clients: int, clients_per_round: int,
+                   data: Any, seed: int = 0) -> None:
+    """Evaluates one round of `algorithm` on shapes and raises `ContractError` at its first breach.
+
+    `variables`: the model's initial variables (or their shapes); `data`: a `FederatedSplit` (or its
+    shapes) whose client 0 stands for every client.
+    """
+    name = algorithm.name
+    key = jax.random.key(seed)
+    server, clients = _abstractly(name, "init", lambda k, v: algorithm.init(k, v, num_clients), key, variables)
+    one = tree_map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), clients)
+    if algorithm.init_clients is not None:
+        fresh = _abstractly(name, "init_clients", algorithm.init_clients, key, variables,
+                            jax.ShapeDtypeStruct((1,), jnp.int32))
+        same_tree(name, "init_clients", tree_map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), fresh),
+                  one, "client state")
+    ids = jnp.arange(clients_per_round, dtype=jnp.int32)
+    info = round_info(seed, 0, ids)
+
+    def client_round(server, state, data):  # named parts, so that a bad leaf's path says where it is
+        down = algorithm.broadcast(server, ids[0], info)
+        up, new_state, metrics = algorithm.client_update(down, state, data.client(0), client_keys(seed, 0, ids)[0],
+                                                         info)
+        return {"broadcast": down, "client_update": {"message": up, "client state": new_state, "metrics": metrics}}
+
+    out = _abstractly(name, "broadcast or client_update", client_round, server, one, data)
+    down, up = out["broadcast"], out["client_update"]["message"]
+    new_state, metrics = out["client_update"]["client state"], out["client_update"]["metrics"]
+    message_leaves(name, "broadcast", down)
+    message_leaves(name, "client_update", up)
+    same_tree(name, "client_update", new_state, one, "client state")
+    check_metrics(name, metrics)
+    stacked = tree_map(lambda x: jax.ShapeDtypeStruct((clients_per_round, *x.shape), x.dtype), up)
+    weights = jax.ShapeDtypeStruct((clients_per_round,), jnp.float32)
+    if algorithm.select_uploads is not None:
+        stacked = _abstractly(name, "select_uploads", lambda u, w: algorithm.select_uploads(u, w, info), stacked,
+                              weights)
+        message_leaves(name, "select_uploads", stacked)
+    new_server = _abstractly(name, "server_update", lambda s, u, w: algorithm.server_update(s, u, w, info), server,
+                             stacked, weights)
+    same_tree(name, "server_update", new_server, server, "server state")

@@ -1,0 +1,235 @@
+"""Building a run: its data, model, algorithm, client store, round and evaluators from a config."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+
+from fedjax_sparse.algorithms import BUILT_IN, make_algorithm
+from fedjax_sparse.algorithms.personalization import personalize
+from fedjax_sparse.algorithms.uplink_compression import compress_uplink
+from fedjax_sparse.core.algorithm import BuildContext, NeedsDeviceData
+from fedjax_sparse.core.contract import check_contract
+from fedjax_sparse.core.client_store import (RowLayout, available_host_memory, choose_store, client_state_shapes,
+                                             free_device_memory, initial_server_state, make_store)
+from fedjax_sparse.core.distributed import ProcessLayout, current_process, process_mesh
+from fedjax_sparse.core.evaluation import AUTO, global_evaluator, split_evaluator
+from fedjax_sparse.core.local_training import LocalSGD
+from fedjax_sparse.core.round import clients_mesh, default_client_chunk
+from fedjax_sparse.core.store_round import StoreRound
+from fedjax_sparse.core.streams import stream_key, stream_seed
+from fedjax_sparse.data import load_dataset
+from fedjax_sparse.data.clients import federate
+from fedjax_sparse.models import get_model
+from fedjax_sparse.run.checkpoints import KEEP
+from fedjax_sparse.run.config import RunConfig
+from fedjax_sparse.run.fingerprint import data_fingerprint
+from fedjax_sparse.run.outputs import say
+
+
+@dataclasses.dataclass
+class Experiment:
+    """Everything a run builds before its first round (also what tests poke at).
+
+    store: where the client states live (`core.client_store`); train, local_test: the
+    clients' data, on the device (`FederatedSplit`) with the device store, else this
+    process's clients' (`data.windows.HostData`); round_fn: `core.store_round.StoreRound`,
+    `round_fn(server_state, r) -> (server_state, RoundOutput)`; evaluate_personalized:
+    `core.evaluation.split_evaluator`, given local_test with the device store (every client),
+    a chunk of the clients' test windows otherwise.
+    """
+
+    config: RunConfig
+    dataset: Any
+    model: Any
+    algorithm: Any
+    train: Any
+    local_test: Any
+    client_indices: list
+    train_counts: np.ndarray
+    store: Any
+    round_fn: Any
+    evaluate_global: Any
+    evaluate_personalized: Any
+    server_state: Any
+    num_params: int
+    client_chunk: int | None
+    process: ProcessLayout
+    federation: Any = None  # data.clients: the clients' data, whichever the source
+    data_fingerprint: dict = dataclasses.field(default_factory=dict)
+
+    def close(self) -> None:
+        self.round_fn.close()
+        self.store.close()
+
+
+def load_run_dataset(config: RunConfig, progress: bool = True):
+    dataset = load_dataset(config.dataset, data_dir=config.data_dir, download=config.download, progress=progress,
+                           num_clients=config.num_clients, population_seed=stream_seed(config.seed, "population"))
+    return dataset.subset(config.max_train_examples, config.max_test_examples, config.seed)
+
+
+def build_experiment(config: RunConfig, progress: bool = True, *, process: ProcessLayout | None = None,
+                     snapshot: str | None = None, dataset: Any = None) -> Experiment:
+    """The run's data, model, algorithm, client store and round, for this process (default: the
+    one `jax.distributed` says it is). `snapshot`: the backend of the client-state snapshot a
+    resumed run restores (a disk store's restores only into the disk store); `dataset`: the
+    loaded data set (default: loaded here)."""
+    config.validate()
+    process = process or current_process()
+    if process.count > 1 and config.client_chunk:
+        raise ValueError(f"--client-chunk {config.client_chunk} and {process.count} processes do not combine: the "
+                         f"round shards all sampled clients over every process's devices; leave it unset")
+    dataset = dataset if dataset is not None else load_run_dataset(config, progress)
+    split_by = config.split_by
+    if split_by == "labels" and config.labels_per_client > dataset.num_classes:
+        raise ValueError(f"--labels-per-client {config.labels_per_client} exceeds the "
+                         f"{dataset.num_classes} classes of {config.dataset}")
+    model = get_model(config.model, dataset.input_shape, dataset.num_classes)
+    if model.input_kind != ("tokens" if dataset.kind == "tokens" else "numbers"):
+        reads = "token sequences" if model.input_kind == "tokens" else "images or feature vectors"
+        raise ValueError(f"--model {config.model} reads {reads}, but {config.dataset} holds {dataset.kind}; choose "
+                         f"another --model or --dataset")
+    federation = federate(dataset, config.num_clients, split_by, seed=stream_seed(config.seed, "partition"),
+                          test_seed=stream_seed(config.seed, "local_test"), alpha=config.alpha,
+                          labels_per_client=config.labels_per_client, min_examples=config.min_examples,
+                          local_test_ratio=config.local_test_ratio)
+    local = LocalSGD(model, config.lr, config.local_epochs, config.batch_size, config.momentum,
+                     config.weight_decay, config.lr_decay)
+    context = BuildContext(local=local, num_clients=config.num_clients, clients_per_round=config.clients_per_round,
+                           train=None, num_classes=dataset.num_classes, seed=config.seed,
+                           labels_per_client=config.labels_per_client if split_by == "labels" else None)
+    try:  # built without the clients' data first: most algorithms never read them
+        algorithm, needs_device = with_patterns(make_algorithm(config.algorithm, context, config.algorithm_options),
+                                                context, config), None
+    except NeedsDeviceData as e:
+        algorithm, needs_device = None, e
+    key = stream_key(config.seed, "algorithm_init")
+    backend = client_store_backend(config, process, needs_device, snapshot, algorithm, key,
+                                   jax.eval_shape(model.init, stream_key(config.seed, "model_init")),
+                                   federation.data_bytes)
+    variables = model.init(stream_key(config.seed, "model_init"))
+    train, local_test = federation.on_device() if backend == "device" else federation.on_host(process)
+    if algorithm is None:
+        context = dataclasses.replace(context, train=train)
+        algorithm = with_patterns(make_algorithm(config.algorithm, context, config.algorithm_options), context, config)
+    if config.algorithm not in BUILT_IN:  # an algorithm from outside the library: its contract, on shapes, first
+        check_contract(algorithm, jax.eval_shape(model.init, stream_key(config.seed, "model_init")), config.num_clients,
+                       config.clients_per_round, federation.first_client(), config.seed)
+    store = make_store(backend, algorithm, key, variables, config.num_clients,
+                       directory=Path(config.out) / "client_store", process=process, keep=KEEP)
+    mesh = None
+    if process.count > 1 or (config.shard_clients and backend != "device"):
+        mesh = process_mesh()
+    elif config.shard_clients:
+        mesh = clients_mesh()
+    chunk = None if mesh is not None else resolve_client_chunk(config, variables)
+    check_local_sizes(config, int(federation.train_counts.max()), dataset.input_shape,
+                      chunk or config.clients_per_round)
+    round_fn = StoreRound(algorithm, store, train, config.clients_per_round, seed=config.seed, mesh=mesh,
+                          client_chunk=chunk)
+    evaluate_global = (global_evaluator(model, *federation.global_test, dataset.mean, dataset.std)
+                       if algorithm.global_variables is not None else None)
+    evaluate_personalized = split_evaluator(model, algorithm.client_variables, client_chunk=evaluation_chunk(config))
+    server_state = initial_server_state(algorithm, key, variables, config.num_clients)
+    return Experiment(config, dataset, model, algorithm, train, local_test, federation.client_indices,
+                      federation.train_counts, store, round_fn, evaluate_global, evaluate_personalized, server_state,
+                      model.num_params(variables), chunk, process, federation, data_fingerprint(federation))
+
+
+def with_patterns(algorithm, context: BuildContext, config: RunConfig):
+    """The algorithm with the run's personal layers and uplink compression, where asked for."""
+    return compress_uplink(personalize(algorithm, context, config), context, config)
+
+
+def check_local_sizes(config: RunConfig, largest_client: int, input_shape: tuple, clients_at_once: int) -> None:
+    """Refuses, in one line naming the flag, a batch or a number of local epochs whose arrays alone (a
+    batch's float32 examples, each client's example orders over its epochs, for the clients trained at
+    once) would not fit in the device's free memory (on a CPU, the host's): XLA would stop with an
+    out-of-memory trace at the first round instead."""
+    free = free_device_memory()
+    free = available_host_memory() if free is None else free
+    batch = clients_at_once * config.batch_size * int(np.prod(input_shape)) * 4
+    orders = clients_at_once * config.local_epochs * largest_client * 4
+    where = "the host's" if jax.default_backend() == "cpu" else "the device's"
+    for flag, value, nbytes, what in (("--batch-size", config.batch_size, batch, "a batch of float32 examples"),
+                                      ("--local-epochs", config.local_epochs, orders,
+                                       "the example orders of every epoch")):
+        if nbytes > free:
+            raise ValueError(f"{flag} {value} needs {nbytes / 2 ** 30:.1f} GiB for {what} of the {clients_at_once} "
+                             f"clients trained at once, more than {where} {free / 2 ** 30:.1f} GiB free; choose a "
+                             f"smaller {flag}")
+
+
+def client_store_backend(config: RunConfig, process: ProcessLayout, needs_device: NeedsDeviceData | None,
+                         snapshot: str | None, algorithm, key, variables, data_bytes: int) -> str:
+    """The store `config.client_store` gives for this run, or a one-line error where that store cannot
+    hold it. `auto` says what it chose and why, unless it is the device (today's layout; summary.json
+    names the store of every run). `variables`: the model's (their shapes suffice)."""
+    wanted, prefix = config.client_store, f"process {process.tag()}: " if process.count > 1 else ""
+    if needs_device is not None:
+        if wanted not in ("auto", "device") or process.count > 1:
+            raise needs_device
+        backend, reason = "device", None
+    elif wanted != "auto":
+        backend, reason = wanted, None
+    elif snapshot == "disk":
+        backend, reason = "disk", "disk: the checkpoint's client states are rows in the disk store's files"
+    else:
+        row_bytes = RowLayout(client_state_shapes(algorithm, key, variables, config.num_clients)).row_bytes
+        backend, reason = choose_store(config.num_clients, row_bytes, data_bytes, processes=process.count)
+    if backend == "device" and process.count > 1:
+        raise ValueError(f"--client-store device keeps every client on one process's device; with {process.count} "
+                         f"processes use host, disk or auto")
+    if snapshot == "disk" and backend != "disk":
+        raise ValueError(f"--client-store {backend}: the checkpoint's client states are rows in the disk store's "
+                         f"files ({Path(config.out) / 'client_store'}); resume with --client-store disk or auto")
+    if backend != "device" and reason is not None:
+        say(f"{prefix}--client-store auto chose {reason}")
+    return backend
+
+
+def resolve_client_chunk(config: RunConfig, variables) -> int | None:
+    """The chunk the round trains clients in: the flag (0 = all at once), else the platform's default."""
+    if config.shard_clients or config.client_chunk == 0:
+        return None
+    if config.client_chunk is not None:
+        return config.client_chunk
+    return default_client_chunk(variables, config.clients_per_round)
+
+
+def evaluation_chunk(config: RunConfig) -> int | None | str:
+    """How many clients personalized evaluation takes at once: as training, but over all clients."""
+    if config.shard_clients or config.client_chunk == 0:
+        return None
+    if config.client_chunk is not None:
+        return min(config.client_chunk, config.num_clients)
+    return AUTO
+
+
+def compilation_cache_dir() -> Path:
+    """Where compiled rounds are kept between runs: $FEDJAX_SPARSE_CACHE, else the user's cache folder."""
+    if os.environ.get("FEDJAX_SPARSE_CACHE"):
+        return Path(os.environ["FEDJAX_SPARSE_CACHE"])
+    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    return base / "fedjax_sparse" / "jax"
+
+
+def use_compilation_cache(enabled: bool) -> None:
+    """Turns JAX's persistent compilation cache on (in `compilation_cache_dir()`) or off.
+
+    A run's first round spends seconds compiling; with the cache, a repeated
+    run (same model, algorithm and shapes) loads the compiled round instead.
+    """
+    if enabled:
+        path = compilation_cache_dir()
+        path.mkdir(parents=True, exist_ok=True)
+        jax.config.update("jax_compilation_cache_dir", str(path))
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+    else:
+        jax.config.update("jax_compilation_cache_dir", None)

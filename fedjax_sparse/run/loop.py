@@ -1,0 +1,354 @@
+"""The round loop of a run: rounds, evaluations, checkpoints, signals and the files they leave.
+
+The Python loop here is over rounds only; each round is one jitted call.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+import signal
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+
+from fedjax_sparse.core.client_store import DeviceStore
+from fedjax_sparse.core.compilation import release_compiler_memory
+from fedjax_sparse.core.distributed import agree, current_process, max_over_processes, process_local
+from fedjax_sparse.core.evaluation import all_finite, population_diagnostics
+from fedjax_sparse.core.flops import forward_flops
+from fedjax_sparse.core.store_evaluation import evaluate_store
+from fedjax_sparse.data.federated import padded_step_fraction
+from fedjax_sparse.run.checkpoints import CheckpointError, RunCheckpointer, io_reason
+from fedjax_sparse.run.config import RunConfig
+from fedjax_sparse.run.experiment import Experiment, build_experiment, load_run_dataset, use_compilation_cache
+from fedjax_sparse.run.faults import fault_point
+from fedjax_sparse.run.folder import claim_run_folder, hold_run_folder
+from fedjax_sparse.run.outputs import RunWriteError, RunWriter, device_description, progress_bar
+from fedjax_sparse.run.resume import check_resume, restore
+from fedjax_sparse.run.signals import StopAfterRound
+from fedjax_sparse.run.tensorboard import TensorBoardWriter
+
+
+class DivergenceError(RuntimeError):
+    """Training produced a non-finite loss or model; the run stops instead of going on with NaNs."""
+
+
+class Interrupted(RuntimeError):
+    """SIGINT, SIGTERM or SIGHUP stopped the run after a round, whose checkpoint was saved and verified."""
+
+    def __init__(self, message: str, signum: int):
+        super().__init__(message)
+        self.signum = signum
+
+
+@dataclasses.dataclass
+class Counters:
+    """What a run accumulates across rounds; saved in checkpoints beside the states."""
+
+    rounds_done: int = 0
+    cumulative_bytes: int = 0
+    total_uplink_bytes: int = 0
+    total_downlink_bytes: int = 0
+    dense_train_flops_total: int = 0
+    train_flops_total: float = 0.0  # the sum of the clients' reported `train_flops` over all rounds
+    padded_step_fractions: list = dataclasses.field(default_factory=list)
+
+
+def evaluate(exp: Experiment, server_state) -> tuple[dict, bool]:
+    """The figures of an evaluation, and whether every client's state is finite. With a host or
+    disk store the clients are evaluated a round's worth at a time through the store, each process
+    its own (every process must call this)."""
+    on_device = isinstance(exp.store, DeviceStore)
+    if not on_device:
+        server_state = process_local(server_state)  # each process evaluates on its own device
+    if exp.algorithm.evaluation_state is not None:
+        server_state = exp.algorithm.evaluation_state(server_state)
+    out = {"test_accuracy": None, "test_loss": None}
+    if exp.evaluate_global is not None:
+        scores = exp.evaluate_global(exp.algorithm.global_variables(server_state))
+        out = {"test_accuracy": float(scores["accuracy"]), "test_loss": float(scores["loss"])}
+        variants = exp.algorithm.global_variants(server_state) if exp.algorithm.global_variants else {}
+        for name, variables in variants.items():
+            scores = exp.evaluate_global(variables)
+            out.update({f"test_accuracy_{name}": float(scores["accuracy"]), f"test_loss_{name}": float(scores["loss"])})
+    if on_device:
+        client_states = exp.store.states
+        finite = bool(all_finite(client_states))
+        evaluated = client_states
+        if exp.algorithm.evaluation_clients is not None:
+            evaluated = exp.algorithm.evaluation_clients(server_state, client_states)
+        accuracies = np.asarray(exp.evaluate_personalized(server_state, evaluated, exp.local_test))
+        diagnostics = None if exp.algorithm.diagnostics is None else population_diagnostics(
+            exp.algorithm, server_state, client_states)
+    else:
+        population = evaluate_store(exp.algorithm, exp.store, exp.local_test, server_state,
+                                    exp.evaluate_personalized, exp.config.clients_per_round)
+        accuracies, finite = population.accuracies, population.finite
+        diagnostics = None if exp.algorithm.diagnostics is None else exp.algorithm.diagnostics(
+            server_state, population.diagnostics)
+    out["personalized_accuracy"] = float(accuracies.mean())
+    if diagnostics is not None:
+        out.update(jax.tree_util.tree_map(_to_python, diagnostics))
+    return out, finite
+
+
+def client_metrics(metrics: dict) -> dict:
+    """The round's per-client figures beyond loss and steps (an agent's reward, a sub-model's
+    capacity, ...), each as `client_<name>`: the mean over the sampled clients."""
+    return {f"client_{name}": float(np.mean(np.asarray(value, np.float64)))
+            for name, value in metrics.items() if name not in ("loss", "num_steps")}
+
+
+def _to_python(x):
+    x = np.asarray(x)
+    return x.item() if x.ndim == 0 else x.tolist()
+
+
+def likely_culprit(config: RunConfig) -> str:
+    """The flag most likely to blame for a diverged run, as advice."""
+    options = config.options
+    if options.get("server_lr", 1.0) > 1.0:
+        return f"try a smaller --server-lr than {options['server_lr']}"
+    if config.momentum >= 0.95:
+        return f"try a smaller --momentum than {config.momentum} or a smaller --lr than {config.lr}"
+    return f"try a smaller --lr than {config.lr}"
+
+
+def run_experiment(config: RunConfig, *, progress: bool = True, resume: bool = False,
+                   overwrite: bool = False, allow_data_change: bool = False) -> dict:
+    """Runs `config` and writes config.json, metrics.jsonl, partition.json, summary.json and a plot.
+
+    The run holds its folder's lock throughout (`run.folder.hold_run_folder`). A new run refuses a
+    folder holding another run's files unless `overwrite` (which deletes them first); `resume=True`
+    continues the run in `config.out` from its latest checkpoint, refusing one made with a config
+    that would change the results, or `config.rounds` below the rounds done. With
+    `config.checkpoint_every` the whole run state is saved every so many rounds and at the end, with
+    every record so far and a fingerprint of the data (`run.resume`: a resume rewrites what the
+    checkpoint covers and refuses other data unless `allow_data_change`).
+    SIGINT, SIGTERM or SIGHUP during the rounds finishes the current round, saves it and raises
+    `Interrupted` after writing summary.json with status "interrupted". A non-finite loss or model
+    stops the run with `DivergenceError` after writing what was measured so far. A file or checkpoint
+    that cannot be written stops it with `RunFailed` (one line: the path and the OS's reason) after
+    writing summary.json with status "failed" where it still can; earlier checkpoints stay intact.
+
+    Several processes (`core.distributed.initialize` first): every process calls this with the
+    same config. Process 0 alone holds the lock, claims the folder and writes the run's files;
+    every process loads the data, holds its own clients, and takes part in every round,
+    evaluation and checkpoint. Where a step fails in some process, all stop (`agree`).
+    """
+    start = time.perf_counter()
+    config.validate()
+    out = Path(config.out)
+    if resume and not out.is_dir():
+        raise FileNotFoundError(f"--resume {out}: no such folder")
+    use_compilation_cache(config.compilation_cache)
+    process = current_process()
+    lead = process.index == 0
+    with hold_run_folder(out) if lead else contextlib.nullcontext(out):
+        failure, snapshot, dataset, counters = None, None, None, Counters()
+        try:  # the folder made this run's (by process 0) before any process writes into it
+            if lead and not resume:
+                claim_run_folder(out, overwrite)
+            fault_point("start_up")
+            if resume:
+                snapshot = check_resume(config, out, process)
+            if lead:  # first, so that a data set prepared on first use is prepared once
+                dataset = load_run_dataset(config, progress)
+        except Exception as e:  # noqa: BLE001 - raised below, in every process
+            failure = e
+        agree(failure, "preparing the run folder")
+        exp, failure = None, None
+        try:
+            exp = build_experiment(config, progress=progress and lead, process=process, snapshot=snapshot,
+                                   dataset=dataset)
+        except Exception as e:  # noqa: BLE001
+            failure = e
+        agree(failure, "during start-up")
+        try:
+            server_state, records = exp.server_state, []
+            if resume:
+                server_state, meta, records = restore(exp, out, lead, allow_data_change)
+                counters = Counters(**meta["counters"])
+            with StopAfterRound(first_round=counters.rounds_done + 1, last_round=config.rounds) as stop:
+                return _run_rounds(exp, config, out, counters, records, server_state, stop,
+                                   progress and lead, start)
+        finally:
+            exp.close()
+
+
+class RunFailed(RuntimeError):
+    """A run's file or checkpoint could not be written; the message names it and the OS's reason."""
+
+
+def _one_line(err: BaseException) -> str:
+    if isinstance(err, (CheckpointError, RunWriteError)):
+        return " ".join(str(err).split())
+    return f"cannot write the run's files in the run folder: {io_reason(err)}"
+
+
+def _run_rounds(exp: Experiment, config: RunConfig, out: Path, counters: Counters, history: list,
+                server_state, stop: StopAfterRound, progress: bool, start: float) -> dict:
+    """The rounds of `run_experiment` from `counters.rounds_done` on, and the files they leave
+    (process 0's; every process runs the rounds, evaluations and checkpoints)."""
+    lead = exp.process.index == 0
+    title = f"{config.algorithm} / {config.model} / {config.dataset}"
+    checkpointer, saved = None, {}  # saved: rounds done -> the checkpoint this process wrote of them
+    writer = board = None
+    first_round_seconds, round_seconds = None, []  # a round: its step and its loss on the host
+    bar = progress_bar(config.rounds, f"{config.algorithm} on {config.dataset}", enabled=progress,
+                       initial=counters.rounds_done)
+
+    def save() -> Path:
+        nonlocal checkpointer
+        checkpointer = checkpointer or RunCheckpointer(out)
+        before, stop.waiting_for = stop.waiting_for, f"the checkpoint of round {counters.rounds_done} to be saved"
+        saved[counters.rounds_done] = checkpointer.save(counters.rounds_done, server_state, exp.store, {
+            "config": config.to_dict(), "counters": dataclasses.asdict(counters), "processes": exp.process.count,
+            "history": history, "data": exp.data_fingerprint,
+            **({"sharded_devices": jax.device_count()} if config.shard_clients else {})})
+        stop.waiting_for = before
+        return saved[counters.rounds_done]
+
+    def finish(status: str, **extra) -> dict:
+        bar.close()
+        if board is not None:
+            board.close()
+        stopped = {"last_checkpoint": max(saved)} if saved and status != "completed" else {}  # where to resume
+        summary = {**_summary(exp, history, _totals(counters), first_round_seconds, time.perf_counter() - start),
+                   "median_round_seconds": float(np.median(round_seconds[1:])) if len(round_seconds) > 1 else None,
+                   "status": status, **stopped, **extra}
+        if lead and writer is not None:
+            writer.write_summary(summary)
+            writer.plot(history, title=title)
+        return summary
+
+    def diverged(message: str) -> DivergenceError:
+        finish("diverged", error=message)
+        return DivergenceError(message)
+
+    try:
+        if lead:
+            writer = RunWriter(out, history)
+            writer.write_config(config.to_dict())
+            writer.write_partition(exp.federation.summary())
+            board = TensorBoardWriter(out, first_round=counters.rounds_done + 1) if config.tensorboard else None
+        counts = exp.train_counts
+        dense_forward = forward_flops(exp.model.structure)
+        start_round = counters.rounds_done
+        for r in range(counters.rounds_done, config.rounds):
+            stop.round, stop.waiting_for = r + 1, f"round {r + 1} to finish"
+            t0 = time.perf_counter()
+            server_state, round_out = exp.round_fn(server_state, r, prefetch_next=r + 1 < config.rounds)
+            ids = np.asarray(round_out.client_ids)
+            if first_round_seconds is None:
+                first_round_seconds = time.perf_counter() - t0
+            train_loss = float(np.average(np.asarray(round_out.metrics["loss"]), weights=counts[ids]))
+            round_seconds.append(time.perf_counter() - t0)
+            if not math.isfinite(train_loss):
+                raise diverged(f"round {r + 1}: the training loss is {train_loss}; the run diverged "
+                               f"({likely_culprit(config)})")
+            if not bool(all_finite(process_local(server_state))):
+                raise diverged(f"round {r + 1}: the server's model is not finite; the run diverged "
+                               f"({likely_culprit(config)})")
+            uplink = int(np.asarray(round_out.uplink_bytes, np.int64).sum())
+            downlink = int(np.asarray(round_out.downlink_bytes, np.int64).sum())
+            counters.rounds_done = r + 1
+            counters.cumulative_bytes += uplink + downlink
+            counters.total_uplink_bytes += uplink
+            counters.total_downlink_bytes += downlink
+            counters.dense_train_flops_total += 3 * dense_forward * config.local_epochs * int(counts[ids].sum())
+            if "train_flops" in round_out.metrics:  # what the clients' sparse computation cost
+                counters.train_flops_total += float(np.asarray(round_out.metrics["train_flops"], np.float64).sum())
+            counters.padded_step_fractions.append(
+                padded_step_fraction(counts[ids], config.batch_size, exp.client_chunk))
+            if (r + 1) % config.eval_every == 0 or r + 1 == config.rounds:
+                figures, finite = evaluate(exp, server_state)
+                if not finite:
+                    raise diverged(f"round {r + 1}: a client's model is not finite; the run diverged "
+                                   f"({likely_culprit(config)})")
+                record = {"round": r + 1, "train_loss": train_loss, "uplink_bytes": uplink,
+                          "downlink_bytes": downlink, "cumulative_bytes": counters.cumulative_bytes,
+                          "cumulative_uplink_bytes": counters.total_uplink_bytes,
+                          "dense_train_flops": counters.dense_train_flops_total / config.num_clients,
+                          "padded_step_fraction": counters.padded_step_fractions[-1],
+                          **({"train_flops": counters.train_flops_total / config.num_clients}
+                             if "train_flops" in round_out.metrics else {}),
+                          **client_metrics(round_out.metrics), **figures}
+                history.append(record)
+                if lead:
+                    writer.append_metrics(record)
+                if board is not None:
+                    board.write(record)
+                if record["test_loss"] is not None and not math.isfinite(record["test_loss"]):
+                    raise diverged(f"round {r + 1}: the test loss is {record['test_loss']}; the run diverged "
+                                   f"({likely_culprit(config)})")
+                bar.set_postfix(acc=_fmt(record["test_accuracy"]), pacc=_fmt(record["personalized_accuracy"]),
+                                loss=f"{train_loss:.3f}", MB=f"{counters.cumulative_bytes / 1e6:.1f}")
+            bar.update(1)
+            if r == start_round:
+                release_compiler_memory()  # the round (and, evaluating every round, the evaluators) compiled
+            if config.checkpoint_every and ((r + 1) % config.checkpoint_every == 0 or r + 1 == config.rounds):
+                save()
+            fault_point("round_end")
+            signum = max_over_processes(stop.signum or 0)  # a signal to one process stops them all
+            if signum and r + 1 < config.rounds:
+                path = saved.get(r + 1) or save()
+                name = signal.Signals(signum).name
+                stop.waiting_for = "the summary to be written"
+                finish("interrupted", signal=name)
+                raise Interrupted(f"{name}: stopped after round {r + 1} of {config.rounds}; checkpoint saved in "
+                                  f"{path}; continue with --resume {out}", signum)
+        return finish("completed")
+    except (CheckpointError, RunWriteError, OSError) as err:
+        message = _one_line(err)
+        try:  # the summary says so, where it still can be written
+            finish("failed", error=message)
+        except (RunWriteError, OSError):
+            pass
+        raise RunFailed(message) from None
+
+
+def _totals(counters: Counters) -> dict:
+    fractions = counters.padded_step_fractions
+    return {"rounds_done": counters.rounds_done,
+            "total_uplink_bytes": counters.total_uplink_bytes,
+            "total_downlink_bytes": counters.total_downlink_bytes,
+            "cumulative_bytes": counters.cumulative_bytes,
+            "dense_train_flops_total": counters.dense_train_flops_total,
+            "train_flops_total": counters.train_flops_total,
+            "mean_padded_step_fraction": float(np.mean(fractions)) if fractions else None}
+
+
+def _fmt(x):
+    return "-" if x is None else f"{x:.3f}"
+
+
+def _summary(exp: Experiment, history: list, totals: dict, first_round_seconds: float | None, wall: float) -> dict:
+    final = history[-1] if history else {}
+    test = [h["test_accuracy"] for h in history if h.get("test_accuracy") is not None]
+    personal = [h["personalized_accuracy"] for h in history if h.get("personalized_accuracy") is not None]
+    return {
+        "algorithm": exp.config.algorithm, "model": exp.config.model, "dataset": exp.config.dataset,
+        "rounds": exp.config.rounds,
+        "has_global_model": exp.algorithm.global_variables is not None,
+        "final_test_accuracy": final.get("test_accuracy"),
+        "best_test_accuracy": max(test) if test else None,
+        "final_personalized_accuracy": final.get("personalized_accuracy"),
+        "best_personalized_accuracy": max(personal) if personal else None,
+        "final_train_loss": final.get("train_loss"),
+        **totals,
+        "num_params": exp.num_params,
+        # the weights of the prunable layers (SpaFL's d: kernels only), in structure order
+        "prunable_layer_weights": {l.name: l.num_weights for l in exp.model.structure.layers},
+        "client_chunk": exp.client_chunk,
+        "client_store": exp.store.backend,
+        "processes": exp.process.count,
+        "num_train_examples": int(exp.train_counts.sum()),
+        "first_round_seconds": first_round_seconds,
+        "wall_seconds": wall,
+        "device": device_description(),
+    }

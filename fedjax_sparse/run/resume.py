@@ -1,0 +1,120 @@
+"""Continuing a run from its latest checkpoint: what is refused, and what is restored.
+
+Refused, each in one line naming what to do: a resume without a checkpoint, with a config that would
+change the results, with fewer rounds than done, with another number of processes, on other data
+(the checkpoint keeps a fingerprint of the data: `run.fingerprint`; `--allow-data-change` accepts it),
+or with `--shard-clients` over another number of devices (the sum over the sampled clients takes
+another order, and the results differ in their last bits).
+
+Restored: the server and client states, the counters and the metrics records. A checkpoint keeps
+every record of the rounds it covers, so metrics.jsonl is rewritten from it whatever happened to the
+file (a line cut short by a kill, a line or the whole file deleted, a line edited): nothing the
+checkpoint covers is lost, and the run says which rounds it restored. A checkpoint written before
+records were kept in it restores from the file alone, and a round missing there is refused.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Callable
+
+import jax
+
+from fedjax_sparse.core.client_store import snapshot_backend
+from fedjax_sparse.core.distributed import ProcessLayout, agree, replicated
+from fedjax_sparse.run.checkpoints import RunCheckpointer, config_mismatches, has_checkpoints
+from fedjax_sparse.run.config import RunConfig
+from fedjax_sparse.run.experiment import Experiment
+from fedjax_sparse.run.fingerprint import data_changes
+from fedjax_sparse.run.folder import RunFolderError, check_run_files, recover_metrics
+from fedjax_sparse.run.outputs import say
+
+
+def check_resume(config: RunConfig, out: Path, process: ProcessLayout) -> str | None:
+    """Refuses a resume that cannot continue the run in `out` as it was; the backend of this process's
+    client-state snapshot in its latest checkpoint (None: a checkpoint from before the client stores)."""
+    check_run_files(out)
+    checkpointer = RunCheckpointer(out) if has_checkpoints(out) else None
+    saved_meta = checkpointer.read_meta() if checkpointer is not None else None
+    if saved_meta is None:
+        raise RunFolderError(f"--resume {out}: no checkpoint in {out / 'checkpoints'} (the run stopped "
+                             f"before its first); start it again with --overwrite")
+    # normalized first: a config saved by an older version lacks newer options (at their defaults)
+    mismatches = config_mismatches(RunConfig.from_dict(saved_meta["config"]).to_dict(), config.to_dict())
+    if mismatches:
+        raise ValueError(f"--resume {out}: the checkpoint was made with another configuration ("
+                         + "; ".join(mismatches) + "); drop those flags, or start a new run with "
+                         "another --out")
+    done = saved_meta["counters"]["rounds_done"]
+    if config.rounds < done:
+        raise ValueError(f"--rounds {config.rounds} is below the {done} rounds the run in {out} has "
+                         f"done; give --rounds {done} or more")
+    processes = saved_meta.get("processes", 1)
+    if processes != process.count:
+        raise ValueError(f"--resume {out}: the checkpoint holds the client states of {processes} process"
+                         f"{'es' if processes > 1 else ''}, each its own clients'; resume it with --num-processes "
+                         f"{processes}")
+    devices = saved_meta.get("sharded_devices")
+    if config.shard_clients and devices is not None and devices != jax.device_count():
+        raise ValueError(f"--resume {out}: the run sharded its clients over {devices} devices and {jax.device_count()} "
+                         f"are here; the sum over the clients would take another order and the results would "
+                         f"differ; resume where {devices} devices are visible")
+    states = checkpointer.client_states_dir()
+    return None if states is None else snapshot_backend(states, process)
+
+
+def reconcile_records(path: Path, history: list | None, rounds_done: int, logged: Callable[[int], bool],
+                      warn: Callable[[str], None]) -> list[dict]:
+    """The records of rounds up to `rounds_done`: the checkpoint's `history` (saying which rounds of the
+    file at `path` it restores), or, from a checkpoint without one, the file's, refused where a round
+    that was `logged` is missing."""
+    try:
+        on_file = recover_metrics(path, rounds_done, warn)
+    except (RunFolderError, OSError) as err:
+        if history is None:
+            raise
+        warn(f"{path} could not be read ({' '.join(str(err).split())}); its records are taken from the checkpoint "
+             f"of round {rounds_done}")
+        return [r for r in history if r["round"] <= rounds_done]
+    if history is not None:
+        history = [r for r in history if r["round"] <= rounds_done]
+        if on_file != history:
+            file_rounds = {r["round"]: r for r in on_file}
+            differ = [r["round"] for r in history if file_rounds.get(r["round"]) != r]
+            extra = sorted(set(file_rounds) - {r["round"] for r in history})
+            shown = ", ".join(map(str, differ + extra))
+            warn(f"{path}: rounds {shown} were missing, cut short or altered; rewritten from the checkpoint of "
+                 f"round {rounds_done}")
+        return history
+    expected = [r for r in range(1, rounds_done + 1) if logged(r)]
+    missing = sorted(set(expected) - {r["round"] for r in on_file})
+    if missing:
+        raise RunFolderError(f"{path} lacks rounds {', '.join(map(str, missing))} of the {rounds_done} its checkpoint "
+                             f"covers, and the checkpoint (from an older version) holds no copy of them; restore "
+                             f"the file, or start the run again with --overwrite")
+    return on_file
+
+
+def restore(exp: Experiment, out: Path, lead: bool, allow_data_change: bool) -> tuple[Any, dict, list]:
+    """The latest checkpoint's server state (the store takes its client states), its meta and the records
+    it covers; refuses other data unless `allow_data_change`."""
+    failure = None
+    try:
+        # several processes: restored replicated over all of them, as the rounds hold it
+        server_like = replicated(exp.server_state, exp.round_fn.mesh) if exp.process.count > 1 else exp.server_state
+        if exp.round_fn.mesh is not None and exp.process.count == 1:  # a sharded device store: as its rounds hold it
+            server_like = replicated(exp.server_state, exp.round_fn.mesh)
+        _, server_state, meta = RunCheckpointer(out).restore(server_like, exp.store)
+        changes = data_changes(meta.get("data"), exp.data_fingerprint)
+        if changes and not allow_data_change:
+            raise ValueError(f"--resume {out}: the data differ from the run's ({changes}); resume with "
+                             f"--allow-data-change to go on with these data, or start a new run")
+        if changes:
+            say(f"the data differ from the run's ({changes}); going on with them (--allow-data-change)")
+        eval_every, rounds = exp.config.eval_every, exp.config.rounds
+        records = reconcile_records(out / "metrics.jsonl", meta.get("history"), meta["counters"]["rounds_done"],
+                                    lambda r: r % eval_every == 0 or r == rounds, say if lead else (lambda m: None))
+    except Exception as e:  # noqa: BLE001
+        failure = e
+    agree(failure, "restoring the checkpoint")
+    return server_state, meta, records

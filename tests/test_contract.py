@@ -1,0 +1,93 @@
+"""The algorithm contract is checked on shapes before the first round: every shipped algorithm passes, and each
+mistake an author can make gets one line naming the function and the leaf, not a JAX traceback."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from conftest import synthetic_split
+from fedjax_sparse.algorithms import ALGORITHMS, fedavg, make_algorithm, make_options
+from fedjax_sparse.core.algorithm import BuildContext
+from fedjax_sparse.core.contract import ContractError, check_contract
+from fedjax_sparse.core.local_training import LocalSGD
+from fedjax_sparse.models import get_model
+
+tree_map = jax.tree_util.tree_map
+
+
+@pytest.fixture(scope="module")
+def setting():
+    model = get_model("mlp", (8, 8, 1), 10)
+    split = synthetic_split([10, 12, 8, 9])
+    local = LocalSGD(model, 0.1, 1, 8)
+    context = BuildContext(local=local, num_clients=4, clients_per_round=2, train=split, num_classes=10,
+                           labels_per_client=2)
+    return model, split, local, context, jax.eval_shape(model.init, jax.random.key(0))
+
+
+def test_every_shipped_algorithm_meets_the_contract(setting):
+    model, split, _, context, variables = setting
+    for name in ALGORITHMS:
+        check_contract(make_algorithm(name, context, make_options(name, {"clients_per_layer": 1})), variables, 4, 2,
+                       split)
+
+
+def with_state(base, **changes):
+    """FedAvg keeping a per-client counter, so that its client state can go wrong."""
+    def init_clients(key, variables, ids):
+        return {"count": jnp.zeros((len(ids),), jnp.int32)}
+
+    def init(key, variables, n):
+        return base.init(key, variables, n)[0], init_clients(key, variables, jnp.arange(n))
+
+    def client_update(down, state, data, key, info):
+        up, _, metrics = base.client_update(down, {}, data, key, info)
+        return up, {"count": state["count"] + 1}, metrics
+
+    return dataclasses.replace(base, init=init, init_clients=init_clients, client_update=client_update,
+                               **{k: v(base) if callable(v) and k.endswith("_factory") else v for k, v in changes.items()})
+
+
+@pytest.mark.parametrize("mistake,words", [
+    ("client state shape", "client_update returns a client state whose leaf count is float32[3], init's is int32[]"),
+    ("client state key", "client_update returns a client state with a leaf extra (int32[]) that init's has not"),
+    ("no loss", "client_update's metrics lack 'loss' (they hold ['num_steps'])"),
+    ("server state key", "server_update returns a server state with a leaf round (int32[]) that init's has not"),
+    ("not a message", "broadcast or client_update returns a leaf that is not an array: client_update/message/note is a str"),
+    ("object in message", "broadcast or client_update returns a leaf that is not an array: client_update/message/tag is a Marker"),
+])
+def test_each_mistake_is_one_line_naming_the_function_and_the_leaf(setting, mistake, words):
+    model, split, local, context, variables = setting
+    base = with_state(fedavg(local))
+
+    def client_update(down, state, data, key, info):
+        up, new, metrics = base.client_update(down, state, data, key, info)
+        if mistake == "client state shape":
+            new = {"count": jnp.zeros((3,), jnp.float32)}
+        elif mistake == "client state key":
+            new = {**new, "extra": jnp.zeros((), jnp.int32)}
+        elif mistake == "no loss":
+            metrics = {"num_steps": metrics["num_steps"]}
+        elif mistake == "not a message":
+            up = {"model": up, "note": "a string"}
+        elif mistake == "object in message":
+            up = {"model": up, "tag": Marker()}
+        return up, new, metrics
+
+    def server_update(server_state, ups, weights, info):
+        if mistake in ("not a message", "object in message"):
+            ups = ups["model"]
+        new = base.server_update(server_state, ups, weights, info)
+        return {**new, "round": info.index} if mistake == "server state key" else new
+
+    broken = dataclasses.replace(base, client_update=client_update, server_update=server_update)
+    with pytest.raises(ContractError) as caught:
+        check_contract(broken, variables, 4, 2, split)
+    message = str(caught.value)
+    assert words in message and "\n" not in message and message.startswith("fedavg: ")
+
+
+class Marker:
+    """An object that is no array: it cannot travel in a message."""
