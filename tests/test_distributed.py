@@ -136,7 +136,9 @@ def test_two_processes_through_the_cli_write_the_one_process_metrics(cli_runs):
     for mine, theirs in zip(got, expected):
         assert mine.keys() == theirs.keys()
         for name, value in theirs.items():
-            if isinstance(value, float):
+            if any(word in name for word in LAYOUT_FIGURES):
+                continue
+            if isinstance(value, float):  # a device holding one client computes its loss apart: the last bits
                 assert mine[name] == pytest.approx(value, rel=1e-5, abs=1e-6), name
             else:
                 assert mine[name] == value, name
@@ -257,9 +259,30 @@ def test_the_readmes_two_process_synthetic_command_runs_as_written_at_a_small_si
             "--rounds", "2", "--local-epochs", "1", "--no-progress", "--no-tensorboard"]
     run_two(*args, "--out", tmp_path / "two")
     assert main(["run", *args, "--out", str(tmp_path / "one")]) == 0
-    expected, got = records(tmp_path / "one"), records(tmp_path / "two")
-    assert len(got) == 2 and [r.keys() for r in got] == [r.keys() for r in expected]
-    for mine, theirs in zip(got, expected):
-        for name, value in theirs.items():
-            assert mine[name] == pytest.approx(value, rel=1e-5, abs=1e-6), name
+    assert_same_records(records(tmp_path / "one"), records(tmp_path / "two"), 2)
     assert json.loads((tmp_path / "two" / "summary.json").read_text())["processes"] == 2
+
+
+# what depends on the layout and not on the results: the clock, and the share of vmapped steps that idle
+LAYOUT_FIGURES = ("seconds", "padded_step_fraction")
+
+
+def assert_same_records(expected, got, rounds):
+    assert [r["round"] for r in got] == [r["round"] for r in expected] == list(range(1, rounds + 1))
+    for mine, theirs in zip(got, expected):
+        assert mine.keys() == theirs.keys()
+        for name, value in theirs.items():
+            if not any(word in name for word in LAYOUT_FIGURES):
+                assert mine[name] == value, (mine["round"], name, mine[name], value)
+
+
+def test_scaffold_over_32_rounds_writes_the_same_metrics_on_one_and_on_two_processes(tmp_path):
+    """The issue's case (SCAFFOLD on digits drifted 1.6 % in train loss by round 26): every figure of
+    every round equal to the last bit. Each device reduces all sampled clients' uploads in client
+    order, and one process trains its clients in chunks that divide the round (no remainder program)."""
+    args = ["--algorithm", "scaffold", "--num-clients", "10", "--clients-per-round", "4", "--local-epochs", "1",
+            "--max-train-examples", "600", "--max-test-examples", "200", "--rounds", "32", "--no-progress",
+            "--no-tensorboard"]
+    run_two(*args, "--out", tmp_path / "two")
+    assert main(["run", *args, "--out", str(tmp_path / "one")]) == 0
+    assert_same_records(records(tmp_path / "one"), records(tmp_path / "two"), 32)

@@ -290,6 +290,8 @@ def test_client_chunk_and_its_default_are_checked(make_split, mlp):
     assert default_client_chunk(variables, 100, "cpu") == (3 << 19) // 340008 == 4
     assert default_client_chunk(variables, 3, "cpu") == 3
     assert default_client_chunk(variables, 100, "cpu", cache_bytes=1000) == 1
+    assert default_client_chunk(variables, 10, "cpu") == 2  # a divisor of K: no remainder outside the loop
+    assert default_client_chunk(variables, 7, "cpu") == 1
 
 
 # ---------------------------------------------------------------------------------------------

@@ -120,7 +120,7 @@ def _check_layout(clients_per_round: int, mesh: Mesh | None, client_chunk: int |
 
 
 def round_step(algorithm: FederatedAlgorithm, clients_per_round: int, *, seed: int, mesh: Mesh | None = None,
-               client_chunk: int | None = None) -> Callable:
+               client_chunk: int | None = None, ordered_reduction: bool = True) -> Callable:
     """The round over gathered inputs, for every client store (traceable, not jitted):
 
         step(server_state, sampled_states, data, positions, ids, round_index)
@@ -137,15 +137,25 @@ def round_step(algorithm: FederatedAlgorithm, clients_per_round: int, *, seed: i
     chunk's weights in cache and lets each chunk stop at its own busiest client
     (see `default_client_chunk` and benchmarks/results). A mesh shards the full
     vmap over all its axes (`clients`, or `processes` x `clients` across
-    processes), so it takes no chunk.
+    processes), so it takes no chunk. With a mesh, `ordered_reduction` gathers the K uploads onto
+    every device before the server's update, so its sums run over all of them in client order and a
+    run's figures do not depend on the number of devices or processes (False: XLA reduces each
+    device's share, then across devices; `benchmarks/ordered_reduction.py` measures the cost).
     """
     _check_layout(clients_per_round, mesh, client_chunk)
 
-    def shard(tree):
+    def constrain(tree, spec):
         if mesh is None:
             return tree
-        spec = NamedSharding(mesh, PartitionSpec(tuple(mesh.axis_names)))
-        return jax.tree_util.tree_map(lambda x: jax.lax.with_sharding_constraint(x, spec), tree)
+        return jax.tree_util.tree_map(lambda x: jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec)), tree)
+
+    def shard(tree):
+        return constrain(tree, PartitionSpec(tuple(mesh.axis_names)) if mesh is not None else None)
+
+    def gathered(tree):
+        # every device then reduces all K uploads itself, in client order, as one device does: a
+        # cross-device reduction would sum per-device partial sums, in an order set by the sharding
+        return constrain(tree, PartitionSpec()) if ordered_reduction else tree
 
     def one_client(server_state, client_state, client_id, position, key, data, info):
         down = algorithm.broadcast(server_state, client_id, info)
@@ -168,6 +178,7 @@ def round_step(algorithm: FederatedAlgorithm, clients_per_round: int, *, seed: i
         ups, new_states, metrics, down_bytes = all_clients(server_state, sampled, ids_sharded, positions, keys, data,
                                                            info)
         weights = data.counts[positions].astype(jnp.float32)
+        ups, weights = gathered((ups, weights))
         if algorithm.select_uploads is not None:
             ups = algorithm.select_uploads(ups, weights, info)
         up_bytes = jax.vmap(message_bytes, axis_size=clients_per_round)(ups)
@@ -178,11 +189,12 @@ def round_step(algorithm: FederatedAlgorithm, clients_per_round: int, *, seed: i
 
 
 def device_round(algorithm: FederatedAlgorithm, clients_per_round: int, *, seed: int, mesh: Mesh | None = None,
-                 client_chunk: int | None = None) -> Callable:
+                 client_chunk: int | None = None, ordered_reduction: bool = True) -> Callable:
     """`round(server_state, client_states, train, round_index)` of the device store (traceable):
     samples K of train's clients, gathers their states ([N, ...]), runs `round_step` and
     scatters their new states."""
-    step = round_step(algorithm, clients_per_round, seed=seed, mesh=mesh, client_chunk=client_chunk)
+    step = round_step(algorithm, clients_per_round, seed=seed, mesh=mesh, client_chunk=client_chunk,
+                      ordered_reduction=ordered_reduction)
 
     def round_fn(server_state, client_states, train, round_index):
         ids = sample_clients(seed, round_index, train.num_clients, clients_per_round)
@@ -195,8 +207,8 @@ def device_round(algorithm: FederatedAlgorithm, clients_per_round: int, *, seed:
 
 
 def build_round(algorithm: FederatedAlgorithm, train: FederatedSplit, clients_per_round: int, *,
-                seed: int, mesh: Mesh | None = None,
-                client_chunk: int | None = None) -> Callable[[Any, Any, jax.Array], tuple[Any, Any, RoundOutput]]:
+                seed: int, mesh: Mesh | None = None, client_chunk: int | None = None,
+                ordered_reduction: bool = True) -> Callable[[Any, Any, jax.Array], tuple[Any, Any, RoundOutput]]:
     """Returns jitted `round(server_state, client_states, round_index)`: the device store's round.
 
     Every client's state ([N, ...]) and data (`train`) lie on the device; one jit samples,
@@ -204,7 +216,8 @@ def build_round(algorithm: FederatedAlgorithm, train: FederatedSplit, clients_pe
     See `round_step` for `client_chunk` and `mesh`; `core.store_round` for the other stores.
     """
     check_clients_per_round(clients_per_round, train.num_clients)
-    round_fn = device_round(algorithm, clients_per_round, seed=seed, mesh=mesh, client_chunk=client_chunk)
+    round_fn = device_round(algorithm, clients_per_round, seed=seed, mesh=mesh, client_chunk=client_chunk,
+                            ordered_reduction=ordered_reduction)
     return jit(lambda server_state, client_states, round_index: round_fn(server_state, client_states, train,
                                                                              round_index), donate_argnums=(1,))
 
@@ -220,9 +233,15 @@ def default_client_chunk(variables: Any, clients_per_round: int, platform: str |
     on 2 cores (benchmarks/results/cpu_full.md), chunks of 4 digits-MLP
     clients (340 kB each) are 1.6 to 2.8 times faster than one vmap at 100 and
     1000 clients per round, and a CIFAR CNN is fastest one client at a time.
+
+    The chunk divides the clients per round (the largest divisor within the cache's bound): `lax.map`
+    runs a remainder outside its loop, a program XLA compiles apart, whose float results differ in
+    the last bits from the loop's; without one, every client computes as in one vmap of all, and as
+    a process's share of them does with several processes (`tests/test_distributed.py`).
     """
     platform = platform or jax.default_backend()
     if platform != "cpu":
         return None
     nbytes = sum(x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(variables))
-    return max(1, min(clients_per_round, cache_bytes // max(nbytes, 1)))
+    bound = max(1, min(clients_per_round, cache_bytes // max(nbytes, 1)))
+    return next(c for c in range(bound, 0, -1) if clients_per_round % c == 0)

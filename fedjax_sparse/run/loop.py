@@ -239,6 +239,11 @@ def _run_rounds(exp: Experiment, config: RunConfig, out: Path, counters: Counter
         counts = exp.train_counts
         dense_forward = forward_flops(exp.model.structure)
         start_round = counters.rounds_done
+        mesh = exp.round_fn.mesh
+        # the clients vmapped together: a chunk, or each device's share of a sharded round; the padded
+        # fraction is thus a figure of the layout (like the seconds), the one metric that may differ
+        # between process counts
+        together = exp.client_chunk or (config.clients_per_round // mesh.size if mesh is not None else None)
         for r in range(counters.rounds_done, config.rounds):
             stop.round, stop.waiting_for = r + 1, f"round {r + 1} to finish"
             t0 = time.perf_counter()
@@ -263,8 +268,7 @@ def _run_rounds(exp: Experiment, config: RunConfig, out: Path, counters: Counter
             counters.dense_train_flops_total += 3 * dense_forward * config.local_epochs * int(counts[ids].sum())
             if "train_flops" in round_out.metrics:  # what the clients' sparse computation cost
                 counters.train_flops_total += float(np.asarray(round_out.metrics["train_flops"], np.float64).sum())
-            counters.padded_step_fractions.append(
-                padded_step_fraction(counts[ids], config.batch_size, exp.client_chunk))
+            counters.padded_step_fractions.append(padded_step_fraction(counts[ids], config.batch_size, together))
             if (r + 1) % config.eval_every == 0 or r + 1 == config.rounds:
                 figures, finite = evaluate(exp, server_state)
                 if not finite:

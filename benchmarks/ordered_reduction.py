@@ -1,0 +1,82 @@
+"""What reducing the uploads in client order costs a sharded round.
+
+With a mesh, a round gathers the K sampled clients' uploads onto every device before the server's
+update (`core.round.round_step(ordered_reduction=True)`), so the sums over clients run in client
+order whatever the number of devices or processes, and a run's figures equal one process's
+(`tests/test_distributed.py`). Without it, XLA sums each device's share and then across devices.
+This times both on the same mesh, interleaved in one process: FedAvg and SCAFFOLD on the digits
+MLP, K clients a round sharded over every device (on a CPU, `--devices D` makes D host devices).
+
+    python -m benchmarks.ordered_reduction [--quick] [--devices 2] [--out DIR]
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+
+def _host_devices(argv) -> None:
+    """Sets the host device count before JAX starts (a CPU has one device otherwise)."""
+    count = argv[argv.index("--devices") + 1] if "--devices" in argv else "2"
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={count}")
+
+
+def main(argv=None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    _host_devices(argv)
+    import jax
+
+    from benchmarks.common import (best, command_line, environment, environment_markdown, finish, fmt, interleaved,
+                                   markdown_table, parser)
+    from fedjax_sparse.core.round import build_round, clients_mesh
+    from fedjax_sparse.run import RunConfig, build_experiment
+
+    p = parser("benchmarks.ordered_reduction", __doc__, "two algorithms at K = 8, 3 repeats")
+    p.add_argument("--devices", type=int, default=2, help="host devices on a CPU (ignored on an accelerator)")
+    args = p.parse_args(argv)
+    env = environment(command_line("benchmarks.ordered_reduction", argv))
+    mesh = clients_mesh()
+    settings = [("fedavg", 8), ("scaffold", 8)] if args.quick else [("fedavg", 16), ("fedavg", 64), ("scaffold", 16),
+                                                                       ("scaffold", 64)]
+    records = []
+    for algorithm, k in settings:
+        k = k - k % mesh.size or mesh.size
+        config = RunConfig.create(algorithm=algorithm, num_clients=max(2 * k, 20), clients_per_round=k,
+                                  local_epochs=1, client_store="device", out="unused")
+        exp = build_experiment(config, progress=False)
+        rounds = {}
+        for ordered in (True, False):
+            step = build_round(exp.algorithm, exp.train, k, seed=0, mesh=mesh, ordered_reduction=ordered)
+            state = {"server": exp.server_state, "clients": jax.tree_util.tree_map(lambda a: a.copy(), exp.store.states),
+                     "round": 0}
+
+            def one_round(step=step, state=state):
+                state["server"], state["clients"], out = step(state["server"], state["clients"], state["round"])
+                state["round"] += 1
+                return state["server"]
+
+            rounds["ordered" if ordered else "per-device sums"] = one_round
+        times = interleaved(rounds, 3 if args.quick else 10)
+        fastest = {name: best(t)["wall"] for name, t in times.items()}
+        records.append({"algorithm": algorithm, "clients_per_round": k, "devices": mesh.size, "times": times,
+                        "ordered_s": fastest["ordered"], "unordered_s": fastest["per-device sums"],
+                        "ratio": fastest["ordered"] / fastest["per-device sums"]})
+        print(records[-1]["algorithm"], k, fmt(records[-1]["ratio"]), flush=True)
+
+    def text(env):
+        rows = [(r["algorithm"], r["clients_per_round"], r["devices"], fmt(r["ordered_s"] * 1e3),
+                 fmt(r["unordered_s"] * 1e3), fmt(r["ratio"])) for r in records]
+        return "\n".join([
+            "# The uploads reduced in client order: its cost in a sharded round", "",
+            environment_markdown(env), "",
+            markdown_table(("algorithm", "K", "devices", "ordered ms/round", "per-device sums ms/round",
+                            "ordered / per-device"), rows), "",
+            "Best of the interleaved repeats; the digits MLP, one local epoch, K clients sharded over the devices.",
+            ""])
+
+    finish(args.out, "ordered_reduction", env, records, text)
+
+
+if __name__ == "__main__":
+    main()
