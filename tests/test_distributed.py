@@ -97,11 +97,11 @@ def test_each_process_holds_about_half_the_data(two_processes, one_process):
 RUN, ROUNDS = SCAFFOLD_ARGS, 4
 
 
-def launch_cli(process_id, port, *args, timeout=None) -> subprocess.Popen:
+def launch_cli(process_id, port, *args, timeout=None, cwd=ROOT) -> subprocess.Popen:
     launch = ["--coordinator", f"127.0.0.1:{port}", "--num-processes", "2", "--process-id", str(process_id)]
     if timeout is not None:
         launch = [*launch, "--launch-timeout", str(timeout)]
-    return subprocess.Popen([sys.executable, "-m", "fedjax_sparse", "run", *map(str, args), *launch], cwd=ROOT,
+    return subprocess.Popen([sys.executable, "-m", "fedjax_sparse", "run", *map(str, args), *launch], cwd=cwd,
                             env=dict(os.environ, JAX_PLATFORMS="cpu"), stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
 
@@ -286,3 +286,83 @@ def test_scaffold_over_32_rounds_writes_the_same_metrics_on_one_and_on_two_proce
     run_two(*args, "--out", tmp_path / "two")
     assert main(["run", *args, "--out", str(tmp_path / "one")]) == 0
     assert_same_records(records(tmp_path / "one"), records(tmp_path / "two"), 32)
+
+
+SLURM = {"SLURM_JOB_ID": "77", "SLURM_PROCID": "5", "SLURM_LOCALID": "1", "SLURM_NODEID": "1",
+         "SLURM_STEP_NODELIST": "node[1-4]", "SLURM_NTASKS": "8"}
+
+
+@pytest.mark.parametrize("env, devices", [
+    ({}, None),  # not a SLURM job: JAX decides
+    ({**SLURM, "SLURM_STEP_TASKS_PER_NODE": "1(x4)", "SLURM_LOCALID": "0", "SLURM_GPUS_ON_NODE": "8"}, []),
+    ({**SLURM, "SLURM_STEP_TASKS_PER_NODE": "2(x4)", "CUDA_VISIBLE_DEVICES": "0,1,2,3,4,5,6,7"}, [4, 5, 6, 7]),
+    ({**SLURM, "SLURM_STEP_TASKS_PER_NODE": "8(x4)", "SLURM_GPUS_ON_NODE": "8"}, [1]),
+    ({**SLURM, "SLURM_STEP_TASKS_PER_NODE": "8(x4)", "SLURM_GPUS_ON_NODE": "8", "CUDA_VISIBLE_DEVICES": "5"}, []),
+    ({**SLURM, "SLURM_TASKS_PER_NODE": "3,1(x3)", "SLURM_NODEID": "2", "SLURM_LOCALID": "0"}, []),
+    ({**SLURM, "SLURM_STEP_TASKS_PER_NODE": "2(x4)"}, None),  # no GPU named: a CPU job
+])
+def test_slurm_tasks_get_the_gpus_of_their_share(env, devices):
+    """One task per node takes every GPU (JAX alone gives it GPU 0 of 8); tasks sharing a node's GPUs
+    take equal contiguous shares; a task SLURM bound to its GPUs takes what it sees."""
+    assert distributed.slurm_local_devices(env) == devices
+
+
+def test_slurm_gpus_that_do_not_divide_among_the_tasks_are_one_line():
+    env = {**SLURM, "SLURM_STEP_TASKS_PER_NODE": "3(x4)", "SLURM_GPUS_ON_NODE": "8"}
+    with pytest.raises(distributed.LaunchError, match="3 SLURM tasks on this node share its 8 GPUs"):
+        distributed.slurm_local_devices(env)
+
+
+def test_cluster_launch_hands_jax_the_tasks_gpus(monkeypatch):
+    calls = []
+    for name, value in {**SLURM, "SLURM_STEP_TASKS_PER_NODE": "1(x4)", "SLURM_GPUS_ON_NODE": "4"}.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setattr(distributed.jax.distributed, "initialize", lambda **kw: calls.append(kw))
+    monkeypatch.setattr(distributed.jax.config, "update", lambda *a: None)
+    distributed.initialize(cluster=True, timeout_s=5)
+    assert calls[0]["local_device_ids"] == [] and calls[0]["coordinator_address"] is None
+
+
+def test_processes_without_a_shared_folder_run_but_checkpoints_need_one(tmp_path):
+    """Each process's own disk (a TPU pod slice's workers): the same relative --out names another folder
+    in each. Without checkpoints process 0 writes the run there alone; with them every process stops
+    in one line saying what the run folder needs."""
+    disks = [tmp_path / "worker0", tmp_path / "worker1"]
+    for disk in disks:
+        disk.mkdir()
+    args = ["--num-clients", "4", "--clients-per-round", "2", "--local-epochs", "1", "--max-train-examples", "200",
+            "--max-test-examples", "100", "--rounds", "1", "--no-progress", "--no-tensorboard", "--out", "run"]
+    port = free_port()
+    for rc, _, stderr in finish([launch_cli(i, port, *args, cwd=disks[i]) for i in range(2)], timeout=300):
+        assert rc == 0, stderr[-2000:]
+    assert (disks[0] / "run" / "summary.json").exists() and not (disks[1] / "run" / "metrics.jsonl").exists()
+    port = free_port()
+    results = finish([launch_cli(i, port, *args, "--checkpoint-every", 1, "--overwrite", cwd=disks[i])
+                      for i in range(2)], timeout=300)
+    for rc, _, stderr in results:
+        assert rc == 2, stderr[-2000:]
+        assert "is not one folder for all 2 processes (process 1:" in stderr.strip().splitlines()[-1]
+    assert not list((disks[0] / "run").glob(".shared_check"))
+
+
+def test_a_process_killed_mid_run_stops_the_others_at_once_in_one_line(tmp_path):
+    """kill -9 of process 1 after some rounds: process 0's next collective fails (gloo), and it ends within
+    seconds with one line, exit 2 and a summary saying so, instead of JAX's trace after its heartbeat
+    timeout at exit."""
+    # no checkpoints: a kill inside one's save leaves the others in orbax's barrier until JAX's heartbeat
+    args = ["--num-clients", "10", "--clients-per-round", "4", "--local-epochs", "1", "--rounds", "100000",
+            "--no-progress", "--no-tensorboard", "--out", tmp_path / "run"]
+    port = free_port()
+    procs = [launch_cli(i, port, *args) for i in range(2)]
+    metrics = tmp_path / "run" / "metrics.jsonl"
+    deadline = time.monotonic() + 240
+    while (not metrics.exists() or len(metrics.read_text().splitlines()) < 6) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    procs[1].kill()
+    killed = time.monotonic()
+    (rc, _, stderr), _ = finish(procs, timeout=60)
+    assert rc == 2 and time.monotonic() - killed < 30, stderr[-3000:]
+    lines = stderr.strip().splitlines()
+    assert "another process stopped while round" in lines[-1] and "Traceback" not in stderr
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["status"] == "failed" and summary["rounds_done"] >= 6 and "--overwrite" in summary["error"]

@@ -99,13 +99,57 @@ def _fail_launch(message: str) -> None:
     os._exit(LAUNCH_FAILURE_EXIT)
 
 
+def _tasks_per_node(spec: str) -> list[int]:
+    """SLURM's tasks-per-node list ('2(x3),1': three nodes of 2 tasks, then one of 1), one entry per node."""
+    counts = []
+    for part in spec.split(","):
+        match = re.fullmatch(r"(\d+)(?:\(x(\d+)\))?", part.strip())
+        if match is None:
+            raise LaunchError(f"--cluster: cannot read SLURM's tasks per node {spec!r}")
+        counts += [int(match.group(1))] * int(match.group(2) or 1)
+    return counts
+
+
+def slurm_local_devices(env=os.environ) -> list[int] | None:
+    """The GPUs this SLURM task should use, as JAX's `local_device_ids` ([]: every GPU it sees; None:
+    not a SLURM job, or no GPU information: JAX's own choice).
+
+    JAX's SLURM detection gives each task the one GPU numbered by its SLURM_LOCALID, which wastes
+    all but one GPU of a node run with one task per node, and fails where SLURM binds GPUs to tasks
+    (each task then sees its own, numbered from 0). Here: one task on the node, or GPUs bound to the
+    task (it sees fewer than the node has): every GPU it sees; several tasks sharing a node's GPUs:
+    an equal contiguous share by SLURM_LOCALID, refused in one line when the GPUs do not divide.
+    """
+    if not all(name in env for name in ("SLURM_JOB_ID", "SLURM_PROCID", "SLURM_LOCALID")):
+        return None
+    spec = env.get("SLURM_STEP_TASKS_PER_NODE") or env.get("SLURM_TASKS_PER_NODE")
+    tasks_here = int(env["SLURM_NTASKS_PER_NODE"]) if "SLURM_NTASKS_PER_NODE" in env else None
+    if spec:
+        per_node = _tasks_per_node(spec)
+        tasks_here = per_node[min(int(env.get("SLURM_NODEID", 0)), len(per_node) - 1)]
+    visible = [d for d in env.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
+    on_node = int(env["SLURM_GPUS_ON_NODE"]) if env.get("SLURM_GPUS_ON_NODE", "").isdigit() else None
+    seen = len(visible) if visible else on_node
+    if tasks_here == 1 or (visible and on_node is not None and len(visible) < on_node):
+        return []
+    if seen is None or tasks_here is None:
+        return None
+    if seen % tasks_here:
+        raise LaunchError(f"--cluster: {tasks_here} SLURM tasks on this node share its {seen} GPUs, which do not "
+                          f"divide among them; run one task per GPU (--gpus-per-task 1) or one task per node")
+    share = seen // tasks_here
+    local = int(env["SLURM_LOCALID"])
+    return list(range(local * share, (local + 1) * share))
+
+
 def initialize(coordinator: str | None = None, num_processes: int | None = None, process_id: int | None = None,
                *, timeout_s: int = DEFAULT_TIMEOUT_S, cluster: bool = False) -> ProcessLayout:
     """Joins this process to the run's other processes and returns where it stands.
 
     Give `coordinator` ('HOST:PORT' of process 0), `num_processes` and `process_id`, or none
-    of them with `cluster=True` for JAX's own detection (SLURM, Open MPI, TPU pods); none of
-    them without `cluster` is a one-process run (nothing to join). Must run before any other
+    of them with `cluster=True` for JAX's own detection (SLURM, Open MPI, TPU pods; under SLURM each
+    task takes the GPUs `slurm_local_devices` gives it); none of them without `cluster` is a
+    one-process run (nothing to join). Must run before any other
     JAX call. Selects gloo for CPU collectives.
 
     Failures are one line on stderr: flags that cannot be right (an id outside 0..P-1, a
@@ -122,6 +166,7 @@ def initialize(coordinator: str | None = None, num_processes: int | None = None,
         return ProcessLayout()
     if explicit and process_id == 0:
         _check_port_free(_parse_coordinator(coordinator)[1])
+    local_devices = None if explicit else slurm_local_devices()
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     where = f"at {coordinator}" if explicit else "through cluster detection"
     who = f"process {process_id} of {num_processes}" if explicit else "this process"
@@ -134,7 +179,9 @@ def initialize(coordinator: str | None = None, num_processes: int | None = None,
     watchdog.start()
     try:
         jax.distributed.initialize(coordinator_address=coordinator, num_processes=num_processes,
-                                   process_id=process_id, initialization_timeout=timeout_s + 60)
+                                   process_id=process_id, initialization_timeout=timeout_s + 60,
+                                   heartbeat_timeout_seconds=max(timeout_s, 10),
+                                   local_device_ids=local_devices)
         jax.devices()  # the collectives backend connects here
     except Exception as e:  # noqa: BLE001 - JAX raises several kinds; the user gets one line either way
         watchdog.cancel()
@@ -256,3 +303,24 @@ def agree(failure: BaseException | None, when: str) -> None:
     if failed.any():
         raise ValueError(f"process {int(np.argmax(failed))} of {jax.process_count()} stopped {when}; its own error "
                          f"says why")
+
+
+def _text_bytes(text: str, size: int) -> np.ndarray:
+    data = text.encode()[:size]
+    return np.frombuffer(data + b"\0" * (size - len(data)), np.uint8)
+
+
+def broadcast_text(text: str, size: int = 64) -> str:
+    """Process 0's `text` (its first `size` bytes), on every process."""
+    if jax.process_count() == 1:
+        return text
+    data = np.asarray(multihost_utils.broadcast_one_to_all(_text_bytes(text, size)), np.uint8)
+    return data.tobytes().rstrip(b"\0").decode(errors="replace")
+
+
+def gather_texts(text: str, size: int = 512) -> list[str]:
+    """Every process's `text` (its first `size` bytes), in process order, on every process."""
+    if jax.process_count() == 1:
+        return [text]
+    data = np.asarray(multihost_utils.process_allgather(_text_bytes(text, size)), np.uint8)
+    return [row.tobytes().rstrip(b"\0").decode(errors="replace") for row in data.reshape(-1, size)]

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import sys
 from pathlib import Path
 
@@ -74,7 +75,8 @@ def _run_parser(sub) -> argparse.ArgumentParser:
                              "the three flags above)")
     launch.add_argument("--launch-timeout", metavar="S", type=int, default=DEFAULT_TIMEOUT_S,
                         help=f"seconds within which all processes must meet, else each ends with one line and "
-                             f"exit code {LAUNCH_FAILURE_EXIT} (default {DEFAULT_TIMEOUT_S})")
+                             f"exit code {LAUNCH_FAILURE_EXIT} (default {DEFAULT_TIMEOUT_S}); also how long JAX's "
+                             f"heartbeat waits for a process that stopped answering")
     return p
 
 
@@ -163,6 +165,7 @@ def _main(argv: list[str] | None) -> int:
     args = _parser().parse_args(argv)
 
     from fedjax_sparse.run import DivergenceError, Interrupted, RunFailed, run_experiment
+    from fedjax_sparse.run.loop import ProcessLost
     from fedjax_sparse.run.checkpoints import CheckpointError, io_reason
     from fedjax_sparse.run.outputs import RunWriteError
     try:
@@ -172,6 +175,12 @@ def _main(argv: list[str] | None) -> int:
         config = _config(args)
         summary = run_experiment(config, progress=not args.no_progress, resume=args.resume is not None,
                                  overwrite=args.overwrite, allow_data_change=args.allow_data_change)
+    except ProcessLost as e:
+        print(f"fedjax-sparse: error: {' '.join(str(e).split())}", file=sys.stderr)
+        # JAX's exit handler would wait for the lost process at a shutdown barrier, then abort with a trace
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(2)
     except (ValueError, FileNotFoundError, DivergenceError, CheckpointError, RunFailed, RunWriteError) as e:
         print(f"fedjax-sparse: error: {' '.join(str(e).split())}", file=sys.stderr)
         return 2

@@ -168,3 +168,18 @@ def read_saved_config(run_dir: Path, usable: Callable[[dict], object], checkpoin
                              f"config from; start the run again with --overwrite")
     warn(f"{path} {problem}; using the config saved with the checkpoint")
     return saved
+
+
+SHARED_CHECK = ".shared_check"
+
+
+def shared_folder_problem(out: Path, lead: bool, token: str) -> str | None:
+    """Whether this process sees process 0's run folder: process 0 (`lead`) has written `token` to
+    `out`/.shared_check; None when this process reads it there, else what it found, in words."""
+    if lead:
+        return None
+    try:
+        seen = (out / SHARED_CHECK).read_text()
+    except OSError as err:
+        return f"{out / SHARED_CHECK} cannot be read ({err.strerror})"
+    return None if seen == token else f"{out / SHARED_CHECK} holds another run's mark"

@@ -10,6 +10,7 @@ import dataclasses
 import math
 import signal
 import time
+import uuid
 from pathlib import Path
 
 import jax
@@ -17,7 +18,8 @@ import numpy as np
 
 from fedjax_sparse.core.client_store import DeviceStore
 from fedjax_sparse.core.compilation import release_compiler_memory
-from fedjax_sparse.core.distributed import agree, current_process, max_over_processes, process_local
+from fedjax_sparse.core.distributed import (agree, broadcast_text, current_process, gather_texts, max_over_processes,
+                                           process_local)
 from fedjax_sparse.core.evaluation import all_finite, population_diagnostics
 from fedjax_sparse.core.flops import forward_flops
 from fedjax_sparse.core.store_evaluation import evaluate_store
@@ -26,7 +28,7 @@ from fedjax_sparse.run.checkpoints import CheckpointError, RunCheckpointer, io_r
 from fedjax_sparse.run.config import RunConfig
 from fedjax_sparse.run.experiment import Experiment, build_experiment, load_run_dataset, use_compilation_cache
 from fedjax_sparse.run.faults import fault_point
-from fedjax_sparse.run.folder import claim_run_folder, hold_run_folder
+from fedjax_sparse.run.folder import SHARED_CHECK, RunFolderError, claim_run_folder, hold_run_folder, shared_folder_problem
 from fedjax_sparse.run.outputs import RunWriteError, RunWriter, device_description, progress_bar
 from fedjax_sparse.run.resume import check_resume, restore
 from fedjax_sparse.run.signals import StopAfterRound
@@ -161,6 +163,8 @@ def run_experiment(config: RunConfig, *, progress: bool = True, resume: bool = F
         except Exception as e:  # noqa: BLE001 - raised below, in every process
             failure = e
         agree(failure, "preparing the run folder")
+        if process.count > 1 and (config.checkpoint_every or resume):
+            check_shared_folder(out, process)
         exp, failure = None, None
         try:
             exp = build_experiment(config, progress=progress and lead, process=process, snapshot=snapshot,
@@ -180,8 +184,44 @@ def run_experiment(config: RunConfig, *, progress: bool = True, resume: bool = F
             exp.close()
 
 
+def check_shared_folder(out: Path, process) -> None:
+    """Checkpoints of several processes need one folder they all reach under one path (each writes
+    its part, process 0 commits them): refused in one line, in every process, where some process
+    sees another folder there (a TPU pod slice's workers, each with its own disk)."""
+    lead = process.index == 0
+    token = broadcast_text(uuid.uuid4().hex if lead else "")
+    failure = None
+    if lead:
+        try:
+            (out / SHARED_CHECK).write_text(token)
+        except OSError as err:
+            failure = RunFailed(f"cannot write {out / SHARED_CHECK}: {io_reason(err)}")
+    agree(failure, "writing the run folder's mark")
+    problem = shared_folder_problem(out, lead, token)
+    problems = gather_texts(problem or "")
+    if lead:
+        (out / SHARED_CHECK).unlink(missing_ok=True)
+    lost = [f"process {p}: {text}" for p, text in enumerate(problems) if text]
+    if lost:
+        raise RunFolderError(
+            f"--out {out} is not one folder for all {process.count} processes ({'; '.join(lost)}): checkpoints "
+            f"and --resume need a file system every process reaches under the same path (NFS; on a TPU pod "
+            f"slice a bucket mounted with gcsfuse, or Filestore); without --checkpoint-every process 0 alone "
+            f"writes the run's files and each process's own disk is enough")
+
+
 class RunFailed(RuntimeError):
     """A run's file or checkpoint could not be written; the message names it and the OS's reason."""
+
+
+def _peer_lost(err: Exception) -> bool:
+    """Whether a collective failed for want of another process (`multihost_utils` raises ValueError)."""
+    return isinstance(err, jax.errors.JaxRuntimeError) or any(
+        word in str(err) for word in ("Gloo", "UNAVAILABLE", "Connection reset", "Connection closed"))
+
+
+class ProcessLost(RunFailed):
+    """Another process of a several-process run died (a kill, a lost node); the rest cannot go on."""
 
 
 def _one_line(err: BaseException) -> str:
@@ -314,6 +354,19 @@ def _run_rounds(exp: Experiment, config: RunConfig, out: Path, counters: Counter
         except (RunWriteError, OSError):
             pass
         raise RunFailed(message) from None
+    except (jax.errors.JaxRuntimeError, ValueError) as err:
+        if exp.process.count == 1 or not _peer_lost(err):
+            raise
+        # a collective whose peer has gone (gloo reports it at once): this process cannot go on alone
+        first = next((line for line in str(err).splitlines() if line.strip()), type(err).__name__)
+        message = (f"another process stopped while {stop.waiting_for} ({first[:200]}); every process stops; "
+                   + (f"resume from round {max(saved)} with --resume {out}" if saved else
+                      "no checkpoint was saved: start again with --overwrite (and --checkpoint-every)"))
+        try:
+            finish("failed", error=message)
+        except (RunWriteError, OSError):
+            pass
+        raise ProcessLost(message) from None
 
 
 def _totals(counters: Counters) -> dict:
