@@ -236,7 +236,9 @@ def _run_rounds(exp: Experiment, config: RunConfig, out: Path, counters: Counter
     (process 0's; every process runs the rounds, evaluations and checkpoints)."""
     lead = exp.process.index == 0
     title = f"{config.algorithm} / {config.model} / {config.dataset}"
-    checkpointer, saved = None, {}  # saved: rounds done -> the checkpoint this process wrote of them
+    checkpointer = None
+    # saved: rounds done -> the checkpoint this process wrote of them (a resumed run's starting one too)
+    saved = {counters.rounds_done: out / "checkpoints" / str(counters.rounds_done)} if counters.rounds_done else {}
     writer = board = None
     first_round_seconds, round_seconds = None, []  # a round: its step and its loss on the host
     bar = progress_bar(config.rounds, f"{config.algorithm} on {config.dataset}", enabled=progress,
