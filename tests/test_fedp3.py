@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from test_structure import SMALLEST
+from test_structure import zoo_model
 
 from fedjax_sparse.algorithms import make_algorithm, make_options
 from fedjax_sparse.algorithms.fedp3 import assigned_layers
@@ -49,8 +49,7 @@ def test_the_downlink_is_the_assigned_layers_whole_and_the_others_ordered_dropou
     """On every model of the zoo: a client receives its two shared layers' every entry (kernel, bias,
     normalization and statistics), the ordered-dropout sub-model of the other shared layers, nothing
     of the classifier, and pays 4 bytes a value."""
-    side = SMALLEST[name]
-    model = get_model(name, (side, side, 3), 10)
+    model = zoo_model(name)
     # the messages' entries depend on the shapes only: zeros instead of a (slow) initialization
     variables = tree_map(lambda s: jnp.zeros(s.shape, s.dtype), jax.eval_shape(model.init, jax.random.key(0)))
     algorithm = build(model, 8, downlink_keep=0.5)

@@ -81,7 +81,7 @@ def test_leaf_shakespeare_json_becomes_character_indices(tmp_path):
 
 
 def test_a_bad_leaf_folder_is_one_line(tmp_path, capsys):
-    from fedjax_sparse.cli import main
+    from fedjax_sparse.run.cli import main
 
     (tmp_path / "bad" / "train").mkdir(parents=True)
     assert main(["run", "--dataset", f"leaf:{tmp_path / 'bad'}", "--out", str(tmp_path / "r")]) == 2
@@ -190,7 +190,7 @@ def test_without_data_the_extra_or_a_network_the_hub_copies_say_so_in_one_line(t
 def test_natural_clients_and_char_lstm_from_the_command_line(tmp_path):
     """A LEAF Shakespeare folder, its roles the clients (the default partition for it), LEAF's model; and
     a FEMNIST folder whose writers are the clients of a FedAvg run (each scored on its own test examples)."""
-    from fedjax_sparse.cli import main
+    from fedjax_sparse.run.cli import main
 
     root = write_leaf(tmp_path / "shakespeare", SHAKESPEARE)
     common = ["--num-clients", "2", "--clients-per-round", "2", "--rounds", "1", "--local-epochs", "1",

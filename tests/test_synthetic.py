@@ -108,7 +108,7 @@ def test_the_device_store_trains_the_generated_clients_exactly_as_the_host_store
     same evaluation (global test: every client's test examples, 30 clients <= 1,000)."""
     import jax
 
-    from fedjax_sparse.runner import RunConfig, build_experiment, evaluate
+    from fedjax_sparse.run import RunConfig, build_experiment, evaluate
 
     config = RunConfig.create(dataset="synthetic:1,1", algorithm="scaffold", num_clients=30, clients_per_round=4,
                               local_epochs=1, seed=5, out=str(tmp_path / "run"))
