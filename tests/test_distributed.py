@@ -254,13 +254,22 @@ def test_bad_launch_flags_of_the_library_fail_at_once_with_one_line():
 
 def test_the_readmes_two_process_synthetic_command_runs_as_written_at_a_small_size(tmp_path):
     """README's two-process example (FedProx's Synthetic(1, 1), SCAFFOLD) at 40 clients: each process
-    generates its own clients when they are sampled or scored, and the run writes the one-process metrics."""
+    generates its own clients when they are sampled or scored, and the run writes the one-process
+    metrics. The processes run in two folders (as a TPU pod slice's workers, each on its own disk, under
+    the same relative --out): without checkpoints process 0 alone writes the run, in its own."""
     args = ["--dataset", "synthetic:1,1", "--algorithm", "scaffold", "--num-clients", "40", "--clients-per-round", "4",
             "--rounds", "2", "--local-epochs", "1", "--no-progress", "--no-tensorboard"]
-    run_two(*args, "--out", tmp_path / "two")
+    disks = [tmp_path / "worker0", tmp_path / "worker1"]
+    for disk in disks:
+        disk.mkdir()
+    port = free_port()
+    for rc, _, stderr in finish([launch_cli(i, port, *args, "--out", "two", cwd=disks[i]) for i in range(2)],
+                                timeout=300):
+        assert rc == 0, stderr[-2000:]
+    assert not (disks[1] / "two" / "metrics.jsonl").exists()
     assert main(["run", *args, "--out", str(tmp_path / "one")]) == 0
-    assert_same_records(records(tmp_path / "one"), records(tmp_path / "two"), 2)
-    assert json.loads((tmp_path / "two" / "summary.json").read_text())["processes"] == 2
+    assert_same_records(records(tmp_path / "one"), records(disks[0] / "two"), 2)
+    assert json.loads((disks[0] / "two" / "summary.json").read_text())["processes"] == 2
 
 
 # what depends on the layout and not on the results: the clock, and the share of vmapped steps that idle
@@ -281,7 +290,7 @@ def test_scaffold_over_32_rounds_writes_the_same_metrics_on_one_and_on_two_proce
     every round equal to the last bit. Each device reduces all sampled clients' uploads in client
     order, and one process trains its clients in chunks that divide the round (no remainder program)."""
     args = ["--algorithm", "scaffold", "--num-clients", "10", "--clients-per-round", "4", "--local-epochs", "1",
-            "--max-train-examples", "600", "--max-test-examples", "200", "--rounds", "32", "--no-progress",
+            "--max-train-examples", "400", "--max-test-examples", "100", "--rounds", "32", "--no-progress",
             "--no-tensorboard"]
     run_two(*args, "--out", tmp_path / "two")
     assert main(["run", *args, "--out", str(tmp_path / "one")]) == 0
@@ -323,23 +332,17 @@ def test_cluster_launch_hands_jax_the_tasks_gpus(monkeypatch):
     assert calls[0]["local_device_ids"] == [] and calls[0]["coordinator_address"] is None
 
 
-def test_processes_without_a_shared_folder_run_but_checkpoints_need_one(tmp_path):
+def test_checkpoints_of_processes_without_a_shared_folder_are_refused_in_one_line(tmp_path):
     """Each process's own disk (a TPU pod slice's workers): the same relative --out names another folder
-    in each. Without checkpoints process 0 writes the run there alone; with them every process stops
-    in one line saying what the run folder needs."""
+    in each; with checkpoints every process stops in one line saying what the run folder needs."""
     disks = [tmp_path / "worker0", tmp_path / "worker1"]
     for disk in disks:
         disk.mkdir()
     args = ["--num-clients", "4", "--clients-per-round", "2", "--local-epochs", "1", "--max-train-examples", "200",
-            "--max-test-examples", "100", "--rounds", "1", "--no-progress", "--no-tensorboard", "--out", "run"]
+            "--max-test-examples", "100", "--rounds", "1", "--no-progress", "--no-tensorboard", "--out", "run",
+            "--checkpoint-every", "1"]
     port = free_port()
     for rc, _, stderr in finish([launch_cli(i, port, *args, cwd=disks[i]) for i in range(2)], timeout=300):
-        assert rc == 0, stderr[-2000:]
-    assert (disks[0] / "run" / "summary.json").exists() and not (disks[1] / "run" / "metrics.jsonl").exists()
-    port = free_port()
-    results = finish([launch_cli(i, port, *args, "--checkpoint-every", 1, "--overwrite", cwd=disks[i])
-                      for i in range(2)], timeout=300)
-    for rc, _, stderr in results:
         assert rc == 2, stderr[-2000:]
         assert "is not one folder for all 2 processes (process 1:" in stderr.strip().splitlines()[-1]
     assert not list((disks[0] / "run").glob(".shared_check"))
