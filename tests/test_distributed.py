@@ -20,9 +20,6 @@ from fedjax_sparse.run.cli import main
 from fedjax_sparse.core import distributed
 from fedjax_sparse.core.round import sample_clients_host
 
-# its module-scoped runs are built once: every test of the module on one worker (--dist loadgroup)
-pytestmark = pytest.mark.xdist_group("test_distributed")
-
 ROOT = Path(__file__).resolve().parents[1]
 JOB = Path(__file__).resolve().parent / "distributed_job.py"
 

@@ -24,9 +24,6 @@ from fedjax_sparse.run.folder import RunFolderError, hold_run_folder
 from fedjax_sparse.run.outputs import say
 from fedjax_sparse.run.signals import StopAfterRound
 
-# its module-scoped runs are built once: every test of the module on one worker (--dist loadgroup)
-pytestmark = pytest.mark.xdist_group("test_faults")
-
 TINY = ["--num-clients", "4", "--clients-per-round", "2", "--local-epochs", "1", "--max-train-examples", "200",
         "--max-test-examples", "100", "--no-progress", "--no-tensorboard"]
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -267,7 +264,6 @@ def test_10_17_flags_at_their_limits_and_malformed_are_one_line(tmp_path, capsys
 SHARDED = """
 import json, sys
 from fedjax_sparse.run.cli import main
-
 tiny, out = sys.argv[1].split(), sys.argv[2]
 assert main(["run", *tiny, "--shard-clients", "--clients-per-round", "4", "--rounds", "3", "--out", out + "/whole"]) == 0
 assert main(["run", *tiny, "--shard-clients", "--clients-per-round", "4", "--rounds", "2", "--checkpoint-every", "1",

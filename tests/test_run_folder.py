@@ -27,9 +27,6 @@ from fedjax_sparse.run.cli import main
 from fedjax_sparse.data.sources import load_image_folder
 from fedjax_sparse.run.folder import hold_run_folder
 
-# its module-scoped runs are built once: every test of the module on one worker (--dist loadgroup)
-pytestmark = pytest.mark.xdist_group("test_run_folder")
-
 ROUNDS, ARGS = SCAFFOLD_ROUNDS, SCAFFOLD_ARGS
 DISK = ["--client-store", "disk"]
 WALL_CLOCK = ("first_round_seconds", "median_round_seconds", "wall_seconds", "client_store")

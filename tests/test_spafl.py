@@ -25,9 +25,6 @@ from fedjax_sparse.core.round import round_info
 from fedjax_sparse.models import Layer, ModelStructure, get_model
 from fedjax_sparse.models.structure import get_path, set_path
 
-# its module-scoped runs are built once: every test of the module on one worker (--dist loadgroup)
-pytestmark = pytest.mark.xdist_group("test_spafl")
-
 tree_map = jax.tree_util.tree_map
 MLP_THRESHOLDS = 256 + 256 + 10
 MLP_PARAMS = 85002

@@ -25,9 +25,6 @@ from fedjax_sparse.core.unit_selection import keep_top_units, rolling_scores
 from fedjax_sparse.data.federated import federated_split, normalize
 from fedjax_sparse.models import get_model
 
-# its module-scoped runs are built once: every test of the module on one worker (--dist loadgroup)
-pytestmark = pytest.mark.xdist_group("test_submodels")
-
 tree_map = jax.tree_util.tree_map
 RULES = ("heterofl", "fedrolex", "feddropout", "fedgse")
 
