@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from fedjax_sparse.run.checkpoints import CheckpointError
-from fedjax_sparse.run.outputs import device_description, plot_accuracy
+from fedjax_sparse.run.outputs import device_description, dumps, plot_accuracy
 from fedjax_sparse.run import DivergenceError, Interrupted, RunConfig, run_experiment
 
 REPO = Path(__file__).resolve().parents[1]
@@ -129,7 +129,7 @@ def finished_summary(config: RunConfig) -> dict | None:
         saved = json.loads((out / "config.json").read_text())
     except (OSError, ValueError):
         return None
-    if summary.get("status") != "completed" or saved != json.loads(json.dumps(config.to_dict())):
+    if summary.get("status") != "completed" or saved != json.loads(dumps(config.to_dict())):
         return None
     return summary
 

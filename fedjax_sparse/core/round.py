@@ -150,7 +150,7 @@ def round_step(algorithm: FederatedAlgorithm, clients_per_round: int, *, seed: i
         return jax.tree_util.tree_map(lambda x: jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec)), tree)
 
     def shard(tree):
-        return constrain(tree, PartitionSpec(tuple(mesh.axis_names)) if mesh is not None else None)
+        return tree if mesh is None else constrain(tree, PartitionSpec(tuple(mesh.axis_names)))
 
     def gathered(tree):
         # every device then reduces all K uploads itself, in client order, as one device does: a

@@ -240,7 +240,7 @@ def _run_rounds(exp: Experiment, config: RunConfig, out: Path, counters: Counter
     # saved: rounds done -> the checkpoint this process wrote of them (a resumed run's starting one too)
     saved = {counters.rounds_done: out / "checkpoints" / str(counters.rounds_done)} if counters.rounds_done else {}
     writer = board = None
-    first_round_seconds, round_seconds = None, []  # a round: its step and its loss on the host
+    round_seconds = []  # a round: its step and its loss on the host
     bar = progress_bar(config.rounds, f"{config.algorithm} on {config.dataset}", enabled=progress,
                        initial=counters.rounds_done)
 
@@ -260,6 +260,7 @@ def _run_rounds(exp: Experiment, config: RunConfig, out: Path, counters: Counter
         if board is not None:
             board.close()
         stopped = {"last_checkpoint": max(saved)} if saved and status != "completed" else {}  # where to resume
+        first_round_seconds = round_seconds[0] if round_seconds else None
         summary = {**_summary(exp, history, _totals(counters), first_round_seconds, time.perf_counter() - start),
                    "median_round_seconds": float(np.median(round_seconds[1:])) if len(round_seconds) > 1 else None,
                    "status": status, **stopped, **extra}
@@ -267,6 +268,13 @@ def _run_rounds(exp: Experiment, config: RunConfig, out: Path, counters: Counter
             writer.write_summary(summary)
             writer.plot(history, title=title)
         return summary
+
+    def failed(error: RunFailed) -> RunFailed:
+        try:  # the summary says so, where it still can be written
+            finish("failed", error=str(error))
+        except (RunWriteError, OSError):
+            pass
+        return error
 
     def diverged(message: str) -> DivergenceError:
         finish("diverged", error=message)
@@ -291,8 +299,6 @@ def _run_rounds(exp: Experiment, config: RunConfig, out: Path, counters: Counter
             t0 = time.perf_counter()
             server_state, round_out = exp.round_fn(server_state, r, prefetch_next=r + 1 < config.rounds)
             ids = np.asarray(round_out.client_ids)
-            if first_round_seconds is None:
-                first_round_seconds = time.perf_counter() - t0
             train_loss = float(np.average(np.asarray(round_out.metrics["loss"]), weights=counts[ids]))
             round_seconds.append(time.perf_counter() - t0)
             if not math.isfinite(train_loss):
@@ -350,12 +356,7 @@ def _run_rounds(exp: Experiment, config: RunConfig, out: Path, counters: Counter
                                   f"{path}; continue with --resume {out}", signum)
         return finish("completed")
     except (CheckpointError, RunWriteError, OSError) as err:
-        message = _one_line(err)
-        try:  # the summary says so, where it still can be written
-            finish("failed", error=message)
-        except (RunWriteError, OSError):
-            pass
-        raise RunFailed(message) from None
+        raise failed(RunFailed(_one_line(err))) from None
     except (jax.errors.JaxRuntimeError, ValueError) as err:
         if exp.process.count == 1 or not _peer_lost(err):
             raise
@@ -364,11 +365,7 @@ def _run_rounds(exp: Experiment, config: RunConfig, out: Path, counters: Counter
         message = (f"another process stopped while {stop.waiting_for} ({first[:200]}); every process stops; "
                    + (f"resume from round {max(saved)} with --resume {out}" if saved else
                       "no checkpoint was saved: start again with --overwrite (and --checkpoint-every)"))
-        try:
-            finish("failed", error=message)
-        except (RunWriteError, OSError):
-            pass
-        raise ProcessLost(message) from None
+        raise failed(ProcessLost(message)) from None
 
 
 def _totals(counters: Counters) -> dict:
