@@ -241,9 +241,14 @@ def test_the_registry_builds_every_algorithm_with_its_options(make_split, mlp):
 
 def test_experiment_settings_and_uplink_curve():
     from experiments.fedldf import SETTINGS, cumulative_uplink
-    for setting in SETTINGS.values():
-        assert setting.config.model == "vgg9" and setting.config.clients_per_round == 20
-        assert setting.config.num_clients == 50 and setting.config.options["clients_per_layer"] == 4
+    for name, setting in SETTINGS.items():
+        config = setting.config
+        if name == "cifar10_cpu":  # CPU-sized: SpaFL's CNN, 2 of 10 clients per layer (the paper's n/K)
+            assert (config.model, config.num_clients, config.clients_per_round) == ("spafl_cnn", 20, 10)
+            assert config.options["clients_per_layer"] == 2
+        else:
+            assert config.model == "vgg9" and config.clients_per_round == 20
+            assert config.num_clients == 50 and config.options["clients_per_layer"] == 4
         assert {a.overrides["algorithm"] for a in setting.arms} == {"fedldf", "fedldf_random", "hdfl", "fedadp",
                                                                      "fedavg"}
         fedadp = next(a for a in setting.arms if a.label == "fedadp")
