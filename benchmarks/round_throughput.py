@@ -9,7 +9,10 @@ one device the examples per second of four ways to run the same round:
   engine       the library as `fedjax-sparse run` uses it: `build_round(fedavg(LocalSGD(...)))`
                with the platform's `default_client_chunk`, one jitted call per round, each
                client's steps a `lax.while_loop` (on an accelerator all clients are vmapped
-               at once; on a CPU they go in cache-sized vmapped chunks);
+               at once; on a CPU they go in cache-sized vmapped chunks, and with a CPU device
+               per core, `core.cpu_round.CpuRound` shares them among the devices);
+  engine_1cpu  (CPU only, where `engine` uses several CPU devices) the same round on one device:
+               `core.cpu_round`'s layout against `build_round`'s one jit, on one core;
   engine_vmap  (CPU only, where it differs from `engine`) the same round with all K clients
                in one vmap, the accelerator layout;
   step_loop    the way most federated code is written: a Python loop over the
@@ -79,6 +82,7 @@ import optax
 from fedjax_sparse.algorithms import fedavg
 from fedjax_sparse.core.algorithm import FederatedAlgorithm
 from fedjax_sparse.core.compilation import jit
+from fedjax_sparse.core.cpu_round import CpuRound, keep_freed_memory, round_devices, use_cpu_cores
 from fedjax_sparse.core.local_training import LocalSGD, masked_cross_entropy
 from fedjax_sparse.core.round import build_round, client_keys, default_client_chunk, round_info, sample_clients
 from fedjax_sparse.data import load_dataset
@@ -86,7 +90,7 @@ from fedjax_sparse.data.federated import (Batch, ClientData, FederatedSplit, cli
                                           epoch_permutations, federated_split, padded_step_fraction)
 from fedjax_sparse.models import Model, get_model
 
-VARIANTS = ("engine", "engine_vmap", "step_loop", "client_loop", "centralized")
+VARIANTS = ("engine", "engine_1cpu", "engine_vmap", "step_loop", "client_loop", "centralized")
 RECORD_KEYS = ("model", "clients_per_round", "engine", "step_loop", "client_loop", "centralized")
 
 tree_map = jax.tree_util.tree_map
@@ -151,7 +155,7 @@ def quick_settings(platform_name: str) -> list[Setting]:
     On CPU the CNN is left out: one round of even 10 small clients takes minutes
     there (see `full_settings`); on an accelerator it runs at 10 clients.
     """
-    settings = [Setting("mlp", 10, 64, repeats=2), Setting("mlp", 100, 64, repeats=2)]
+    settings = [Setting("mlp", 10, 64, repeats=5), Setting("mlp", 100, 64, repeats=5)]
     if platform_name != "cpu":
         settings.append(Setting("spafl_cnn", 10, 16, repeats=2))
     return settings
@@ -245,13 +249,18 @@ def _aggregator(w: Workload):
 
 
 class EngineRunner:
-    """The library's round: one jitted call; `client_chunk` as `build_round` takes it."""
+    """The library's round: `client_chunk` as `build_round` takes it; several CPU `devices` (as
+    `round_devices` chooses them) make it `CpuRound`'s calls, one device `build_round`'s one jit."""
 
-    def __init__(self, w: Workload, client_chunk: int | None):
+    def __init__(self, w: Workload, client_chunk: int | None, devices: Sequence[Any] = ()):
         s = w.setting
         self.client_chunk = client_chunk
-        self.round_fn = build_round(w.algorithm, w.split, s.clients_per_round, seed=s.seed,
-                                    client_chunk=client_chunk)
+        if len(devices) > 1:
+            self.round_fn = CpuRound(w.algorithm, w.split, s.clients_per_round, seed=s.seed,
+                                     client_chunk=client_chunk, devices=devices)
+        else:
+            self.round_fn = build_round(w.algorithm, w.split, s.clients_per_round, seed=s.seed,
+                                        client_chunk=client_chunk)
         self.server, self.clients = w.algorithm.init(jax.random.key(s.seed), w.variables, w.num_clients)
 
     def __call__(self, r: int):
@@ -260,6 +269,8 @@ class EngineRunner:
 
     def xla_memory(self) -> dict | None:
         """XLA's memory analysis of the compiled round (the compilation is cached: no recompile)."""
+        if isinstance(self.round_fn, CpuRound):
+            return None
         try:
             stats = self.round_fn.lower(self.server, self.clients, 0).compile().memory_analysis()
         except Exception:  # noqa: BLE001 - a backend without memory analysis
@@ -409,12 +420,15 @@ def run_setting(setting: Setting, variants: Sequence[str] = VARIANTS) -> dict:
     w = build_workload(setting)
     examples = int(np.asarray(w.split.counts).sum()) * setting.epochs
     chunk = default_client_chunk(w.variables, setting.clients_per_round)
+    devices = round_devices(setting.clients_per_round, chunk, jax.local_devices()) if platform_is_cpu() else []
     timings, xla_bytes, peak = {}, None, None
     for name in variants:
         if name == "engine_vmap" and chunk is None:
             continue  # the engine already vmaps all clients on this platform
-        if name in ("engine", "engine_vmap"):
-            runner = EngineRunner(w, chunk if name == "engine" else None)
+        if name == "engine_1cpu" and len(devices) < 2:
+            continue  # the engine already runs on one device
+        if name in ("engine", "engine_1cpu", "engine_vmap"):
+            runner = EngineRunner(w, None if name == "engine_vmap" else chunk, devices if name == "engine" else ())
             timings[name] = time_rounds(runner, setting.repeats)
             if name == "engine":
                 peak = peak_device_memory()
@@ -437,6 +451,7 @@ def run_setting(setting: Setting, variants: Sequence[str] = VARIANTS) -> dict:
         "examples_per_round": examples,
         "num_params": w.model.num_params(w.variables),
         "engine_client_chunk": chunk,
+        "engine_cpu_devices": max(len(devices), 1) if platform_is_cpu() else None,
         "padded_step_fraction": padded_step_fraction(np.asarray(w.split.counts), setting.batch_size),
         "round_seconds": {k: t["steady"] for k, t in timings.items()},
         "compile_seconds": {k: t["compile"] for k, t in timings.items()},
@@ -452,10 +467,16 @@ def run_setting(setting: Setting, variants: Sequence[str] = VARIANTS) -> dict:
         record["engine_over_step_loop"] = rate["engine"] / rate["step_loop"]
     if "engine" in rate and "centralized" in rate:
         record["engine_over_centralized"] = rate["engine"] / rate["centralized"]
+    if "engine" in rate and "engine_1cpu" in rate:
+        record["engine_over_engine_1cpu"] = rate["engine"] / rate["engine_1cpu"]
     return record
 
 
 # ---------------------------------------------------------------- reporting
+
+
+def platform_is_cpu() -> bool:
+    return jax.devices()[0].platform == "cpu"
 
 
 def device_name() -> str:
@@ -501,8 +522,9 @@ def _num(x: float | None) -> str:
     return f"{x:.3g}"
 
 
-HEADER = ("| model | K | examples/client | steps | chunk | engine | engine_vmap | step_loop | client_loop "
-          "| centralized | engine/step_loop | engine/centralized | compile s (engine/vmap/step/client/central) "
+HEADER = ("| model | K | examples/client | steps | chunk | CPU devices | engine | engine_1cpu | engine_vmap | step_loop "
+          "| client_loop | centralized | engine/step_loop | engine/centralized | engine/engine_1cpu "
+          "| compile s (engine/1cpu/vmap/step/client/central) "
           "| padded | peak device MiB | engine XLA temp MiB |")
 
 
@@ -513,10 +535,11 @@ def table_row(r: dict) -> str:
     temp = (r["engine_xla_bytes"] or {}).get("temp")
     chunk = r["engine_client_chunk"]
     return (f"| {r['model']} | {r['clients_per_round']} | {r['examples_per_client']} | {r['local_steps']} "
-            f"| {'all' if chunk is None else chunk} | {_num(r.get('engine'))} | {_num(r.get('engine_vmap'))} "
+            f"| {'all' if chunk is None else chunk} | {r.get('engine_cpu_devices') or '-'} | {_num(r.get('engine'))} "
+            f"| {_num(r.get('engine_1cpu'))} | {_num(r.get('engine_vmap'))} "
             f"| {_num(r.get('step_loop'))} | {_num(r.get('client_loop'))} "
             f"| {_num(r.get('centralized'))} | {_num(r.get('engine_over_step_loop'))}x "
-            f"| {_num(r.get('engine_over_centralized'))}x | {compile_s} | {r['padded_step_fraction']:.2f} "
+            f"| {_num(r.get('engine_over_centralized'))}x | {_num(r.get('engine_over_engine_1cpu'))}x | {compile_s} | {r['padded_step_fraction']:.2f} "
             f"| {'n/a' if peak is None else f'{peak / 2**20:.0f}'} "
             f"| {'n/a' if temp is None else f'{temp / 2**20:.0f}'} |")
 
@@ -539,8 +562,15 @@ def main(argv: Sequence[str] | None = None) -> list[dict]:
     parser.add_argument("--quick", action="store_true", help="a subset that takes under a minute on 2 CPU cores")
     parser.add_argument("--json", metavar="FILE", help="write the list of records as JSON")
     parser.add_argument("--only", metavar="MODEL[:K]", help="run only these settings, e.g. mlp:100")
+    parser.add_argument("--cpu-devices", type=int, metavar="N",
+                        help="JAX CPU devices (default: one per usable core, as the command line has)")
+    parser.add_argument("--release-freed-memory", action="store_true",
+                        help="leave glibc's allocator as it is (measures what core.cpu_round.keep_freed_memory brings)")
     args = parser.parse_args(argv)
 
+    use_cpu_cores(args.cpu_devices)  # as the command line does: on a CPU, a device per core (before JAX starts)
+    if platform_is_cpu() and not args.release_freed_memory:
+        keep_freed_memory()
     env = environment(argv)
     platform_name = jax.devices()[0].platform
     settings = quick_settings(platform_name) if args.quick else full_settings(platform_name)

@@ -119,6 +119,41 @@ def _check_layout(clients_per_round: int, mesh: Mesh | None, client_chunk: int |
                              "sampled clients; leave the chunk unset when sharding")
 
 
+def client_phase(algorithm: FederatedAlgorithm, client_chunk: int | None = None) -> Callable:
+    """`train(server_state, sampled, ids, positions, keys, data, info) -> (ups, new_states, metrics,
+    down_bytes)`, each [K', ...] for the K' clients given (traceable): broadcast, then local training.
+
+    `client_chunk=None` vmaps them all at once; `c` runs them c at a time (`lax.map` over vmapped
+    chunks), which must divide K' (see `default_client_chunk`)."""
+
+    def one_client(server_state, client_state, client_id, position, key, data, info):
+        down = algorithm.broadcast(server_state, client_id, info)
+        up, client_state, metrics = algorithm.client_update(down, client_state, data.client(position), key, info)
+        return up, client_state, metrics, message_bytes(down)
+
+    def train(server_state, sampled, ids, positions, keys, data, info):
+        if client_chunk is None:
+            return jax.vmap(one_client, in_axes=(None, 0, 0, 0, 0, None, None))(
+                server_state, sampled, ids, positions, keys, data, info)
+        return jax.lax.map(lambda args: one_client(server_state, *args, data, info), (sampled, ids, positions, keys),
+                           batch_size=client_chunk)
+
+    return train
+
+
+def server_phase(algorithm: FederatedAlgorithm, clients_per_round: int) -> Callable:
+    """`server(server_state, ups, weights, info) -> (server_state, up_bytes)` over all K uploads in client
+    order (traceable): the algorithm's upload selection, the uplink's bytes, the server's update."""
+
+    def server(server_state, ups, weights, info):
+        if algorithm.select_uploads is not None:
+            ups = algorithm.select_uploads(ups, weights, info)
+        up_bytes = jax.vmap(message_bytes, axis_size=clients_per_round)(ups)
+        return algorithm.server_update(server_state, ups, weights, info), up_bytes
+
+    return server
+
+
 def round_step(algorithm: FederatedAlgorithm, clients_per_round: int, *, seed: int, mesh: Mesh | None = None,
                client_chunk: int | None = None, ordered_reduction: bool = True) -> Callable:
     """The round over gathered inputs, for every client store (traceable, not jitted):
@@ -141,8 +176,10 @@ def round_step(algorithm: FederatedAlgorithm, clients_per_round: int, *, seed: i
     every device before the server's update, so its sums run over all of them in client order and a
     run's figures do not depend on the number of devices or processes (False: XLA reduces each
     device's share, then across devices; `benchmarks/ordered_reduction.py` measures the cost).
+    Several CPU devices of one process take another layout: `core.cpu_round`.
     """
     _check_layout(clients_per_round, mesh, client_chunk)
+    train, server = client_phase(algorithm, client_chunk), server_phase(algorithm, clients_per_round)
 
     def constrain(tree, spec):
         if mesh is None:
@@ -157,32 +194,19 @@ def round_step(algorithm: FederatedAlgorithm, clients_per_round: int, *, seed: i
         # cross-device reduction would sum per-device partial sums, in an order set by the sharding
         return constrain(tree, PartitionSpec()) if ordered_reduction else tree
 
-    def one_client(server_state, client_state, client_id, position, key, data, info):
-        down = algorithm.broadcast(server_state, client_id, info)
-        up, client_state, metrics = algorithm.client_update(down, client_state, data.client(position), key, info)
-        return up, client_state, metrics, message_bytes(down)
-
-    def all_clients(server_state, sampled, ids, positions, keys, data, info):
-        if client_chunk is None:
-            return jax.vmap(one_client, in_axes=(None, 0, 0, 0, 0, None, None))(
-                server_state, sampled, ids, positions, keys, data, info)
-        return jax.lax.map(lambda args: one_client(server_state, *args, data, info), (sampled, ids, positions, keys),
-                           batch_size=client_chunk)
-
     def step(server_state, sampled_states, data, positions, ids, round_index):
         round_index = jnp.asarray(round_index, jnp.int32)
         ids = jnp.asarray(ids, jnp.int32)
         keys = client_keys(seed, round_index, ids)
         info = round_info(seed, round_index, ids)
         ids_sharded, positions, keys, sampled = shard((ids, jnp.asarray(positions, jnp.int32), keys, sampled_states))
-        ups, new_states, metrics, down_bytes = all_clients(server_state, sampled, ids_sharded, positions, keys, data,
-                                                           info)
+        ups, new_states, metrics, down_bytes = train(server_state, sampled, ids_sharded, positions, keys, data, info)
         weights = data.counts[positions].astype(jnp.float32)
         ups, weights = gathered((ups, weights))
-        if algorithm.select_uploads is not None:
-            ups = algorithm.select_uploads(ups, weights, info)
-        up_bytes = jax.vmap(message_bytes, axis_size=clients_per_round)(ups)
-        server_state = algorithm.server_update(server_state, ups, weights, info)
+        # XLA may not simplify the server's arithmetic into the clients' (or back): the server's update then
+        # compiles as it does alone, in `core.cpu_round`'s layout, whatever this round's layout is
+        ups, weights = jax.lax.optimization_barrier((ups, weights))
+        server_state, up_bytes = server(server_state, ups, weights, info)
         return server_state, new_states, RoundOutput(ids, up_bytes, down_bytes, metrics)
 
     return step

@@ -17,7 +17,7 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import functools
-from typing import Any
+from typing import Any, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -28,6 +28,7 @@ from fedjax_sparse.core.algorithm import FederatedAlgorithm
 from fedjax_sparse.core.client_store import (ClientStore, DeviceStore, RowLayout, RowStore, materialize,
                                              populated_rows)
 from fedjax_sparse.core.compilation import jit
+from fedjax_sparse.core.cpu_round import CpuRound
 from fedjax_sparse.core.distributed import combine_blocks, process_blocks, replicated, replicated_sharding
 from fedjax_sparse.core.round import (RoundOutput, check_clients_per_round, device_round, round_step,
                                       sample_clients_host)
@@ -84,11 +85,13 @@ class StoreRound:
       host/disk store with `data` this process's `ClientWindows` (`HostData`, or generated clients).
     mesh: shards the sampled clients (`core.distributed.process_mesh()`; required with
       several processes). prefetch: read round r+1's inputs while round r computes.
+    cpu_devices: with the device store, several CPU devices sharing the sampled clients
+      (`core.cpu_round`; `round_devices` chooses them).
     """
 
     def __init__(self, algorithm: FederatedAlgorithm, store: ClientStore, data: FederatedSplit | ClientWindows,
                  clients_per_round: int, *, seed: int, mesh: Mesh | None = None, client_chunk: int | None = None,
-                 prefetch: bool = True):
+                 prefetch: bool = True, cpu_devices: Sequence[Any] = ()):
         check_clients_per_round(clients_per_round, store.num_clients)
         if data.num_clients != store.num_clients:
             raise ValueError(f"the data hold {data.num_clients} clients but the store {store.num_clients}")
@@ -103,8 +106,18 @@ class StoreRound:
         if isinstance(store, DeviceStore):
             if not isinstance(data, FederatedSplit):
                 raise ValueError("the device store trains on the population's FederatedSplit on the device")
-            self._device_round = _device_round(algorithm, clients_per_round, seed, mesh, client_chunk)
+            self.cpu_devices = list(cpu_devices) if len(cpu_devices) > 1 else []
+            if self.cpu_devices:
+                cpu_round = CpuRound(algorithm, data, clients_per_round, seed=seed, client_chunk=client_chunk,
+                                     devices=self.cpu_devices)
+                self._device_round = lambda server_state, states, _, round_index: cpu_round(server_state, states,
+                                                                                           round_index)
+            else:
+                self._device_round = _device_round(algorithm, clients_per_round, seed, mesh, client_chunk)
             return
+        if len(cpu_devices) > 1:
+            raise ValueError("several CPU devices train the clients of the device store only")
+        self.cpu_devices = []
         if not isinstance(store, RowStore) or not isinstance(data, ClientWindows):
             raise ValueError("the host and disk stores train on this process's ClientWindows (data.windows)")
         self._row_round = _row_round(algorithm, store.layout, store.key_impl, clients_per_round, data.max_count,

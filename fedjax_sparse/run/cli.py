@@ -164,11 +164,14 @@ def _launch(args: argparse.Namespace) -> int:
 def _main(argv: list[str] | None) -> int:
     args = _parser().parse_args(argv)
 
+    from fedjax_sparse.core.cpu_round import use_cpu_cores
     from fedjax_sparse.run import DivergenceError, Interrupted, RunFailed, run_experiment
     from fedjax_sparse.run.loop import ProcessLost
     from fedjax_sparse.run.checkpoints import CheckpointError, io_reason
     from fedjax_sparse.run.outputs import RunWriteError
     try:
+        if args.coordinator is None and not args.cluster:  # one process: a CPU device per core (core.cpu_round)
+            use_cpu_cores(getattr(args, "cpu_devices", None))
         lead = _launch(args) == 0
         if args.allow_data_change and args.resume is None:
             raise ValueError("--allow-data-change goes with --resume: a new run takes whatever data it is given")

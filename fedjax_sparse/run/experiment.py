@@ -15,6 +15,7 @@ from fedjax_sparse.algorithms.personalization import personalize
 from fedjax_sparse.algorithms.uplink_compression import compress_uplink
 from fedjax_sparse.core.algorithm import BuildContext, NeedsDeviceData
 from fedjax_sparse.core.contract import check_contract
+from fedjax_sparse.core.cpu_round import keep_freed_memory, round_devices
 from fedjax_sparse.core.client_store import (RowLayout, available_host_memory, choose_store, client_state_shapes,
                                              free_device_memory, initial_server_state, make_store)
 from fedjax_sparse.core.distributed import ProcessLayout, current_process, process_mesh
@@ -132,7 +133,7 @@ def build_experiment(config: RunConfig, progress: bool = True, *, process: Proce
     check_local_sizes(config, int(federation.train_counts.max()), dataset.input_shape,
                       chunk or config.clients_per_round)
     round_fn = StoreRound(algorithm, store, train, config.clients_per_round, seed=config.seed, mesh=mesh,
-                          client_chunk=chunk)
+                          client_chunk=chunk, cpu_devices=round_cpu_devices(config, backend, mesh, chunk))
     evaluate_global = (global_evaluator(model, *federation.global_test, dataset.mean, dataset.std)
                        if algorithm.global_variables is not None else None)
     evaluate_personalized = split_evaluator(model, algorithm.client_variables, client_chunk=evaluation_chunk(config))
@@ -192,6 +193,16 @@ def client_store_backend(config: RunConfig, process: ProcessLayout, needs_device
     if backend != "device" and reason is not None:
         say(f"{prefix}--client-store auto chose {reason}")
     return backend
+
+
+def round_cpu_devices(config: RunConfig, backend: str, mesh, chunk: int | None) -> list:
+    """The CPU devices that share a round's clients (`core.cpu_round`): on a CPU, with the device store
+    and no mesh, `--cpu-devices` of them, else as many as pay (`round_devices`)."""
+    if jax.default_backend() != "cpu" or backend != "device" or mesh is not None:
+        return []
+    keep_freed_memory()
+    devices = jax.local_devices(backend="cpu")[:config.cpu_devices]
+    return round_devices(config.clients_per_round, chunk, devices, chosen=config.cpu_devices is not None)
 
 
 def resolve_client_chunk(config: RunConfig, variables) -> int | None:

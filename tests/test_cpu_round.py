@@ -1,0 +1,49 @@
+"""Clients shared by several CPU devices (core.cpu_round): which clients each device trains, which
+devices a round takes, and the same figures as on one device."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from fedjax_sparse.core.cpu_round import MIN_CHUNKS_PER_DEVICE, client_shares, round_devices
+
+JOB = Path(__file__).resolve().parent / "cpu_round_job.py"
+
+
+def test_each_device_trains_whole_chunks_the_first_ones_one_more():
+    assert client_shares(100, 4, 2) == [(0, 52), (52, 100)]  # 25 chunks: 13 + 12
+    assert client_shares(10, 2, 3) == [(0, 4), (4, 8), (8, 10)]  # 5 chunks: 2 + 2 + 1
+    assert client_shares(12, 3, 1) == [(0, 12)]
+    with pytest.raises(ValueError, match="a chunk of 4 does not divide the 10 clients"):
+        client_shares(10, 4, 2)
+    with pytest.raises(ValueError, match="3 devices cannot share 2 chunks of 5 clients: give between 1 and 2"):
+        client_shares(10, 5, 3)
+
+
+def test_a_round_takes_several_devices_only_where_they_pay_unless_chosen():
+    devices = ["cpu0", "cpu1"]
+    assert round_devices(100, 4, devices) == devices  # 25 chunks: 12 and 13 per device
+    assert round_devices(10, 2, devices) == ["cpu0"]  # 5 chunks: fewer than 4 per device
+    assert round_devices(4 * MIN_CHUNKS_PER_DEVICE * 2, 4, devices) == devices
+    assert round_devices(4 * MIN_CHUNKS_PER_DEVICE * 2 - 4, 4, devices) == ["cpu0"]
+    assert round_devices(100, 1, devices) == ["cpu0"]  # a large model's client: XLA spreads its operations
+    assert round_devices(100, None, devices) == ["cpu0"]  # one vmap: an accelerator's layout
+    assert round_devices(10, 2, devices, chosen=True) == devices
+    assert round_devices(4, 2, ["cpu0", "cpu1", "cpu2"], chosen=True) == ["cpu0", "cpu1"]  # a chunk each at most
+
+
+def test_rounds_shared_by_three_cpu_devices_equal_one_device_bit_for_bit(tmp_path):
+    """SCAFFOLD and FedNova: 3 rounds of 12 clients in chunks of 3 on 3 devices
+    (2 + 1 + 1 chunks) give the server state, client states and every output of one device's jit;
+    the command line with --cpu-devices 3 writes the metrics of --cpu-devices 1 and says it used 3."""
+    env = {**os.environ, "JAX_PLATFORMS": "cpu",
+           "PYTHONPATH": os.pathsep.join([str(JOB.parent), os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, str(JOB), str(tmp_path)], env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result == {"devices": 3, "scaffold": True, "fednova": True, "cli cpu_devices 1": None, "cli cpu_devices 3": 3, "cli metrics": True}
