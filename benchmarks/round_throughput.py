@@ -415,12 +415,13 @@ def peak_device_memory() -> int | None:
     return None if peak is None else int(peak)
 
 
-def run_setting(setting: Setting, variants: Sequence[str] = VARIANTS) -> dict:
+def run_setting(setting: Setting, variants: Sequence[str] = VARIANTS, *, devices_chosen: bool = False) -> dict:
     """Measures one setting; returns its record (examples per second under each variant's name)."""
     w = build_workload(setting)
     examples = int(np.asarray(w.split.counts).sum()) * setting.epochs
     chunk = default_client_chunk(w.variables, setting.clients_per_round)
-    devices = round_devices(setting.clients_per_round, chunk, jax.local_devices()) if platform_is_cpu() else []
+    devices = (round_devices(setting.clients_per_round, chunk, jax.local_devices(), chosen=devices_chosen)
+               if platform_is_cpu() else [])
     timings, xla_bytes, peak = {}, None, None
     for name in variants:
         if name == "engine_vmap" and chunk is None:
@@ -563,7 +564,8 @@ def main(argv: Sequence[str] | None = None) -> list[dict]:
     parser.add_argument("--json", metavar="FILE", help="write the list of records as JSON")
     parser.add_argument("--only", metavar="MODEL[:K]", help="run only these settings, e.g. mlp:100")
     parser.add_argument("--cpu-devices", type=int, metavar="N",
-                        help="JAX CPU devices (default: one per usable core, as the command line has)")
+                        help="JAX CPU devices, all of them used where a round has the chunks (default: one per "
+                             "usable core, used where they pay, as the command line does)")
     parser.add_argument("--release-freed-memory", action="store_true",
                         help="leave glibc's allocator as it is (measures what core.cpu_round.keep_freed_memory brings)")
     args = parser.parse_args(argv)
@@ -586,7 +588,7 @@ def main(argv: Sequence[str] | None = None) -> list[dict]:
     print("|" + "---|" * (HEADER.count("|") - 1))
     records = []
     for setting in settings:
-        record = run_setting(setting)
+        record = run_setting(setting, devices_chosen=args.cpu_devices is not None)
         record["environment"] = env
         records.append(record)
         print(table_row(record), flush=True)
