@@ -17,9 +17,10 @@ import sys
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+from fedjax_sparse.core.cpu_round import use_cpu_cores
+from fedjax_sparse.run import DivergenceError, Interrupted, RunConfig, run_experiment
 from fedjax_sparse.run.checkpoints import CheckpointError
 from fedjax_sparse.run.outputs import device_description, dumps, plot_accuracy
-from fedjax_sparse.run import DivergenceError, Interrupted, RunConfig, run_experiment
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -208,6 +209,7 @@ def main(settings: dict[str, Setting], module: str, argv: Sequence[str] | None =
                         help="run every arm with each of these seeds (comma-separated) and average them")
     parser.add_argument("--no-progress", action="store_true")
     args = parser.parse_args(argv)
+    use_cpu_cores()  # as `fedjax-sparse run`: on a CPU, a device per core where a round's clients pay for it
     try:
         default = [quick_setting] if args.quick and quick_setting else list(settings)
         for name in args.setting or default:

@@ -67,7 +67,7 @@ def test_engine_and_loops_compute_the_same_rounds():
 
 def test_command_line_writes_a_list_of_records(tmp_path, monkeypatch, capsys, smallest_record):
     """--quick --only --json plumbing; the measurement itself is the record measured above."""
-    monkeypatch.setattr(rt, "run_setting", lambda setting: dict(smallest_record))
+    monkeypatch.setattr(rt, "run_setting", lambda setting, **options: dict(smallest_record))
     out = tmp_path / "records.json"
     rt.main(["--quick", "--only", "mlp:10", "--json", str(out)])
     records = json.loads(out.read_text())
