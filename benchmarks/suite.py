@@ -44,6 +44,7 @@ from benchmarks import round_throughput as rt
 from benchmarks.common import (best, command_line, environment, environment_markdown, finish, fmt, interleaved,
                                markdown_table)
 from benchmarks.common import parser as benchmark_parser
+from fedjax_sparse.core.cpu_round import keep_freed_memory, use_cpu_cores
 
 BUDGET_SECONDS = {"accelerator": 8 * 60, "cpu": 20 * 60}
 
@@ -235,6 +236,9 @@ def main(argv: Sequence[str] | None = None) -> dict:
     parser.add_argument("--cifar10", default=None, help="the CIFAR-10 image folder of the SPATL run (default: "
                                                         "$FEDJAX_SPARSE_CIFAR10 or ../shared/data/cifar10-jpeg)")
     args = parser.parse_args(argv)
+    use_cpu_cores()  # as the command line does: on a CPU, a device per core where a round pays for it
+    if jax.devices()[0].platform == "cpu":
+        keep_freed_memory()
     env = environment(command_line("benchmarks.suite", argv))
     p = plan(jax.devices()[0].platform, args.quick)
     env["plan"] = {"budget_seconds": p.budget_seconds, "quick": args.quick}

@@ -135,7 +135,8 @@ class CpuRound:
 
         def prepare(client_states, round_index):
             ids = sample_clients(seed, round_index, num_clients, k)
-            clients = (jax.tree_util.tree_map(lambda a: a[ids], client_states), ids, client_keys(seed, round_index, ids))
+            sampled = jax.tree_util.tree_map(lambda a: a[ids], client_states)
+            clients = (sampled, ids, client_keys(seed, round_index, ids))
             return ids, round_info(seed, round_index, ids), [jax.tree_util.tree_map(lambda a: a[start:stop], clients)
                                                              for start, stop in shares]
 
