@@ -6,7 +6,7 @@ FOLDER defaults to $FEDJAX_SPARSE_CIFAR10, else ../shared/data/cifar10-jpeg. In 
 a fresh, temporary cache:
 
   listing      the sorted file list of both splits (what any key needs);
-  content key  `sources._cache_key`: the list and every file's bytes, hashed (what a load adds now);
+  content key  `image_folder._cache_key`: the list and every file's bytes, hashed (what a load adds now);
   mtime stat   one stat per file, what the earlier key read instead of the contents;
   first load   `load_image_folder` with an empty cache: listing, key, decoding, writing the cache;
   second load  the same call again: listing, key, reading the cached arrays.
@@ -31,7 +31,7 @@ import numpy as np
 import PIL
 
 from experiments.common import cifar10_folder
-from fedjax_sparse.data.sources import _cache_key, _list_split, load_image_folder
+from fedjax_sparse.data.image_folder import _cache_key, _list_split, load_image_folder
 
 
 def _timed(fn):

@@ -13,7 +13,7 @@ import pytest
 from PIL import Image
 
 from fedjax_sparse import data
-from fedjax_sparse.data import sources
+from fedjax_sparse.data import image_folder
 from fedjax_sparse.data.partition import (
     dirichlet_partition,
     iid_partition,
@@ -269,7 +269,7 @@ def test_image_folder_loads_and_caches(tmp_path, monkeypatch):
     def must_not_decode(*args, **kwargs):
         raise AssertionError("second load decoded images instead of reading the cache")
 
-    monkeypatch.setattr(sources, "_decode_files", must_not_decode)
+    monkeypatch.setattr(image_folder, "_decode_files", must_not_decode)
     again = data.load_image_folder(root, cache_dir=cache)
     for name in ("x_train", "y_train", "x_test", "y_test"):
         np.testing.assert_array_equal(getattr(again, name), getattr(ds, name))
@@ -292,7 +292,7 @@ def test_image_folder_repairs_corrupt_cache(tmp_path, monkeypatch):
     (entry / "x_train.npy").write_bytes(b"not a numpy file")
     repaired = data.load_image_folder(root, cache_dir=cache)
     np.testing.assert_array_equal(repaired.x_train, ds.x_train)
-    monkeypatch.setattr(sources, "_decode_files", lambda *a, **k: pytest.fail("cache was not repaired"))
+    monkeypatch.setattr(image_folder, "_decode_files", lambda *a, **k: pytest.fail("cache was not repaired"))
     np.testing.assert_array_equal(data.load_image_folder(root, cache_dir=cache).x_train, ds.x_train)
     assert [p.name for p in (cache / "imagefolder").iterdir()] == [entry.name]
 
@@ -303,7 +303,7 @@ def test_image_folder_env_cache_and_process_pool(tmp_path, monkeypatch):
     make_folder(root)
     serial = data.load_image_folder(root, cache_dir=tmp_path / "c1", num_workers=1)
     # Other tests may have initialised JAX already; force the forked pool anyway.
-    monkeypatch.setattr(sources, "_fork_is_safe", lambda: True)
+    monkeypatch.setattr(image_folder, "_fork_is_safe", lambda: True)
     monkeypatch.setenv("FEDJAX_SPARSE_CACHE", str(tmp_path / "from_env"))
     pooled = data.load_image_folder(root, num_workers=2)
     assert len(list((tmp_path / "from_env" / "imagefolder").iterdir())) == 1
@@ -317,7 +317,7 @@ def test_image_folder_env_cache_and_process_pool(tmp_path, monkeypatch):
 
 def test_fork_is_unsafe_once_jax_is_initialised():
     jnp.zeros(1).block_until_ready()
-    assert not sources._fork_is_safe()
+    assert not image_folder._fork_is_safe()
 
 
 def test_image_folder_grayscale_and_cifar_like(tmp_path):

@@ -24,7 +24,7 @@ from PIL import Image
 from conftest import SCAFFOLD_ARGS, SCAFFOLD_ROUNDS
 from fedjax_sparse.run.checkpoints import CheckpointError, RunCheckpointer
 from fedjax_sparse.run.cli import main
-from fedjax_sparse.data.sources import load_image_folder
+from fedjax_sparse.data.image_folder import load_image_folder
 from fedjax_sparse.run.folder import hold_run_folder
 
 ROUNDS, ARGS = SCAFFOLD_ROUNDS, SCAFFOLD_ARGS

@@ -1,6 +1,6 @@
 """Decoded data sets cached as .npy arrays, keyed on their sources' contents, written atomically.
 
-Used by the image-folder loader and the LEAF loaders (`data.sources`, `data.leaf`): a source is
+Used by the image-folder loader and the LEAF loaders (`data.image_folder`, `data.leaf`): a source is
 decoded once and later loads read its arrays. A cache lives in `BASE/KIND/<key>/` (BASE: the
 given folder, else $FEDJAX_SPARSE_CACHE, else ~/.cache/fedjax_sparse) and is written into a
 temporary sibling then renamed, so a killed run never leaves a half-written cache behind.
