@@ -10,8 +10,8 @@ from fedjax_sparse.algorithms import fedavg, make_algorithm, make_options, scaff
 from fedjax_sparse.algorithms import ALGORITHMS
 from fedjax_sparse.algorithms.spatl import SalientPolicy, spatl
 from fedjax_sparse.core.algorithm import BuildContext
-from fedjax_sparse.core.client_store import (RowLayout, SlotMap, choose_store, initial_server_state, make_store,
-                                             server_init)
+from fedjax_sparse.core.client_rows import RowLayout, SlotMap
+from fedjax_sparse.core.client_store import choose_store, initial_server_state, make_store, server_init
 from fedjax_sparse.core.local_training import LocalSGD
 from fedjax_sparse.core.round import sample_clients, sample_clients_host
 from fedjax_sparse.core.store_round import StoreRound

@@ -8,28 +8,26 @@
   has its algorithm's initial state (`FederatedAlgorithm.init_clients`, computed on the
   device when sampled), so 10^6 clients cost nothing until they train.
 
-A client's state travels as one row of bytes (`RowLayout`): its leaves' bytes one after the
-other, packed and unpacked inside the jitted round, so a round moves one [K, row_bytes]
-block each way, and the blocks of several processes combine exactly (`core.distributed`).
+A client's state travels as one row of bytes (`core.client_rows.RowLayout`): its leaves' bytes
+one after the other, packed and unpacked inside the jitted round, so a round moves one
+[K, row_bytes] block each way, and the blocks of several processes combine exactly (`core.distributed`).
 
 Crash safety without copying the disk store at each checkpoint: a row that a kept
 checkpoint refers to is never overwritten (`SlotMap`). A client written after a checkpoint
 gets a fresh slot (or a freed one) and its old slot is freed once no kept checkpoint
 refers to it, so the file holds about (clients ever written + K x rounds between
 checkpoints) rows. `snapshot(directory)` flushes the rows (fsync) and writes the slot map
-(the host and device stores write their rows themselves); `restore(directory)` reads it back.
+(the host and device stores write their rows themselves, `core.store_snapshots`);
+`restore(directory)` reads it back.
 
 `choose_store` is the `auto` rule.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
-import json
 import mmap
 import os
-import shutil
 from pathlib import Path
 from typing import Any
 
@@ -39,87 +37,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from fedjax_sparse.core.algorithm import FederatedAlgorithm
+from fedjax_sparse.core.client_rows import RowLayout, SlotMap
 from fedjax_sparse.core.distributed import ProcessLayout
+from fedjax_sparse.core.store_snapshots import (ClientRowsLost, read_rows_snapshot, read_snapshot_meta,
+                                                save_snapshot)
 
 tree_map = jax.tree_util.tree_map
 BACKENDS = ("device", "host", "disk")
 AUTO_FRACTION = 0.5
-
-
-# ------------------------------------------------------------------ one client's state as bytes
-
-@dataclasses.dataclass(frozen=True)
-class _Leaf:
-    shape: tuple[int, ...]       # of one client's leaf
-    dtype: Any                   # the leaf's dtype (a PRNG key dtype for keys)
-    stored: Any                  # the numpy dtype its bytes are read as
-    stored_shape: tuple[int, ...]
-    offset: int
-    nbytes: int
-
-
-class RowLayout:
-    """How one client's state (a pytree) is laid out as a row of bytes, and back (traceable)."""
-
-    def __init__(self, one_client: Any):
-        leaves, self.treedef = jax.tree_util.tree_flatten(one_client)
-        specs, offset = [], 0
-        for leaf in leaves:
-            shape, dtype = tuple(leaf.shape), leaf.dtype
-            if jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
-                data = jax.eval_shape(jax.random.key_data, jax.ShapeDtypeStruct(shape, dtype))
-                stored, stored_shape = np.dtype(data.dtype), tuple(data.shape)
-            else:
-                stored = np.dtype(np.uint8) if dtype == np.bool_ else np.dtype(dtype)
-                stored_shape = shape
-            nbytes = int(np.prod(stored_shape, dtype=np.int64)) * stored.itemsize
-            specs.append(_Leaf(shape, dtype, stored, stored_shape, offset, nbytes))
-            offset += nbytes
-        self.leaves = tuple(specs)
-        self.row_bytes = offset
-
-    def __eq__(self, other):
-        return isinstance(other, RowLayout) and (self.treedef, self.leaves) == (other.treedef, other.leaves)
-
-    def __hash__(self):
-        return hash((self.treedef, self.leaves))
-
-    @classmethod
-    def of_states(cls, states: Any) -> "RowLayout":
-        """The layout of states with a leading clients axis (arrays or shape structs)."""
-        return cls(tree_map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), states))
-
-    def signature(self) -> list:
-        """What a snapshot records to refuse rows written with another layout."""
-        return [[list(l.shape), str(l.dtype), l.offset, l.nbytes] for l in self.leaves]
-
-    def pack(self, states: Any, num_rows: int) -> jax.Array:
-        """[M, ...] states -> uint8 [M, row_bytes]."""
-        parts = []
-        for spec, x in zip(self.leaves, self.treedef.flatten_up_to(states)):
-            if jax.dtypes.issubdtype(spec.dtype, jax.dtypes.prng_key):
-                x = jax.random.key_data(x)
-            x = x.astype(spec.stored).reshape(num_rows, -1)
-            if spec.stored.itemsize > 1:
-                x = jax.lax.bitcast_convert_type(x, jnp.uint8)
-            parts.append(x.reshape(num_rows, spec.nbytes))
-        return jnp.concatenate(parts, axis=1) if parts else jnp.zeros((num_rows, 0), jnp.uint8)
-
-    def unpack(self, rows: jax.Array) -> Any:
-        """uint8 [M, row_bytes] -> [M, ...] states."""
-        m = rows.shape[0]
-        leaves = []
-        for spec in self.leaves:
-            x = rows[:, spec.offset:spec.offset + spec.nbytes]
-            if spec.stored.itemsize > 1:
-                x = jax.lax.bitcast_convert_type(x.reshape(m, -1, spec.stored.itemsize), spec.stored)
-            x = x.reshape(m, *spec.stored_shape)
-            if jax.dtypes.issubdtype(spec.dtype, jax.dtypes.prng_key):
-                x = jax.random.wrap_key_data(x, impl=spec.dtype._impl)
-            elif spec.dtype == np.bool_:
-                x = x != 0
-            leaves.append(x)
-        return self.treedef.unflatten(leaves)
 
 
 # ------------------------------------------------------------------ initial states
@@ -169,95 +94,7 @@ def _merge_fn(algorithm: FederatedAlgorithm, layout: RowLayout, key_impl: str):
     return jax.jit(merge)
 
 
-# ------------------------------------------------------------------ slots
-
-class SlotMap:
-    """Which row slot holds each (local) client, and which slots kept checkpoints still need.
-
-    live[i]: client i's slot (-1: never written). Writing a client whose slot a kept
-    checkpoint refers to moves it to a free (or new) slot; any other slot is overwritten in
-    place. `commit` records a checkpoint's map: the last `keep` of them stay readable.
-    """
-
-    def __init__(self, num_local: int, keep: int):
-        self.live = np.full(num_local, -1, np.int64)
-        self.keep = keep
-        self.num_slots = 0
-        self._kept: list[np.ndarray] = []  # the slots each kept checkpoint refers to, oldest first
-        self._pinned = np.zeros(0, bool)
-        self._free: list[int] = []
-
-    def assign(self, local: np.ndarray) -> np.ndarray:
-        """Slots to write these (distinct) clients to; updates `live`."""
-        slots = self.live[local].copy()
-        for j, slot in enumerate(slots):
-            if slot < 0 or (slot < len(self._pinned) and self._pinned[slot]):
-                if self._free:
-                    slots[j] = self._free.pop()
-                else:
-                    slots[j] = self.num_slots
-                    self.num_slots += 1
-        self.live[local] = slots
-        return slots
-
-    def commit(self) -> np.ndarray:
-        """Pins the current map (a checkpoint's) and frees slots no kept map refers to."""
-        saved = self.live.copy()
-        self._kept = (self._kept + [saved[saved >= 0]])[-self.keep:] if self.keep else []
-        self._refresh()
-        return saved
-
-    def older_pins(self) -> np.ndarray:
-        """The slots the kept checkpoints before the latest refer to."""
-        return np.unique(np.concatenate([np.zeros(0, np.int64), *self._kept[:-1]]))
-
-    def load(self, live: np.ndarray, num_slots: int, older: np.ndarray | None = None) -> None:
-        """Restores a checkpoint's map, its slots and `older` (those of the checkpoints kept before it,
-        `older_pins`) pinned; other slots up to `num_slots` are free."""
-        self.live = np.asarray(live, np.int64).copy()
-        self.num_slots = max(int(num_slots), int(self.live.max(initial=-1)) + 1)
-        kept = ([] if older is None else [np.asarray(older, np.int64)]) + [self.live[self.live >= 0]]
-        self._kept = kept[-self.keep:] if self.keep else []
-        self._refresh()
-
-    def _refresh(self) -> None:
-        self._pinned = np.zeros(self.num_slots, bool)
-        for kept in self._kept:
-            self._pinned[kept] = True
-        used = self._pinned.copy()
-        used[self.live[self.live >= 0]] = True
-        self._free = np.flatnonzero(~used)[::-1].tolist()  # pop() takes the lowest
-
-
 # ------------------------------------------------------------------ the stores
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _save_snapshot(directory: Path, name: str, meta: dict, arrays: dict[str, np.ndarray]) -> Path:
-    """Writes meta.json and the arrays into directory/name atomically (a temporary folder renamed)."""
-    final = Path(directory) / name
-    tmp = final.with_name(final.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    for filename, array in arrays.items():
-        with open(tmp / filename, "wb") as f:
-            np.save(f, array)
-            f.flush()
-            os.fsync(f.fileno())
-    with open(tmp / "meta.json", "w") as f:
-        json.dump(meta, f)
-        f.flush()
-        os.fsync(f.fileno())
-    shutil.rmtree(final, ignore_errors=True)
-    os.replace(tmp, final)
-    _fsync_dir(final.parent)
-    return final
 
 
 class ClientStore:
@@ -331,52 +168,18 @@ class DeviceStore(ClientStore):
 
     def snapshot(self, directory: str | Path) -> Path:
         pack = jax.jit(lambda s: self.layout.pack(s, self.num_clients))
-        return _save_snapshot(Path(directory), self._snapshot_name(), self._meta(),
+        return save_snapshot(Path(directory), self._snapshot_name(), self._meta(),
                               {"slots.npy": np.arange(self.num_clients, dtype=np.int64),
                                "rows.npy": np.asarray(pack(self.states))})
 
     def restore(self, directory: str | Path) -> None:
         path, meta = self._read_meta(directory)
-        slots, rows = _read_rows_snapshot(path, meta)
+        slots, rows = read_rows_snapshot(path, meta)
         held = slots >= 0
         dense = np.zeros((self.num_clients, self.row_bytes), np.uint8)
         dense[held] = rows[slots[held]]
         self.states = self._merge(dense, held, np.arange(self.num_clients, dtype=np.int32))
         self.generation += 1
-
-
-def _read_rows_snapshot(path: Path, meta: dict) -> tuple[np.ndarray, np.ndarray]:
-    if meta["backend"] not in ("device", "host"):
-        raise ValueError(f"the client-state snapshot in {path} is a {meta['backend']} store's (rows kept in "
-                         f"its folder); restore it with the {meta['backend']} store")
-    return np.load(path / "slots.npy"), np.load(path / "rows.npy", mmap_mode="r")
-
-
-class SnapshotError(ValueError):
-    """A client-state snapshot cannot be used; the message names the file and what to do."""
-
-
-class ClientRowsLost(SnapshotError):
-    """The disk store's rows file, which every checkpoint's client states live in, is missing or cut short."""
-
-
-def read_snapshot_meta(path: Path) -> dict:
-    """A snapshot's meta.json, or a SnapshotError naming it (a truncated or garbled file)."""
-    try:
-        meta = json.loads(path.read_text())
-        if not isinstance(meta, dict) or "backend" not in meta:
-            raise ValueError("it holds no snapshot description")
-        return meta
-    except (ValueError, UnicodeDecodeError) as err:
-        raise SnapshotError(f"the client-state snapshot {path} cannot be read ({' '.join(str(err).split())}); "
-                            f"delete its checkpoint folder {path.parents[1]} to resume from the one before, or "
-                            f"start again with --overwrite") from None
-
-
-def snapshot_backend(directory: str | Path, process: ProcessLayout) -> str | None:
-    """The backend of the store whose snapshot of `process`'s clients is in `directory` (None: none there)."""
-    meta = Path(directory) / f"client_states.{process.tag()}" / "meta.json"
-    return read_snapshot_meta(meta)["backend"] if meta.exists() else None
 
 
 class RowStore(ClientStore):
@@ -501,12 +304,12 @@ class HostStore(RowStore):
         self._read_rows(self.slots.live[local], rows, np.arange(len(local)))
         slots = np.full(self.num_local, -1, np.int64)
         slots[local] = np.arange(len(local))
-        return _save_snapshot(Path(directory), self._snapshot_name(), self._meta(),
+        return save_snapshot(Path(directory), self._snapshot_name(), self._meta(),
                               {"slots.npy": slots, "rows.npy": rows})
 
     def restore(self, directory: str | Path) -> None:
         path, meta = self._read_meta(directory)
-        slots, rows = _read_rows_snapshot(path, meta)
+        slots, rows = read_rows_snapshot(path, meta)
         self._chunks = []
         self._load_rows(slots, rows)
 
@@ -567,7 +370,7 @@ class DiskStore(RowStore):
         (which a restore keeps intact too); the rows themselves stay in the store's file."""
         os.fsync(self._fd)
         saved = self.slots.commit()
-        return _save_snapshot(Path(directory), self._snapshot_name(),
+        return save_snapshot(Path(directory), self._snapshot_name(),
                               {**self._meta(), "rows_file": self.path.name, "num_slots": self.slots.num_slots},
                               {"slots.npy": saved, "older_slots.npy": self.slots.older_pins()})
 
@@ -577,7 +380,7 @@ class DiskStore(RowStore):
         path, meta = self._read_meta(directory)
         if meta["backend"] != "disk":
             self._stale = True  # the file's rows are not this snapshot's
-            self._load_rows(*_read_rows_snapshot(path, meta))
+            self._load_rows(*read_rows_snapshot(path, meta))
             return
         if meta["rows_file"] != self.path.name:
             raise ValueError(f"the client-state snapshot in {path} refers to rows in {meta['rows_file']}, but this "

@@ -25,8 +25,8 @@ import numpy as np
 from jax.sharding import Mesh
 
 from fedjax_sparse.core.algorithm import FederatedAlgorithm
-from fedjax_sparse.core.client_store import (ClientStore, DeviceStore, RowLayout, RowStore, materialize,
-                                             populated_rows)
+from fedjax_sparse.core.client_rows import RowLayout
+from fedjax_sparse.core.client_store import ClientStore, DeviceStore, RowStore, materialize, populated_rows
 from fedjax_sparse.core.compilation import jit
 from fedjax_sparse.core.cpu_round import CpuRound
 from fedjax_sparse.core.distributed import combine_blocks, process_blocks, replicated, replicated_sharding

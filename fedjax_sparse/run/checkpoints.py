@@ -34,7 +34,8 @@ from typing import Any
 import jax
 import orbax.checkpoint as ocp
 
-from fedjax_sparse.core.client_store import ClientStore, DeviceStore, SnapshotError
+from fedjax_sparse.core.client_store import ClientStore, DeviceStore
+from fedjax_sparse.core.store_snapshots import SnapshotError
 from fedjax_sparse.run.faults import fault_point
 
 # Config fields a resumed run may change without changing its results. The client store may change

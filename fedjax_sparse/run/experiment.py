@@ -16,8 +16,9 @@ from fedjax_sparse.algorithms.uplink_compression import compress_uplink
 from fedjax_sparse.core.algorithm import BuildContext, NeedsDeviceData
 from fedjax_sparse.core.contract import check_contract
 from fedjax_sparse.core.cpu_round import keep_freed_memory, round_devices
-from fedjax_sparse.core.client_store import (RowLayout, available_host_memory, choose_store, client_state_shapes,
-                                             free_device_memory, initial_server_state, make_store)
+from fedjax_sparse.core.client_rows import RowLayout
+from fedjax_sparse.core.client_store import (available_host_memory, choose_store, client_state_shapes, free_device_memory,
+                                             initial_server_state, make_store)
 from fedjax_sparse.core.distributed import ProcessLayout, current_process, process_mesh
 from fedjax_sparse.core.evaluation import AUTO, global_evaluator, split_evaluator
 from fedjax_sparse.core.local_training import LocalSGD

@@ -20,7 +20,7 @@ from typing import Any, Callable
 
 import jax
 
-from fedjax_sparse.core.client_store import snapshot_backend
+from fedjax_sparse.core.store_snapshots import snapshot_backend
 from fedjax_sparse.core.distributed import ProcessLayout, agree, replicated
 from fedjax_sparse.run.checkpoints import RunCheckpointer, config_mismatches, has_checkpoints
 from fedjax_sparse.run.config import RunConfig
