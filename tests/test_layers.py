@@ -1,0 +1,60 @@
+"""The package's layers, top to bottom (design.md): no module imports from a layer above its own,
+at module level or inside a function."""
+
+import ast
+from pathlib import Path
+
+import fedjax_sparse
+
+PACKAGE = Path(fedjax_sparse.__file__).parent
+# data and models below core, core below the algorithms and the agent, the run layer on top;
+# building_blocks gathers the core's pieces for algorithm authors (the library's own FedDyn among
+# them), so it sits with the core; the package's entry points gather from all of them
+LAYERS = {"data": 0, "models": 0, "core": 1, "building_blocks": 1, "algorithms": 2, "agent": 2, "run": 3}
+TOP = 4
+
+
+def layer(parts: tuple[str, ...]) -> int:
+    """The layer of a module given by its path parts below the package (a subpackage's or the top)."""
+    first = parts[0].removesuffix(".py")
+    return LAYERS[first] if first in LAYERS and (len(parts) > 1 or first == "building_blocks") else TOP
+
+
+def imported_modules(tree: ast.AST):
+    """(line, parts below the package) of every import of the package's own modules in `tree`."""
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names = [node.module] if node.module != "fedjax_sparse" else [f"fedjax_sparse.{a.name}" for a in node.names]
+        elif isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        else:
+            continue
+        for name in names:
+            parts = tuple(name.split("."))
+            if parts[0] == "fedjax_sparse" and len(parts) > 1:
+                yield node.lineno, parts[1:] + (("",) if len(parts) == 2 and parts[1] in LAYERS else ())
+
+
+def test_no_module_imports_from_a_layer_above_its_own():
+    files = sorted(PACKAGE.rglob("*.py"))
+    assert len(files) > 50 and any(f.parent.name == "algorithms" for f in files)
+    upward = []
+    for path in files:
+        own = layer(path.relative_to(PACKAGE).parts)
+        for line, parts in imported_modules(ast.parse(path.read_text(), filename=str(path))):
+            if layer(parts) > own:
+                upward.append(f"{path.relative_to(PACKAGE.parent)}:{line} imports fedjax_sparse.{'.'.join(parts)}")
+    assert not upward, "\n".join(upward)
+
+
+def test_building_blocks_holds_only_the_cores_pieces():
+    tree = ast.parse((PACKAGE / "building_blocks.py").read_text())
+    assert {parts[0] for _, parts in imported_modules(tree)} == {"core"}
+
+
+def test_the_rule_sees_an_upward_import_inside_a_function():
+    tree = ast.parse("def f():\n    from fedjax_sparse.core.distributed import ProcessLayout\n")
+    ((line, parts),) = imported_modules(tree)
+    assert line == 2 and layer(parts) == LAYERS["core"] > layer(("data", "windows.py"))
+    ((_, parts),) = imported_modules(ast.parse("from fedjax_sparse import run"))
+    assert layer(parts) == LAYERS["run"]
