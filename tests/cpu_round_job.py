@@ -1,10 +1,11 @@
-"""Rounds on one CPU device and shared by several, in a process of its own with 3 CPU devices
+"""Rounds and evaluations on one CPU device and shared by several, in a process of its own with 3 CPU devices
 (tests/test_cpu_round.py; JAX takes its device count before it starts, the test process has one).
 Prints one JSON line: which comparisons are bit for bit equal.
 
     python tests/cpu_round_job.py OUT_DIR
 """
 
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -15,7 +16,9 @@ jax.config.update("jax_num_cpu_devices", 3)
 
 import numpy as np  # noqa: E402
 
+from fedjax_sparse.core.cpu_evaluation import CpuEvaluator  # noqa: E402
 from fedjax_sparse.core.cpu_round import CpuRound  # noqa: E402
+from fedjax_sparse.core.evaluation import split_evaluator  # noqa: E402
 from fedjax_sparse.core.round import build_round  # noqa: E402
 from fedjax_sparse.run import RunConfig, build_experiment  # noqa: E402
 from fedjax_sparse.run import cli  # noqa: E402
@@ -50,12 +53,21 @@ def main(out: Path) -> dict:
                      copy(exp.store.states))
         shared = CpuRound(exp.algorithm, exp.train, K, seed=0, client_chunk=CHUNK, devices=jax.local_devices())
         result[name] = same(one, rounds(shared, exp.server_state, copy(exp.store.states)))
+        # every client's personalized accuracy after the rounds, 17 of them scored 6 + 6 + 5 on three devices
+        server, clients, _ = one
+        evaluate = split_evaluator(exp.model, exp.algorithm.client_variables, client_chunk=1)
+        test = exp.local_test
+        test = dataclasses.replace(test, offsets=test.offsets[:17], counts=test.counts[:17])
+        clients = jax.tree_util.tree_map(lambda a: a[:17], clients)
+        alone = evaluate(server, clients, test)
+        result[f"{name} evaluation"] = (same(alone, CpuEvaluator(evaluate, jax.local_devices())(server, clients, test))
+                                        and 0 < float(alone.mean()) < 1)
     flags = ["run", "--algorithm", "scaffold", "--num-clients", "30", "--clients-per-round", "16", "--rounds", "2",
-             "--client-chunk", "2", "--no-progress"]
+             "--no-progress"]  # the MLP's default chunk: 4
     for count in (1, 3):
         assert cli.main(flags + ["--cpu-devices", str(count), "--out", str(out / f"cli{count}")]) == 0
-        result[f"cli cpu_devices {count}"] = json.loads((out / f"cli{count}" / "summary.json").read_text())[
-            "cpu_devices"]
+        summary = json.loads((out / f"cli{count}" / "summary.json").read_text())
+        result[f"cli cpu_devices {count}"] = summary["cpu_devices"], summary["evaluation_cpu_devices"]
     result["cli metrics"] = ((out / "cli1" / "metrics.jsonl").read_text()
                              == (out / "cli3" / "metrics.jsonl").read_text())
     return result

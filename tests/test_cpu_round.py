@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from fedjax_sparse.core.cpu_evaluation import MIN_SLOTS_PER_DEVICE, evaluation_devices, even_shares
 from fedjax_sparse.core.cpu_round import MIN_CHUNKS_PER_DEVICE, client_shares, round_devices
 
 JOB = Path(__file__).resolve().parent / "cpu_round_job.py"
@@ -36,15 +37,32 @@ def test_a_round_takes_several_devices_only_where_they_pay_unless_chosen():
     assert round_devices(4, 2, ["cpu0", "cpu1", "cpu2"], chosen=True) == ["cpu0", "cpu1"]  # a chunk each at most
 
 
-def test_rounds_shared_by_three_cpu_devices_equal_one_device_bit_for_bit(tmp_path):
+def test_an_evaluation_takes_several_devices_only_where_they_pay_unless_chosen():
+    devices = ["cpu0", "cpu1"]
+    assert even_shares(17, 3) == [(0, 5), (5, 11), (11, 17)]
+    with pytest.raises(ValueError, match="3 devices cannot share 2 clients: give between 1 and 2"):
+        even_shares(2, 3)
+    assert evaluation_devices(1000, 100, 1, devices) == devices  # 50,000 padded examples each
+    assert evaluation_devices(200, 4, 1, devices) == ["cpu0"]  # the digits: 400 each
+    assert evaluation_devices(2 * MIN_SLOTS_PER_DEVICE // 100, 100, 1, devices) == devices
+    assert evaluation_devices(2 * MIN_SLOTS_PER_DEVICE // 100 - 1, 100, 1, devices) == ["cpu0"]
+    assert evaluation_devices(1000, 100, 4, devices) == ["cpu0"]  # groups of clients: the share would change them
+    assert evaluation_devices(1000, 100, None, devices) == ["cpu0"]
+    assert evaluation_devices(4, 1, 1, devices, chosen=True) == devices
+    assert evaluation_devices(3, 1, 1, devices, chosen=True) == ["cpu0"]  # two clients a device at least
+
+
+def test_rounds_and_evaluations_shared_by_three_cpu_devices_equal_one_device_bit_for_bit(tmp_path):
     """FedNova: 3 rounds of 12 clients in chunks of 3 on 3 devices (2 + 1 + 1 chunks) give the server
-    state, client states and every output of one device's jit; SCAFFOLD from the command line with
-    --cpu-devices 3 (3 + 3 + 2 chunks) writes the metrics of --cpu-devices 1 and says it used 3."""
+    state, client states and every output of one device's jit, and the personalized accuracies of 17
+    clients scored on 3 devices (6 + 6 + 5) those of one; SCAFFOLD from the command line with
+    --cpu-devices 3 (2 + 1 + 1 chunks of 4, 10 evaluated clients a device) writes the metrics of
+    --cpu-devices 1 and says it used 3 for both."""
     env = {**os.environ, "JAX_PLATFORMS": "cpu",
            "PYTHONPATH": os.pathsep.join([str(JOB.parent), os.environ.get("PYTHONPATH", "")])}
     done = subprocess.run([sys.executable, str(JOB), str(tmp_path)], env=env, capture_output=True, text=True,
                           timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(done.stdout.strip().splitlines()[-1])
-    assert result == {"devices": 3, "fednova": True, "cli cpu_devices 1": None, "cli cpu_devices 3": 3,
-                      "cli metrics": True}
+    assert result == {"devices": 3, "fednova": True, "fednova evaluation": True, "cli cpu_devices 1": [None, None],
+                      "cli cpu_devices 3": [3, 3], "cli metrics": True}

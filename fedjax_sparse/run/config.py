@@ -75,9 +75,10 @@ class RunConfig(UplinkCompressionOptions, PersonalizationOptions):
     client_chunk: int | None = option(None, "train the sampled clients this many at a time (0: all at once, one "
                                             "vmap); default: all at once on an accelerator, a cache-sized chunk "
                                             "on a CPU", low=0)
-    cpu_devices: int | None = option(None, "on a CPU, train the sampled clients on this many JAX CPU devices at "
-                                           "once, one per core (default: as many as pay, up to one per usable core; "
-                                           "1: one device); the figures are the same for any number", low=1)
+    cpu_devices: int | None = option(None, "on a CPU, train the sampled clients and evaluate every client on this "
+                                           "many JAX CPU devices at once, one per core (default: as many as pay, up "
+                                           "to one per usable core; 1: one device); the figures are the same for any "
+                                           "number", low=1)
     max_train_examples: int | None = option(None, "use a random subset of this many training examples", low=1)
     max_test_examples: int | None = option(None, "use a random subset of this many test examples", low=1)
     checkpoint_every: int | None = option(None, "save the whole run state every R rounds and at the end (an "

@@ -15,12 +15,13 @@ from fedjax_sparse.algorithms.personalization import personalize
 from fedjax_sparse.algorithms.uplink_compression import compress_uplink
 from fedjax_sparse.core.algorithm import BuildContext, NeedsDeviceData
 from fedjax_sparse.core.contract import check_contract
+from fedjax_sparse.core.cpu_evaluation import CpuEvaluator, evaluation_devices
 from fedjax_sparse.core.cpu_round import keep_freed_memory, round_devices
 from fedjax_sparse.core.client_rows import RowLayout
 from fedjax_sparse.core.client_store import (available_host_memory, choose_store, client_state_shapes, free_device_memory,
                                              initial_server_state, make_store)
 from fedjax_sparse.core.distributed import ProcessLayout, current_process, process_mesh
-from fedjax_sparse.core.evaluation import AUTO, global_evaluator, split_evaluator
+from fedjax_sparse.core.evaluation import AUTO, default_evaluation_chunk, global_evaluator, split_evaluator
 from fedjax_sparse.core.local_training import LocalSGD
 from fedjax_sparse.core.round import clients_mesh, default_client_chunk
 from fedjax_sparse.core.store_round import StoreRound
@@ -138,6 +139,9 @@ def build_experiment(config: RunConfig, progress: bool = True, *, process: Proce
     evaluate_global = (global_evaluator(model, *federation.global_test, dataset.mean, dataset.std)
                        if algorithm.global_variables is not None else None)
     evaluate_personalized = split_evaluator(model, algorithm.client_variables, client_chunk=evaluation_chunk(config))
+    devices = evaluation_cpu_devices(config, backend, mesh, local_test)
+    if len(devices) > 1:
+        evaluate_personalized = CpuEvaluator(evaluate_personalized, devices)
     server_state = initial_server_state(algorithm, key, variables, config.num_clients)
     return Experiment(config, dataset, model, algorithm, train, local_test, federation.client_indices,
                       federation.train_counts, store, round_fn, evaluate_global, evaluate_personalized, server_state,
@@ -204,6 +208,19 @@ def round_cpu_devices(config: RunConfig, backend: str, mesh, chunk: int | None) 
     keep_freed_memory()
     devices = jax.local_devices(backend="cpu")[:config.cpu_devices]
     return round_devices(config.clients_per_round, chunk, devices, chosen=config.cpu_devices is not None)
+
+
+def evaluation_cpu_devices(config: RunConfig, backend: str, mesh, local_test) -> list:
+    """The CPU devices that share the personalized evaluation of every client (`core.cpu_evaluation`):
+    as for a round, on a CPU with the device store and no mesh, `--cpu-devices` of them, else as many
+    as pay (`evaluation_devices`)."""
+    if jax.default_backend() != "cpu" or backend != "device" or mesh is not None:
+        return []
+    chunk = evaluation_chunk(config)
+    devices = jax.local_devices(backend="cpu")[:config.cpu_devices]
+    return evaluation_devices(local_test.num_clients, local_test.max_count,
+                              default_evaluation_chunk() if chunk == AUTO else chunk, devices,
+                              chosen=config.cpu_devices is not None)
 
 
 def resolve_client_chunk(config: RunConfig, variables) -> int | None:

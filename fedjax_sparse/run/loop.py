@@ -402,6 +402,7 @@ def _summary(exp: Experiment, history: list, totals: dict, first_round_seconds: 
         "prunable_layer_weights": {l.name: l.num_weights for l in exp.model.structure.layers},
         "client_chunk": exp.client_chunk,
         "cpu_devices": len(exp.round_fn.cpu_devices) or None,  # several CPU devices shared the clients
+        "evaluation_cpu_devices": len(getattr(exp.evaluate_personalized, "devices", ())) or None,
         "client_store": exp.store.backend,
         "processes": exp.process.count,
         "num_train_examples": int(exp.train_counts.sum()),
