@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from fedjax_sparse.core.cpu_evaluation import MIN_SLOTS_PER_DEVICE, evaluation_devices, even_shares
+from fedjax_sparse.core.cpu_evaluation import MIN_SLOTS_PER_DEVICE, evaluation_devices
 from fedjax_sparse.core.cpu_round import MIN_CHUNKS_PER_DEVICE, client_shares, round_devices
 
 JOB = Path(__file__).resolve().parent / "cpu_round_job.py"
@@ -39,9 +39,6 @@ def test_a_round_takes_several_devices_only_where_they_pay_unless_chosen():
 
 def test_an_evaluation_takes_several_devices_only_where_they_pay_unless_chosen():
     devices = ["cpu0", "cpu1"]
-    assert even_shares(17, 3) == [(0, 5), (5, 11), (11, 17)]
-    with pytest.raises(ValueError, match="3 devices cannot share 2 clients: give between 1 and 2"):
-        even_shares(2, 3)
     assert evaluation_devices(1000, 100, 1, devices) == devices  # 50,000 padded examples each
     assert evaluation_devices(200, 4, 1, devices) == ["cpu0"]  # the digits: 400 each
     assert evaluation_devices(2 * MIN_SLOTS_PER_DEVICE // 100, 100, 1, devices) == devices

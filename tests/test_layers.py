@@ -16,8 +16,7 @@ TOP = 4
 
 def layer(parts: tuple[str, ...]) -> int:
     """The layer of a module given by its path parts below the package (a subpackage's or the top)."""
-    first = parts[0].removesuffix(".py")
-    return LAYERS[first] if first in LAYERS and (len(parts) > 1 or first == "building_blocks") else TOP
+    return LAYERS.get(parts[0].removesuffix(".py"), TOP)
 
 
 def imported_modules(tree: ast.AST):
@@ -32,7 +31,7 @@ def imported_modules(tree: ast.AST):
         for name in names:
             parts = tuple(name.split("."))
             if parts[0] == "fedjax_sparse" and len(parts) > 1:
-                yield node.lineno, parts[1:] + (("",) if len(parts) == 2 and parts[1] in LAYERS else ())
+                yield node.lineno, parts[1:]
 
 
 def test_no_module_imports_from_a_layer_above_its_own():

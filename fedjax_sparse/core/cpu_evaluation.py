@@ -18,6 +18,7 @@ from typing import Any, Callable, Sequence
 import jax
 import jax.numpy as jnp
 
+from fedjax_sparse.core.cpu_round import client_shares
 from fedjax_sparse.data.federated import FederatedSplit
 
 MIN_SLOTS_PER_DEVICE = 5_000  # padded test examples (clients x largest client) a device takes at least
@@ -35,14 +36,6 @@ def evaluation_devices(num_clients: int, max_count: int, chunk: int | None, devi
     return list(devices[:max(1, min(len(devices), num_clients // 2, count))])
 
 
-def even_shares(num_clients: int, num_devices: int) -> list[tuple[int, int]]:
-    """(start, stop) of each device's clients: contiguous, the first ones one more."""
-    if not 1 <= num_devices <= num_clients:
-        raise ValueError(f"{num_devices} devices cannot share {num_clients} clients: give between 1 and {num_clients}")
-    bounds = [g * num_clients // num_devices for g in range(num_devices + 1)]
-    return list(zip(bounds[:-1], bounds[1:]))
-
-
 class CpuEvaluator:
     """`evaluate(server_state, client_states, test) -> [M] accuracies` as `evaluate`
     (`core.evaluation.split_evaluator`, scoring one client at a time) gives them, over several CPU
@@ -58,7 +51,8 @@ class CpuEvaluator:
 
     def _share_views(self, test: FederatedSplit) -> list[tuple[tuple[int, int], FederatedSplit]]:
         if test is not self._test:
-            shares = even_shares(test.num_clients, max(1, min(len(self.devices), test.num_clients // 2)))
+            # contiguous shares of two clients at least, the first ones one more (chunks of one client)
+            shares = client_shares(test.num_clients, 1, max(1, min(len(self.devices), test.num_clients // 2)))
             copies = [jax.device_put(test, device) for device in self.devices[:len(shares)]]
             self._views = [((start, stop), dataclasses.replace(copy, offsets=copy.offsets[start:stop],
                                                                counts=copy.counts[start:stop]))

@@ -200,24 +200,29 @@ def client_store_backend(config: RunConfig, process: ProcessLayout, needs_device
     return backend
 
 
-def round_cpu_devices(config: RunConfig, backend: str, mesh, chunk: int | None) -> list:
-    """The CPU devices that share a round's clients (`core.cpu_round`): on a CPU, with the device store
-    and no mesh, `--cpu-devices` of them, else as many as pay (`round_devices`)."""
+def usable_cpu_devices(config: RunConfig, backend: str, mesh) -> list:
+    """The CPU devices a run may share its clients among: on a CPU, with the device store and no mesh,
+    `--cpu-devices` of them (all by default), else none."""
     if jax.default_backend() != "cpu" or backend != "device" or mesh is not None:
         return []
+    return jax.local_devices(backend="cpu")[:config.cpu_devices]
+
+
+def round_cpu_devices(config: RunConfig, backend: str, mesh, chunk: int | None) -> list:
+    """The CPU devices that share a round's clients (`core.cpu_round`): the usable ones where they pay
+    (`round_devices`), all of them with `--cpu-devices`."""
+    devices = usable_cpu_devices(config, backend, mesh)
+    if not devices:
+        return []
     keep_freed_memory()
-    devices = jax.local_devices(backend="cpu")[:config.cpu_devices]
     return round_devices(config.clients_per_round, chunk, devices, chosen=config.cpu_devices is not None)
 
 
 def evaluation_cpu_devices(config: RunConfig, backend: str, mesh, local_test) -> list:
     """The CPU devices that share the personalized evaluation of every client (`core.cpu_evaluation`):
-    as for a round, on a CPU with the device store and no mesh, `--cpu-devices` of them, else as many
-    as pay (`evaluation_devices`)."""
-    if jax.default_backend() != "cpu" or backend != "device" or mesh is not None:
-        return []
+    the usable ones where they pay (`evaluation_devices`), all of them with `--cpu-devices`."""
+    devices = usable_cpu_devices(config, backend, mesh)
     chunk = evaluation_chunk(config)
-    devices = jax.local_devices(backend="cpu")[:config.cpu_devices]
     return evaluation_devices(local_test.num_clients, local_test.max_count,
                               default_evaluation_chunk() if chunk == AUTO else chunk, devices,
                               chosen=config.cpu_devices is not None)
