@@ -177,3 +177,22 @@ def test_server_optimizer_flags_the_chosen_optimizer_does_not_read_are_refused(t
                                       "server_epsilon": 0.1})
     assert options.ignored() == {"server_momentum": "is read only by --server-optimizer momentum; "
                                                     "--server-optimizer adam does not read it"}
+
+
+def test_an_unread_option_set_from_python_is_refused_by_the_config_itself(tmp_path):
+    """The config, not only the command line, refuses a value its algorithm would ignore: from Python,
+    `server_momentum=0.5` with sgd (or a compression ratio without compression) is one line naming
+    the option and its value, and the run writes no config.json that would record it; the same
+    option at its default, or read by the chosen optimizer, passes."""
+    from fedjax_sparse.run import RunConfig, run_experiment
+
+    out = tmp_path / "run"
+    config = RunConfig.create(algorithm="fedavg", server_momentum=0.5, out=str(out))
+    with pytest.raises(ValueError, match=r"^--server-momentum is read only by --server-optimizer momentum; "
+                                         r"--server-optimizer sgd does not read it \(it is set to 0\.5\)$"):
+        run_experiment(config, progress=False)
+    assert not out.exists()
+    with pytest.raises(ValueError, match="--compression-ratio is read only with --uplink-compression"):
+        RunConfig.create(compression_ratio=0.5).validate()
+    RunConfig.create(algorithm="fedavg", server_momentum=0.9).validate()  # its default
+    RunConfig.create(algorithm="fedavg", server_optimizer="momentum", server_momentum=0.5).validate()

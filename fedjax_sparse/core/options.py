@@ -10,6 +10,9 @@ each algorithm's own, which live beside its math as a small frozen dataclass
   * `refuse_ignored(obj, given)`: one line for a flag the user gave that these
     values make the algorithm ignore (a class states which, and why, in an
     `ignored()` method, e.g. SPATL's agent settings under its fixed policy);
+    `refuse_unread_values(obj)`: the same for any such option set away from its
+    default, however it was set (Python, a config file), since the run would
+    record a value it never used;
 so adding a method adds its dataclass and nothing else to the command line.
 """
 
@@ -122,6 +125,15 @@ def refuse_ignored(obj: Any, given: Iterable[str]) -> None:
     for name in given:
         if name in ignored:
             raise ValueError(f"{flag_name(name)} {ignored[name]}")
+
+
+def refuse_unread_values(obj: Any) -> None:
+    """Raises a one-line ValueError for the first option that `obj` ignores but holds away from its default."""
+    ignored = ignored_options(obj)
+    for field in option_fields(type(obj)):
+        value = getattr(obj, field.name)
+        if field.name in ignored and value != field.default:
+            raise ValueError(f"{flag_name(field.name)} {ignored[field.name]} (it is set to {value!r})")
 
 
 def _base_type(annotation: Any) -> tuple[Any, bool, bool]:

@@ -13,7 +13,6 @@ run gives them again.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import os
 import sys
 from pathlib import Path
@@ -131,11 +130,8 @@ def _config(args: argparse.Namespace):
     refuse_ignored(config.algorithm_options, given)
     refuse_ignored(config, given)  # the run's own patterns (uplink compression's settings)
     if args.config is not None:  # a file's key set away from its default is as deliberate as a flag
-        options = config.algorithm_options
-        defaults = {f.name: f.default for f in dataclasses.fields(options)}
-        deliberate = [k for k in base if k in defaults and k not in given and getattr(options, k) != defaults[k]]
         try:
-            refuse_ignored(options, deliberate)
+            config.refuse_unread_values()
         except ValueError as e:
             raise ValueError(f"--config {args.config}: {e}") from None
     get_spec(config.algorithm)

@@ -11,7 +11,8 @@ from fedjax_sparse.algorithms import (ENTRY_POINT_GROUP, UnknownAlgorithm, get_s
 from fedjax_sparse.algorithms.personalization import PersonalizationOptions
 from fedjax_sparse.algorithms.uplink_compression import UplinkCompressionOptions
 from fedjax_sparse.core.client_store import BACKENDS
-from fedjax_sparse.core.options import check_value, coerce, option, option_fields, spec_of, validate
+from fedjax_sparse.core.options import (check_value, coerce, option, option_fields, refuse_unread_values, spec_of,
+                                        validate)
 from fedjax_sparse.data.partition import METHODS, NATURAL
 from fedjax_sparse.data.sources import has_own_clients
 from fedjax_sparse.models import MODEL_ALIASES, MODEL_NAMES
@@ -138,7 +139,7 @@ class RunConfig(UplinkCompressionOptions, PersonalizationOptions):
         get_spec(self.algorithm)  # one line listing the registered algorithms
         if not self.out.strip():
             raise ValueError("--out must name a folder for the run's files, got ''")
-        self.algorithm_options  # validates the algorithm's own options
+        self.refuse_unread_values()
         if self.clients_per_round > self.num_clients:
             raise ValueError(f"--clients-per-round {self.clients_per_round} exceeds --num-clients "
                              f"{self.num_clients}; valid: 1..{self.num_clients}")
@@ -152,6 +153,13 @@ class RunConfig(UplinkCompressionOptions, PersonalizationOptions):
         if self.client_chunk and self.shard_clients:
             raise ValueError(f"--client-chunk {self.client_chunk} and --shard-clients do not combine: "
                              f"sharding splits the vmap of all sampled clients over the devices")
+
+    def refuse_unread_values(self) -> None:
+        """One line for an option set away from its default that this run would ignore (an unread
+        server-optimizer setting, a compression setting without compression): config.json would
+        record a value that training never used. Validates the algorithm's own options too."""
+        refuse_unread_values(self.algorithm_options)
+        refuse_unread_values(self)
 
     @property
     def split_by(self) -> str:
