@@ -67,6 +67,9 @@ def test_run_writes_config_metrics_summary_partition_and_plot(tmp_path):
     assert summary["best_test_accuracy"] == max(r["test_accuracy"] for r in rows)
     assert summary["final_personalized_accuracy"] == rows[-1]["personalized_accuracy"]
     assert summary["final_train_loss"] == rows[-1]["train_loss"]
+    # FedAvg's clients train the dense model: its training FLOPs are the dense count, never a 0 for "not counted".
+    assert summary["train_flops_total"] == summary["dense_train_flops_total"] > 0
+    assert all(r["train_flops"] == r["dense_train_flops"] > 0 for r in rows)
 
     # The final figures are those of the saved final model, counted here by hand.
     exp, server, _ = saved_final_state(out)

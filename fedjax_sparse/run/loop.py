@@ -56,7 +56,7 @@ class Counters:
     total_uplink_bytes: int = 0
     total_downlink_bytes: int = 0
     dense_train_flops_total: int = 0
-    train_flops_total: float = 0.0  # the sum of the clients' reported `train_flops` over all rounds
+    train_flops_total: float = 0.0  # the clients' reported `train_flops` over all rounds (the dense count where none)
     padded_step_fractions: list = dataclasses.field(default_factory=list)
 
 
@@ -313,9 +313,12 @@ def _run_rounds(exp: Experiment, config: RunConfig, out: Path, counters: Counter
             counters.cumulative_bytes += uplink + downlink
             counters.total_uplink_bytes += uplink
             counters.total_downlink_bytes += downlink
-            counters.dense_train_flops_total += 3 * dense_forward * config.local_epochs * int(counts[ids].sum())
+            dense_flops = 3 * dense_forward * config.local_epochs * int(counts[ids].sum())
+            counters.dense_train_flops_total += dense_flops
             if "train_flops" in round_out.metrics:  # what the clients' sparse computation cost
                 counters.train_flops_total += float(np.asarray(round_out.metrics["train_flops"], np.float64).sum())
+            else:  # clients that report no figure of their own trained the dense model
+                counters.train_flops_total += float(dense_flops)
             counters.padded_step_fractions.append(padded_step_fraction(counts[ids], config.batch_size, together))
             if (r + 1) % config.eval_every == 0 or r + 1 == config.rounds:
                 figures, finite = evaluate(exp, server_state)
@@ -327,8 +330,7 @@ def _run_rounds(exp: Experiment, config: RunConfig, out: Path, counters: Counter
                           "cumulative_uplink_bytes": counters.total_uplink_bytes,
                           "dense_train_flops": counters.dense_train_flops_total / config.num_clients,
                           "padded_step_fraction": counters.padded_step_fractions[-1],
-                          **({"train_flops": counters.train_flops_total / config.num_clients}
-                             if "train_flops" in round_out.metrics else {}),
+                          "train_flops": counters.train_flops_total / config.num_clients,
                           **client_metrics(round_out.metrics), **figures}
                 history.append(record)
                 if lead:
