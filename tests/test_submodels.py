@@ -346,60 +346,93 @@ def test_heterofl_aggregation_averages_class_rows_over_the_clients_holding_the_l
     np.testing.assert_allclose(het["fc3"]["kernel"][:, 1], 2.0)
 
 
-def fedrolex_combine(old, uploads, masks, labels_held, counts, output_leaves):
-    """FedRolex's `combine` (resnet_server.py, --weighting avg) in numpy, leaf by leaf: every upload
-    adds K x value where it holds an entry (the output layer only on the rows of its labels) with
-    K = the entry's update count `counts` for 1-D leaves and the output layer, 1 for other kernels;
-    the result is the sum over the sum of K, the old value where nobody held the entry."""
+def fedrolex_combine(old, uploads, masks, labels_held, counts, order, output_leaves):
+    """FedRolex's `combine` (resnet_server.py, --weighting avg) in numpy, key by key in the state's
+    order, with its aliasing: K = the entry's update count for 1-D leaves and the output layer (the
+    output layer only on the rows of the client's labels), 1 for other kernels; the counts read come
+    from `tmp_counts`, which after the first key *is* the copy being raised (`self.tmp_counts =
+    tmp_counts_cpy` inside the loop). Returns (the aggregate, the counts after the round)."""
+    tmp_counts = {k: v.copy() for k, v in counts.items()}
+    tmp_counts_cpy = {k: v.copy() for k, v in tmp_counts.items()}
     out = {}
-    for path, value in old.items():
+    for key in order:
+        value = old[key]
         total, weight = np.zeros_like(value), np.zeros_like(value)
-        counted = value.ndim == 1 or path in output_leaves
+        counted = value.ndim == 1 or key in output_leaves
         for k, (up, mask) in enumerate(zip(uploads, masks)):
-            held = mask[path].astype(bool)
-            if path in output_leaves:  # the output layer's last axis is the classes
+            held = mask[key].astype(bool)
+            if key in output_leaves:  # the output layer's last axis is the classes
                 held = held & labels_held[k]
-            k_weight = counts[path] if counted else 1.0
-            total += np.where(held, k_weight * up[path], 0.0)
+            k_weight = tmp_counts[key].copy() if counted else np.ones_like(value)
+            total += np.where(held, k_weight * up[key], 0.0)
             weight += np.where(held, k_weight, 0.0)
-        out[path] = np.where(weight > 0, total / np.where(weight > 0, weight, 1.0), value)
-    return out
+            tmp_counts_cpy[key][held] += 1
+        out[key] = np.where(weight > 0, total / np.where(weight > 0, weight, 1.0), value)
+        tmp_counts = tmp_counts_cpy
+    return out, tmp_counts_cpy
 
 
-def test_fedrolexs_update_count_weights_cancel_into_the_plain_mean_over_holders(mlp):
-    """FedRolex's code weighs biases, normalization parameters and output rows by each entry's count
-    of past updates; every client of a round reads the same count at an entry, so it cancels: its
-    aggregate equals the library's `heterofl` rule (plain mean over holders, class rows over the
-    clients holding the label) for any counts, on two clients of different sub-models."""
-    split = federated_split(np.zeros((6, 8, 8, 1), np.uint8), np.array([0, 1, 1, 2, 3, 3]),
-                            [np.arange(3), np.arange(3, 6)], [0.5], [0.25])
-    algorithm = build("fedrolex", context(mlp, split), capacities=(0.5, 0.25), submodel_aggregation="heterofl")
+def test_fedrolex_counts_is_fedrolexs_code_weighting_and_heterofl_its_papers_plain_mean(mlp):
+    """FedRolex's code weighs biases, normalization parameters and output rows by each entry's count of
+    past updates, and from its second key on the counts it reads are the ones its loop is raising: the
+    k-th holder of an entry weighs count + (k - 1). `fedrolex_counts` equals a replica of that loop over
+    two rounds on three clients of different sub-models (its counts carried in the server state); on
+    those leaves it differs from `heterofl`, the paper's plain mean over holders, which equals the
+    replica's kernels (weighted 1). By hand: three holders of a bias entry counted 1 give
+    (a + 2 b + 3 c) / 6."""
+    split = federated_split(np.zeros((9, 8, 8, 1), np.uint8), np.array([0, 1, 1, 2, 3, 3, 1, 4, 4]),
+                            [np.arange(3), np.arange(3, 6), np.arange(6, 9)], [0.5], [0.25])
+    ctx = context(mlp, split, k=3)
+    algorithm = build("fedrolex", ctx, capacities=(1.0, 0.5, 0.25), submodel_aggregation="fedrolex_counts")
+    plain = build("fedrolex", ctx, capacities=(1.0, 0.5, 0.25), submodel_aggregation="heterofl")
     variables = mlp.init(jax.random.key(0))
-    server, _ = algorithm.init(jax.random.key(1), variables, 2)
-    info = round_info(0, 3, jnp.array([0, 1]))
+    server, _ = algorithm.init(jax.random.key(1), variables, 3)
+    old = {"/".join(p): np.asarray(a) for p, a in layer_paths({"params": variables["params"]})}
+    order = ["params/fc1/kernel", "params/fc1/bias", "params/fc2/kernel", "params/fc2/bias", "params/fc3/kernel",
+             "params/fc3/bias"]  # torch's state_dict order: the first key is the first layer's weight
+    assert sorted(order) == sorted(old)
+    counts = {k: np.ones_like(v, np.float64) for k, v in old.items()}
     rng = np.random.default_rng(0)
-    ups, values, masks, held = [], [], [], []
-    for cid in (0, 1):
-        up = jax.jit(algorithm.client_update)(algorithm.broadcast(server, cid, info), {}, split.client(cid),
-                                              jax.random.key(cid), info)[0]
-        noisy = tree_map(lambda a: KnownMaskArray(jnp.asarray(rng.standard_normal(a.values.shape), jnp.float32),
-                                                  a.mask), up["variables"],
-                         is_leaf=lambda x: isinstance(x, KnownMaskArray))
-        ups.append({**up, "variables": noisy})
-        flat = {"/".join(p): a for p, a in layer_paths(noisy)}
-        values.append({k: np.asarray(a.values) for k, a in flat.items()})
-        masks.append({k: np.asarray(a.mask) for k, a in flat.items()})
-        held.append(np.asarray(up["labels_held"].value))
-    assert held[0].tolist() != held[1].tolist() and not np.array_equal(masks[0]["params/fc1/kernel"],
-                                                                       masks[1]["params/fc1/kernel"])
-    old = {k: np.asarray(a) for k, a in {"/".join(p): a for p, a in layer_paths({"params": variables["params"]})}.items()}
-    counts = {k: rng.integers(1, 9, size=v.shape).astype(np.float64) for k, v in old.items()}
-    expected = fedrolex_combine(old, values, masks, held, counts, {"params/fc3/kernel", "params/fc3/bias"})
-    stacked = tree_map(lambda *a: jnp.stack(a), *ups)
-    new = algorithm.server_update(server, stacked, jnp.array([3.0, 5.0]), info)["variables"]  # sizes unused
-    got = {"/".join(p): np.asarray(a) for p, a in layer_paths({"params": new["params"]})}
-    for k in old:
-        np.testing.assert_allclose(got[k], expected[k], rtol=1e-5, atol=1e-6, err_msg=k)
+    for r in range(2):
+        info = round_info(r, 3, jnp.array([0, 1, 2]))
+        ups, values, masks, held = [], [], [], []
+        for cid in (0, 1, 2):
+            up = jax.jit(algorithm.client_update)(algorithm.broadcast(server, cid, info), {}, split.client(cid),
+                                                  jax.random.key(cid), info)[0]
+            noisy = tree_map(lambda a: KnownMaskArray(jnp.asarray(rng.standard_normal(a.values.shape), jnp.float32),
+                                                      a.mask), up["variables"],
+                             is_leaf=lambda x: isinstance(x, KnownMaskArray))
+            ups.append({**up, "variables": noisy})
+            flat = {"/".join(p): a for p, a in layer_paths(noisy)}
+            values.append({k: np.asarray(a.values, np.float64) for k, a in flat.items()})
+            masks.append({k: np.asarray(a.mask) for k, a in flat.items()})
+            held.append(np.asarray(up["labels_held"].value))
+        assert len({m["params/fc1/bias"].sum() for m in masks}) > 1  # sub-models of different widths
+        expected, counts = fedrolex_combine(old, values, masks, held, counts, order,
+                                            {"params/fc3/kernel", "params/fc3/bias"})
+        stacked = tree_map(lambda *a: jnp.stack(a), *ups)
+        sizes = jnp.array([3.0, 5.0, 7.0])  # unused by either rule
+        new = algorithm.server_update(server, stacked, sizes, info)
+        mean = plain.server_update(server, stacked, sizes, info)["variables"]["params"]
+        got = {"/".join(p): np.asarray(a) for p, a in layer_paths({"params": new["variables"]["params"]})}
+        plain_got = {"/".join(p): np.asarray(a) for p, a in layer_paths({"params": mean})}
+        for k in old:
+            np.testing.assert_allclose(got[k], expected[k], rtol=1e-5, atol=1e-6, err_msg=k)
+            np.testing.assert_array_equal(np.asarray(get_leaf(new["update_counts"], k)), counts[k])
+        for k in ("params/fc1/kernel", "params/fc2/kernel"):  # weighted 1: the plain mean
+            np.testing.assert_allclose(plain_got[k], expected[k], rtol=1e-5, atol=1e-6)
+        triple = np.flatnonzero(sum(m["params/fc2/bias"] for m in masks) == 3)
+        assert triple.size and not np.allclose(plain_got["params/fc2/bias"][triple], expected["params/fc2/bias"][triple])
+        if r == 0:  # every count still 1 when read: the weights of the three holders are 1, 2 and 3
+            a, b, c = (v["params/fc2/bias"][triple] for v in values)
+            np.testing.assert_allclose(got["params/fc2/bias"][triple], (a + 2 * b + 3 * c) / 6, rtol=1e-5)
+        server, old = new, got
+
+
+def get_leaf(tree, path):
+    for key in path.split("/"):
+        tree = tree[key]
+    return tree
 
 
 def layer_paths(tree):

@@ -74,15 +74,20 @@ ranges over the client's own labels only); an option for every rule.
 
 Aggregation. `masked_mean` (default, as FedGSE's Algorithm 1 line 11): per
 entry, the data-size-weighted mean over the clients that hold it; entries no
-client holds keep their value. `heterofl`: HeteroFL's code and FedRolex's (its
-default `--weighting avg`): a plain mean over holders, and each output row
-(class) only over the clients holding that label. FedRolex's `combine`
-(resnet_server.py) multiplies each upload of a bias, a normalization parameter
-or an output row by the entry's count of past updates (`tmp_counts`) and
-divides by the sum of those counts; every client of the round reads the same
-count at an entry (the counts are updated after the round), so the count
-cancels and the result is this plain mean over holders, for any counts
-(tests/test_submodels.py reproduces their loop).
+client holds keep their value. `heterofl`: HeteroFL's code, and FedRolex's
+paper: a plain mean over holders, and each output row (class) only over the
+clients holding that label. FedRolex's code (`combine` in resnet_server.py,
+its default `--weighting avg`) departs from that plain mean: it multiplies each
+upload of a bias, a normalization parameter or an output row by the entry's
+count of past updates (`tmp_counts`, starting at 1) and divides by the sum of
+those weights. Were the counts read as they stood before the round, they would
+cancel; but `self.tmp_counts = tmp_counts_cpy` sits inside its loop over the
+state's keys, so from the second key on the counts it reads are the copy its
+loop is raising: the k-th client of the round holding an entry weighs
+count + (k - 1). Three holders of an entry counted 1 weigh 1, 2 and 3, not
+equally. `fedrolex_counts` reproduces that weighting (the counts kept in the
+server state, raised by every holder after the round; tests/test_submodels.py
+checks it against a replica of their loop); `heterofl` is the paper's mean.
 The server steps toward that mean with its optimizer (`core.server_optimizer`;
 sgd at lr 1 by default: the mean replaces the held entries), per entry over the
 clients holding it: an entry no client held this round keeps its value and its
@@ -118,6 +123,8 @@ from fedjax_sparse.models.structure import ModelStructure, get_path, set_path
 tree_map = jax.tree_util.tree_map
 FIVE_LEVELS = (1.0, 0.5, 0.25, 0.125, 0.0625)
 
+AGGREGATIONS = ("masked_mean", "heterofl", "fedrolex_counts")
+
 # scores(server_state, client_id, info, capacity) -> {layer: [units]}: the rule of a sub-model method
 ScoreRule = Callable[[Any, jax.Array, RoundInfo, jax.Array], dict]
 
@@ -142,9 +149,11 @@ class SubmodelOptions(ServerOptimizerOptions):
                                           "FedRolex's code: kept in the softmax at 0) or exclude (-inf: left out "
                                           "of it)", choices=("zero", "exclude"))
     submodel_aggregation: str = option("masked_mean", "masked_mean: data-weighted mean over the clients holding an "
-                                                      "entry; heterofl (HeteroFL's and FedRolex's code): plain "
-                                                      "mean, class rows over the clients holding that label",
-                                       choices=("masked_mean", "heterofl"))
+                                                      "entry; heterofl (HeteroFL's code, FedRolex's paper): plain "
+                                                      "mean, class rows over the clients holding that label; "
+                                                      "fedrolex_counts: that, with FedRolex's code's update-count "
+                                                      "weights on biases, norms and class rows",
+                                       choices=AGGREGATIONS)
 
     def __post_init__(self):
         if self.capacity_proportions is not None:
@@ -240,6 +249,8 @@ def submodel_algorithm(name: str, context: BuildContext, options: SubmodelOption
         state = server.init_state(variables)
         if memory is not None:
             state["memory"] = memory.init(num_clients)
+        if options.submodel_aggregation == "fedrolex_counts":
+            state["update_counts"] = tree_map(lambda x: jnp.ones(x.shape, jnp.float32), sent(variables))
         return state, {}
 
     def capacity_of(round_index, client_id):
@@ -291,7 +302,7 @@ def submodel_algorithm(name: str, context: BuildContext, options: SubmodelOption
         is_known = lambda x: isinstance(x, KnownMaskArray)  # noqa: E731
         values = tree_map(lambda leaf: leaf.values, ups["variables"], is_leaf=is_known)
         masks = tree_map(lambda leaf: leaf.mask, ups["variables"], is_leaf=is_known)
-        if options.submodel_aggregation == "heterofl":
+        if options.submodel_aggregation != "masked_mean":
             weights = jnp.ones_like(weights)
             held = ups["labels_held"].value  # [K, classes]
             for path in (output.kernel, output.bias):
@@ -299,12 +310,19 @@ def submodel_algorithm(name: str, context: BuildContext, options: SubmodelOption
                     leaf = get_path(masks["params"], path)
                     rows = held.reshape((held.shape[0],) + (1,) * (leaf.ndim - 2) + (-1,))
                     masks = {**masks, "params": set_path(masks["params"], path, leaf & rows)}
-        mean = masked_mean(values, masks, weights, sent(server_state["variables"]))
+        entry_weights = masks
+        if options.submodel_aggregation == "fedrolex_counts":
+            entry_weights = update_count_weights(masks, server_state["update_counts"], counted_paths)
+        mean = masked_mean(values, entry_weights, weights, sent(server_state["variables"]))
         state = server.step_toward(server_state, mean, held=tree_map(lambda m: jnp.any(m, axis=0), masks))
+        if options.submodel_aggregation == "fedrolex_counts":
+            state["update_counts"] = tree_map(lambda c, m: c + jnp.sum(m, axis=0), server_state["update_counts"],
+                                              masks)
         if memory is not None:
             state["memory"] = memory.update(server_state["memory"], ups, info)
         return state
 
+    counted_paths = count_weighted_paths(structure, sent(jax.eval_shape(model.init, jax.random.key(0))))
     static_bn = options.static_bn and bool(jax.tree_util.tree_leaves(stats_shapes))  # a model without BN: nothing to do
     train = context.device_train(name, "recomputes the global model's BatchNorm statistics over every client's "
                                        "training data (static BN)", "--no-static-bn") if static_bn else None
@@ -325,6 +343,36 @@ def submodel_algorithm(name: str, context: BuildContext, options: SubmodelOption
         global_variables=lambda server_state: server_state["variables"],
         evaluation_state=evaluation_state if static_bn else None,
     )
+
+
+def count_weighted_paths(structure: ModelStructure, variables: dict) -> dict:
+    """{path: (counted, reads the round's earlier holders)} of every leaf: FedRolex's code weighs an
+    upload by the entry's update count on the leaves torch shapes 1-D (biases, norm parameters,
+    statistics) and on the output layer's kernel; the first key of its loop (the first layer's kernel)
+    reads the counts before the round, every later key the counts its earlier clients already raised."""
+    first, output = ("params", *structure.layers[0].kernel), ("params", *structure.layers[-1].kernel)
+
+    def rule(path, leaf):
+        keys = tuple(getattr(e, "key", e) for e in path)
+        return (leaf.ndim <= 1 or keys == output, keys != first)
+
+    return jax.tree_util.tree_map_with_path(rule, variables)
+
+
+def update_count_weights(masks: dict, counts: dict, counted_paths: dict) -> dict:
+    """[K, ...] per-entry weights of FedRolex's code (`combine` in resnet_server.py, --weighting avg): on a
+    counted leaf, the k-th client holding an entry weighs count + the number of clients before it in the
+    round holding it (its `self.tmp_counts = tmp_counts_cpy` sits inside the loop over keys, so from the
+    second key on the counts read are the ones being raised); other leaves weigh 1 where held."""
+    def weights(mask, count, rule):
+        counted, sequential = rule
+        held = mask.astype(jnp.float32)
+        if not counted:
+            return held
+        earlier = jnp.cumsum(held, axis=0) - held if sequential else jnp.zeros_like(held)
+        return held * (count + earlier)
+
+    return tree_map(weights, masks, counts, counted_paths, is_leaf=lambda x: isinstance(x, tuple))
 
 
 def heterofl(context: BuildContext, options: SubmodelOptions) -> FederatedAlgorithm:
