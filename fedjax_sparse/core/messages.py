@@ -46,9 +46,9 @@ entropy; arithmetic coding's bound, Cover & Thomas 13.3), rounded up to whole
 bytes; a mask of all zeros or all ones is told by its count alone. This is
 the bound an exact arithmetic coder meets, not the output of one run here
 (tests/test_fedpm.py codes masks with one and checks it stays within it).
-Stochastically quantized leaves (`QuantizedArray`, QSGD) cost a float32 norm plus
-bits + 1 (sign) per entry. One function prices every message of every algorithm,
-inside jit.
+Stochastically quantized leaves (`QuantizedArray`, QSGD in buckets) cost a float32
+norm per bucket plus bits + 1 (sign) per entry of the leaf, padding not counted.
+One function prices every message of every algorithm, inside jit.
 """
 
 from __future__ import annotations
@@ -136,22 +136,35 @@ class Known:
 
 @flax.struct.dataclass
 class QuantizedArray:
-    """Stochastic quantization (QSGD, Alistarh et al. 2017): the array is `norm x sign x level / s` with
-    s = 2^bits - 1 levels per sign; it costs its norm (4 bytes) plus `bits` + 1 sign bit per entry,
-    rounded up to whole bytes (QSGD's fixed-length code; its Elias coding of small levels is not
-    counted). Build it with `core.compression.stochastic_quantization`."""
+    """Stochastic quantization in buckets (QSGD, Alistarh et al. 2017): the leaf, flattened, is cut into
+    buckets of `bucket` consecutive entries (the last one may be shorter), and an entry of bucket j is
+    `norms[j] x sign x level / s` with s = 2^bits - 1 levels per sign.
 
-    levels: jax.Array  # signed integer levels in [-s, s]
-    norm: jax.Array
+    Its price: a float32 norm per bucket plus `bits` + 1 bits per entry of the leaf (the padding of a short
+    last bucket is not sent), rounded up to whole bytes. The sign bit and the norm are QSGD's own (its
+    message is the norm, the signs and the levels, Section 3.1); the fixed-length code of `bits` bits a
+    level is not: the paper Elias-codes the positions and levels of the nonzero entries, which is cheaper
+    when most levels are zero and is not counted here. Build it with
+    `core.compression.stochastic_quantization`."""
+
+    levels: jax.Array  # signed integer levels in [-s, s], the leaf's shape
+    norms: jax.Array  # [buckets] float32, one L2 norm per bucket
     bits: int = flax.struct.field(pytree_node=False)
+    bucket: int = flax.struct.field(pytree_node=False)
 
     def dense(self) -> jax.Array:
-        norm = jnp.reshape(self.norm, jnp.shape(self.norm) + (1,) * (self.levels.ndim - jnp.ndim(self.norm)))
-        return norm * self.levels.astype(jnp.float32) / (2 ** self.bits - 1)
+        # Leading axes of `norms` before its bucket axis are batch axes (a stack of clients' messages).
+        batch = self.norms.shape[:-1]
+        count = self.norms.shape[-1]
+        size = int(np.prod(self.levels.shape[len(batch):]))
+        flat = self.levels.reshape(*batch, size).astype(jnp.float32)
+        padded = jnp.pad(flat, [(0, 0)] * len(batch) + [(0, count * self.bucket - size)])
+        values = padded.reshape(*batch, count, self.bucket) * self.norms[..., None] / (2 ** self.bits - 1)
+        return values.reshape(*batch, count * self.bucket)[..., :size].reshape(self.levels.shape)
 
 
 def quantized_bytes(leaf: QuantizedArray) -> int:
-    return 4 + (int(np.prod(leaf.levels.shape)) * (leaf.bits + 1) + 7) // 8
+    return 4 * int(np.prod(leaf.norms.shape)) + (int(np.prod(leaf.levels.shape)) * (leaf.bits + 1) + 7) // 8
 
 
 @flax.struct.dataclass
