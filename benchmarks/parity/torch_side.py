@@ -1,0 +1,117 @@
+"""The PyTorch side's shared pieces: import stubs, deterministic settings, batches fed in place of the
+official data loaders, state dicts as arrays. Runs in the torch environment (no JAX, no library).
+
+Import stubs. The official repositories import packages their training loop never uses on the path
+the harness runs (torchvision's `save_image`, tensorboard loggers, ray, their dataset modules, the
+RL pruning head with torch_geometric) or modules that do not exist (FedPM's `pruned_layers`,
+`drive`, `eden`). `stub_module` puts an empty module (or one holding the few names the harness
+provides, such as the data loader it feeds) in `sys.modules` before their code is imported, so
+their files run unchanged. Where a stub stands in for something the run does call, the method's
+file says what and why.
+"""
+
+from __future__ import annotations
+
+import importlib.machinery
+import os
+import sys
+import types
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import numpy as np
+
+
+def stub_module(name: str, **attributes: Any) -> types.ModuleType:
+    """Registers an importable module `name` holding `attributes` (parents created as needed)."""
+    module = types.ModuleType(name)
+    module.__dict__.update(attributes)
+    module.__path__ = []  # a package, so that `name.sub` stubs import too
+    module.__spec__ = importlib.machinery.ModuleSpec(name, None, is_package=True)  # torch's lazy imports ask
+    sys.modules[name] = module
+    parent, _, child = name.rpartition(".")
+    if parent:
+        owner = sys.modules.get(parent) or stub_module(parent)
+        setattr(owner, child, module)
+    return module
+
+
+def refuse(what: str) -> Callable:
+    """A stand-in for an official function the harness's path must never reach."""
+    def called(*args, **kwargs):
+        raise RuntimeError(f"the parity harness stubbed {what}; the official code reached it")
+    return called
+
+
+def enter_checkout(directory: Path) -> None:
+    """Imports resolve in the official checkout and relative paths (their config.yml) read from it."""
+    sys.path.insert(0, str(directory))
+    os.chdir(directory)
+
+
+def deterministic(seed: int) -> None:
+    import torch
+    torch.manual_seed(seed)
+    np.random.seed(seed)
+    torch.use_deterministic_algorithms(True)
+    torch.set_num_threads(1)
+    torch.set_default_dtype(torch.float32)
+
+
+def state_arrays(state: dict) -> dict[str, np.ndarray]:
+    """A state dict as float32/integer numpy arrays (detached copies)."""
+    return {k: v.detach().cpu().numpy().copy() for k, v in state.items()}
+
+
+def load_state(module, arrays: dict[str, np.ndarray], strict: bool = True) -> None:
+    import torch
+    module.load_state_dict({k: torch.from_numpy(np.array(v)) for k, v in arrays.items()}, strict=strict)
+
+
+class Batches:
+    """An iterable over a client's batches in a fixed order (examples [t B, (t + 1) B) in step t),
+    built afresh by `make(x, y)` on every pass: their loops mutate what they are given (HeteroFL's
+    `collate` stacks a dict in place)."""
+
+    def __init__(self, x: np.ndarray, y: np.ndarray, batch_size: int, make: Callable[[np.ndarray, np.ndarray], Any]):
+        self.x, self.y, self.batch_size, self.make = x, y, batch_size, make
+
+    def __len__(self) -> int:
+        return -(-len(self.y) // self.batch_size)
+
+    def __iter__(self) -> Iterator:
+        for start in range(0, len(self.y), self.batch_size):
+            yield self.make(self.x[start:start + self.batch_size], self.y[start:start + self.batch_size])
+
+
+def tensor_pair(x: np.ndarray, y: np.ndarray):
+    """(images, labels) as torch tensors: the (x, target) batches of SPATL's and FedPM's loops."""
+    import torch
+    return torch.from_numpy(np.array(x)), torch.from_numpy(np.array(y, np.int64))
+
+
+def client_arrays(setup: dict[str, np.ndarray], client: int) -> tuple[np.ndarray, np.ndarray]:
+    """Client `client`'s examples (NCHW float32) and labels, in the order every side trains on them."""
+    counts = setup["data/counts"]
+    start = int(np.sum(counts[:client]))
+    stop = start + int(counts[client])
+    return setup["data/x"][start:stop], setup["data/y"][start:stop]
+
+
+class GradientNorms:
+    """Wraps `torch.nn.utils.clip_grad_norm_` to record the total norm of every call (their code's
+    clipping); `clip=False` measures without clipping (max_norm = inf: every gradient is multiplied
+    by exactly 1)."""
+
+    def __init__(self, clip: bool):
+        import torch
+        self.original = torch.nn.utils.clip_grad_norm_
+        self.clip = clip
+        self.norms: list[float] = []
+
+        def clip_grad_norm_(parameters, max_norm, *args, **kwargs):
+            norm = self.original(parameters, max_norm if self.clip else float("inf"), *args, **kwargs)
+            self.norms.append(float(norm))
+            return norm
+
+        torch.nn.utils.clip_grad_norm_ = clip_grad_norm_
