@@ -117,3 +117,42 @@ def test_sent_entries_are_the_kept_neurons_and_aggregate_over_their_senders(sett
     expected = np.where(ma & mb, (20 * a + 24 * b) / 44, np.where(ma, a, np.where(mb, b, old)))
     np.testing.assert_allclose(np.asarray(new["fc2"]["kernel"]), expected, rtol=1e-5, atol=1e-7)
     assert (~(ma | mb)).any()
+
+
+def test_every_units_batchnorm_statistics_travel_and_average_over_all_clients():
+    """The running statistics describe a unit's input as the whole network upstream computes it, so
+    they travel for every unit (dense, priced as such) and the server takes their data-weighted mean
+    over all the round's clients, also for a unit no client sent; the weights still aggregate over
+    their senders only. (Sent only with their units, a unit nobody sent kept mean 0 and variance 1
+    and the global model fell to chance on the CPU-sized CIFAR-10.)"""
+    from conftest import synthetic_split
+    model = get_model("cnn4", (8, 8, 1), 10)
+    split = synthetic_split([12, 20], shape=(8, 8, 1))
+    ctx = BuildContext(local=LocalSGD(model, 0.1, 1, 8), num_clients=2, clients_per_round=2, train=split,
+                       num_classes=10, seed=0)
+    algorithm = make_algorithm("fedadp", ctx, make_options("fedadp", {"upload_keep": 0.05}))
+    variables = model.init(jax.random.key(0))
+    server, _ = algorithm.init(jax.random.key(1), variables, 2)
+    info = round_info(0, 0, jnp.array([0, 1]))
+    update = jax.jit(algorithm.client_update)
+    ups = [update(algorithm.broadcast(server, c, info), {}, split.client(c), jax.random.key(c), info)[0]
+           for c in (0, 1)]
+    is_sparse = lambda x: isinstance(x, SparseArray)  # noqa: E731
+    for up in ups:
+        stats = jax.tree_util.tree_leaves(up["batch_stats"])
+        assert stats and not any(is_sparse(x) for x in stats)
+        sparse = jax.tree_util.tree_leaves(up["params"], is_leaf=is_sparse)
+        assert int(message_bytes(up)) == int(message_bytes(up["params"])) + 4 * sum(x.size for x in stats)
+        assert all(is_sparse(x) for x in sparse)
+    stacked = tree_map(lambda a, b: SparseArray(jnp.stack([a.values, b.values]), jnp.stack([a.mask, b.mask]))
+                       if is_sparse(a) else jnp.stack([a, b]), ups[0], ups[1], is_leaf=is_sparse)
+    new = algorithm.server_update(server, stacked, jnp.array([12.0, 20.0]), info)["variables"]
+    unsent = ~(np.asarray(ups[0]["params"]["conv4"]["kernel"].units) | np.asarray(ups[1]["params"]["conv4"]["kernel"].units))
+    assert unsent.any()
+    for key in ("mean", "var"):
+        a, b = (np.asarray(up["batch_stats"]["bn4"][key]) for up in ups)
+        got = np.asarray(new["batch_stats"]["bn4"][key])
+        np.testing.assert_allclose(got, (12 * a + 20 * b) / 32, rtol=1e-5, atol=1e-7)
+        assert not np.allclose(got[unsent], np.asarray(variables["batch_stats"]["bn4"][key])[unsent])
+    np.testing.assert_array_equal(np.asarray(new["params"]["conv4"]["kernel"])[..., unsent],
+                                  np.asarray(variables["params"]["conv4"]["kernel"])[..., unsent])
