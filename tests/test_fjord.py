@@ -1,21 +1,29 @@
 """Fjord against independent truths: HeteroFL at a fixed width, SpaFL's U(0.4, 0.6) widths, FjORD's tiers
-and per-batch widths, the ordered-dropout prefix, and refused flags."""
+and per-batch widths, the ordered-dropout prefix, FjORD's self-distillation (hand-computed, and a zero
+gradient at p = p_max as in its code), per-width BatchNorm statistics (trained, sent over the zoo and
+averaged per width), and refused flags."""
+
+import math
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
+from test_structure import zoo_model
 
 from fedjax_sparse.algorithms import make_algorithm, make_options
-from fedjax_sparse.algorithms.fjord import batch_width, client_width, tier_width
+from fedjax_sparse.algorithms.fjord import batch_width, client_width, distillation_loss, tier_width, width_step_loss
 from fedjax_sparse.run.cli import main
 from fedjax_sparse.core.algorithm import BuildContext
 from fedjax_sparse.core.local_training import LocalSGD
-from fedjax_sparse.core.messages import KnownMaskArray
+from fedjax_sparse.core.messages import Known, KnownMaskArray, message_bytes
 from fedjax_sparse.core.round import build_round, round_info
-from fedjax_sparse.models import get_model
+from fedjax_sparse.data.federated import Batch
+from fedjax_sparse.models import MODEL_NAMES, get_model
 
 tree_map = jax.tree_util.tree_map
+is_known = lambda x: isinstance(x, KnownMaskArray)  # noqa: E731
 
 
 def context(model, split, k=2):
@@ -113,7 +121,272 @@ def test_fjord_flags_it_does_not_read_are_refused(tmp_path, capsys):
     for extra, words in ((["--capacities", "0.5"], "--capacities is not read by fjord"),
                          (["--fjord-widths", "0.5,1"], "--fjord-widths is read only with --fjord-sampling batch"),
                          (["--fjord-sampling", "batch", "--width-low", "0.3"], "--width-low is read only"),
-                         (["--width-low", "0.7", "--width-high", "0.6"], "--width-low 0.7 exceeds --width-high 0.6")):
+                         (["--width-low", "0.7", "--width-high", "0.6"], "--width-low 0.7 exceeds --width-high 0.6"),
+                         (["--fjord-distillation"], "--fjord-distillation is read only with --fjord-sampling batch"),
+                         (["--fjord-bn", "per_width"], "--fjord-bn is read only with --fjord-sampling batch"),
+                         (["--fjord-sampling", "batch", "--fjord-bn", "per_width"], "add --no-static-bn")):
         assert main(base + extra) == 2
         err = capsys.readouterr().err.strip()
         assert words in err and len(err.splitlines()) == 1
+
+
+def test_distillation_loss_by_hand():
+    """Two real examples and a padded one, three classes: CE(teacher, labels) + CE(student, softmax(teacher)),
+    each a mean over the real examples; the teacher's gradient is its own cross-entropy's alone (the soft
+    target is detached), the student's is softmax(student) - softmax(teacher). With the label mask
+    (-inf outside it) the same over the two kept classes."""
+    teacher = jnp.array([[2.0, 0.0, -1.0], [0.5, 1.5, 0.0], [9.0, 9.0, 9.0]])
+    student = jnp.array([[1.0, 1.0, 0.0], [-1.0, 0.0, 2.0], [3.0, -3.0, 0.0]])
+    labels, mask = jnp.array([0, 2, 1]), jnp.array([True, True, False])
+    t, s_ = np.asarray(teacher[:2], np.float64), np.asarray(student[:2], np.float64)
+    p_t = np.exp(t) / np.exp(t).sum(1, keepdims=True)
+    p_s = np.exp(s_) / np.exp(s_).sum(1, keepdims=True)
+    expected = -np.log(p_t[[0, 1], [0, 2]]).mean() - (p_t * np.log(p_s)).sum(1).mean()
+    assert float(distillation_loss(teacher, student, labels, mask)) == pytest.approx(expected, rel=1e-6)
+    d_teacher, d_student = jax.grad(distillation_loss, argnums=(0, 1))(teacher, student, labels, mask)
+    np.testing.assert_allclose(np.asarray(d_teacher)[:2], (p_t - np.eye(3)[[0, 2]]) / 2, atol=1e-7)
+    np.testing.assert_allclose(np.asarray(d_student)[:2], (p_s - p_t) / 2, atol=1e-7)
+    np.testing.assert_array_equal(np.asarray(d_teacher)[2], 0.0)
+    np.testing.assert_array_equal(np.asarray(d_student)[2], 0.0)
+    held = jnp.array([True, False, True])  # class 1 left out of both softmaxes
+    t2, s2 = t[:, [0, 2]], s_[:, [0, 2]]
+    q_t = np.exp(t2) / np.exp(t2).sum(1, keepdims=True)
+    q_s = np.exp(s2) / np.exp(s2).sum(1, keepdims=True)
+    expected = -np.log(q_t[[0, 1], [0, 1]]).mean() - (q_t * np.log(q_s)).sum(1).mean()
+    got = distillation_loss(teacher, student, labels, mask, held, -jnp.inf)
+    assert float(got) == pytest.approx(expected, rel=1e-6)
+    grads = jax.grad(distillation_loss, argnums=(0, 1))(teacher, student, labels, mask, held, -jnp.inf)
+    assert all(np.isfinite(np.asarray(g)).all() for g in grads)
+
+
+def test_distillation_step_is_a_teacher_pass_at_the_tier_and_a_student_pass_at_the_batch_width(mlp):
+    """A client of tier 1 with widths (0.5, 1): the step's loss and gradient equal, computed apart from
+    Fjord's code, CE(full model, labels) + CE(the drawn width's prefix model, softmax of the full model's
+    logits held constant), whichever width the step's key draws (both are drawn over the keys)."""
+    widths = jnp.asarray([0.5, 1.0])
+    full = {l.name: jnp.ones(l.num_units) for l in mlp.structure.layers}
+
+    def prefix(width):  # the first ceil(width N) units of each hidden layer, every output unit
+        return {l.name: (jnp.arange(l.num_units) < (l.num_units if l is mlp.structure.layers[-1]
+                                                     else math.ceil(width * l.num_units))).astype(jnp.float32)
+                for l in mlp.structure.layers}
+
+    def step_masks(key, p_max):
+        width = float(batch_width(key, widths, p_max))
+        return prefix(width), jnp.float32(width)
+
+    rng = np.random.default_rng(0)
+    batch = Batch(jnp.asarray(rng.normal(size=(6, 8, 8, 1)), jnp.float32), jnp.asarray(rng.integers(0, 10, 6)),
+                  jnp.ones(6, bool))
+    params = mlp.init(jax.random.key(0))["params"]
+    loss = width_step_loss(mlp, step_masks, full, jnp.float32(1.0), scaler=False, distillation=True, widths=None,
+                           label_mask=None, label_mask_fill=-jnp.inf)
+
+    def independent(params, width):
+        logits = lambda masks: mlp.module.apply({"params": params}, batch.x, train=True,  # noqa: E731
+                                                unit_masks=masks)
+        teacher, student = logits(full), logits(prefix(width))
+        target = jax.lax.stop_gradient(jax.nn.softmax(teacher))
+        return (optax.softmax_cross_entropy_with_integer_labels(teacher, batch.y).mean()
+                + optax.softmax_cross_entropy(student, target).mean())
+
+    drawn = set()
+    for k in range(8):
+        key = jax.random.key(k)
+        width = float(batch_width(key, widths, jnp.float32(1.0)))
+        drawn.add(width)
+        (value, _), grads = jax.value_and_grad(lambda p: loss({"params": p}, {}, batch, key), has_aux=True)(params)
+        expected, expected_grads = jax.value_and_grad(independent)(params, width)
+        assert float(value) == pytest.approx(float(expected), rel=1e-6)
+        tree_map(lambda a, b: np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-7),
+                 grads, expected_grads)
+    assert drawn == {0.5, 1.0}
+
+
+def test_batch_sampling_at_one_width_is_heterofl_and_distillation_there_is_a_zero_gradient(make_split, mlp):
+    """One width p = 0.5: FjORD's batch sampling with the new options at their defaults (no distillation,
+    shared statistics) is HeteroFL at capacity 0.5 exactly; with distillation every step has p = p_max,
+    where FjORD's code still runs the student pass, whose term's gradient is softmax(z) - softmax(z) = 0:
+    the same model up to rounding, for twice the forward passes (train_flops doubled)."""
+    split = make_split([9, 17, 12, 30])
+    ctx = context(mlp, split)
+    variables = mlp.init(jax.random.key(0))
+    finals, flops = [], []
+    for algorithm in (build("heterofl", ctx, capacities=(0.5,)),
+                      build("fjord", ctx, fjord_sampling="batch", fjord_widths=(0.5,), fjord_distillation=False,
+                            fjord_bn="shared"),
+                      build("fjord", ctx, fjord_sampling="batch", fjord_widths=(0.5,), fjord_distillation=True)):
+        server, clients = algorithm.init(jax.random.key(1), variables, 4)
+        round_fn = build_round(algorithm, split, 2, seed=3)
+        for r in range(2):
+            server, clients, out = round_fn(server, clients, r)
+        finals.append(algorithm.global_variables(server)["params"])
+        flops.append(np.asarray(out.metrics["train_flops"]))
+    tree_map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), finals[0], finals[1])
+    tree_map(lambda a, b: np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6),
+             finals[0], finals[2])
+    assert np.any(finals[0]["fc1"]["kernel"] != variables["params"]["fc1"]["kernel"])
+    np.testing.assert_array_equal(flops[1], flops[0])
+    np.testing.assert_allclose(flops[2], 2 * flops[0], rtol=1e-6)
+
+
+@pytest.fixture(scope="module")
+def cnn4():
+    return get_model("cnn4", (8, 8, 1), 10)
+
+
+@pytest.fixture(scope="module")
+def cnn4_variables(cnn4):
+    return jax.jit(cnn4.init)(jax.random.key(0))  # Flax's eager initialization takes seconds
+
+
+def stats_leaves(tree):
+    return jax.tree_util.tree_leaves(tree["batch_stats"], is_leaf=is_known)
+
+
+def test_per_width_statistics_change_only_the_sets_of_the_widths_trained(make_split, cnn4, cnn4_variables):
+    """cnn4, widths (0.25, 0.5, 1), three clients of tiers 0.25, 0.5 and 1. The tier-0.25 client trains
+    width 0.25 every batch: its set of width 0.25 moves, in the first ceil(N / 4) channels only, to exactly
+    what the shared statistics become there (the forward pass never reads running statistics, so the
+    weights are the shared run's too); the sets of 0.5 and 1 stay as received and are not sent. The
+    tier-0.5 client's sets of 0.25 and 0.5 move in their own channels only (at least one of them moves);
+    width 1's stays and is not sent."""
+    split = make_split([16, 16, 16])
+    ctx = context(cnn4, split, k=3)
+    variables = cnn4_variables
+    before = [np.asarray(leaf) for leaf in jax.tree_util.tree_leaves(variables["batch_stats"])]
+    options = dict(fjord_sampling="batch", fjord_widths=(0.25, 0.5, 1.0), static_bn=False)
+    info = round_info(0, 0, jnp.array([0, 1, 2]))
+
+    def uploads(algorithm, clients):
+        server, _ = algorithm.init(jax.random.key(1), variables, 3)
+        update = jax.jit(algorithm.client_update)
+        return [update(algorithm.broadcast(server, c, info), {}, split.client(c), jax.random.key(2), info)[0]
+                for c in clients]
+
+    up, up_tier_half = uploads(build("fjord", ctx, fjord_bn="per_width", **options), (0, 1))
+    (up_shared,) = uploads(build("fjord", ctx, **options), (0,))
+    tree_map(lambda a, b: np.testing.assert_array_equal(np.asarray(a.values), np.asarray(b.values)),
+             up["variables"]["params"], up_shared["variables"]["params"], is_leaf=is_known)
+    for held, one, old in zip(stats_leaves(up["variables"]), stats_leaves(up_shared["variables"]), before):
+        values, mask = np.asarray(held.values), np.asarray(held.mask)
+        kept = math.ceil(0.25 * old.shape[0])
+        np.testing.assert_array_equal(mask[0], np.arange(old.shape[0]) < kept)
+        assert not mask[1:].any()
+        np.testing.assert_array_equal(values[0, :kept], np.asarray(one.values)[:kept])
+        assert np.all(values[0, :kept] != old[:kept])
+        np.testing.assert_array_equal(values[0, kept:], old[kept:])
+        np.testing.assert_array_equal(values[1:], np.broadcast_to(old, values[1:].shape))
+    moved = False
+    for held, old in zip(stats_leaves(up_tier_half["variables"]), before):
+        values, mask = np.asarray(held.values), np.asarray(held.mask)
+        for s, width in enumerate((0.25, 0.5)):
+            kept = math.ceil(width * old.shape[0])
+            np.testing.assert_array_equal(mask[s], np.arange(old.shape[0]) < kept)
+            np.testing.assert_array_equal(values[s, kept:], old[kept:])
+            moved |= bool(np.any(values[s, :kept] != old[:kept]))
+        assert not mask[2].any()
+        np.testing.assert_array_equal(values[2], old)
+    assert moved
+
+
+def test_distillation_with_per_width_statistics_updates_the_tiers_set_and_the_students(cnn4, cnn4_variables):
+    """One distillation step of a tier-0.5 client (widths 0.25, 0.5, 1) on cnn4: the teacher pass updates
+    width 0.5's set, the student pass the drawn width's (0.25's for the key used here, so both move), each
+    in its own first ceil(w N) channels, to the momentum average with that pass's batch statistics,
+    computed apart by the model at that width; width 1's set is untouched."""
+    widths = jnp.asarray([0.25, 0.5, 1.0])
+    structure = cnn4.structure
+
+    def prefix(width):
+        return {l.name: (jnp.arange(l.num_units) < (l.num_units if l is structure.layers[-1]
+                                                     else math.ceil(width * l.num_units))).astype(jnp.float32)
+                for l in structure.layers}
+
+    def step_masks(key, p_max):
+        width = float(batch_width(key, widths, p_max))
+        return prefix(width), jnp.float32(width)
+
+    key = next(jax.random.key(k) for k in range(20) if float(batch_width(jax.random.key(k), widths, 0.5)) == 0.25)
+    variables = cnn4_variables
+    held = tree_map(lambda s: jnp.stack([s, s + 1.0, s + 2.0]), variables["batch_stats"])  # three distinct sets
+    rng = np.random.default_rng(0)
+    batch = Batch(jnp.asarray(rng.normal(size=(6, 8, 8, 1)), jnp.float32), jnp.asarray(rng.integers(0, 10, 6)),
+                  jnp.ones(6, bool))
+    loss = width_step_loss(cnn4, step_masks, prefix(0.5), jnp.float32(0.5), scaler=False, distillation=True,
+                           widths=widths, label_mask=None, label_mask_fill=-jnp.inf)
+    _, new = loss({"params": variables["params"]}, held, batch, key)
+    for s, width in ((0, 0.25), (1, 0.5)):
+        start = tree_map(lambda h: h[s], held)
+        _, expected = cnn4.apply({"params": variables["params"], "batch_stats": start, "unit_masks": prefix(width)},
+                                 batch.x, train=True, mask=batch.mask)
+        for got, want, old in zip(jax.tree_util.tree_leaves(tree_map(lambda n: n[s], new)),
+                                  jax.tree_util.tree_leaves(expected), jax.tree_util.tree_leaves(start)):
+            kept = math.ceil(width * old.shape[0])
+            np.testing.assert_allclose(np.asarray(got)[:kept], np.asarray(want)[:kept], rtol=1e-6)
+            assert np.all(np.asarray(got)[:kept] != np.asarray(old)[:kept])
+    tree_map(lambda n, h: np.testing.assert_array_equal(np.asarray(n[2]), np.asarray(h[2])), new, held)
+
+
+def test_the_server_averages_each_widths_statistics_over_the_clients_whose_tier_reaches_it(make_split, cnn4, cnn4_variables):
+    """Three clients of tiers 0.25, 0.5, 1 upload random values and data sizes 1, 2, 3: width 0.25's set
+    becomes the weighted mean over all three, 0.5's over the last two, 1's the last client's, each in its
+    first ceil(w N) channels (FjORD's `fjord_average` over p_max >= w); the other channels keep the
+    server's; evaluation reads width 1's set."""
+    split = make_split([8, 8, 8])
+    algorithm = build("fjord", context(cnn4, split, k=3), fjord_sampling="batch", fjord_widths=(0.25, 0.5, 1.0),
+                      fjord_bn="per_width", static_bn=False)
+    server, _ = algorithm.init(jax.random.key(1), cnn4_variables, 3)
+    info = round_info(0, 0, jnp.array([0, 1, 2]))
+    rng = np.random.default_rng(0)
+    ups = []
+    for client in range(3):
+        down = algorithm.broadcast(server, client, info)
+        assert float(down["capacity"].value) == (0.25, 0.5, 1.0)[client]
+        sent = tree_map(lambda leaf: KnownMaskArray(jnp.asarray(rng.normal(size=leaf.values.shape), jnp.float32),
+                                                    leaf.mask), down["variables"], is_leaf=is_known)
+        ups.append({"variables": sent, "unit_masks": down["unit_masks"], "labels_held": Known(jnp.ones(10, bool))})
+    stacked = tree_map(lambda *xs: jnp.stack(xs), *ups)
+    weights = np.array([1.0, 2.0, 3.0])
+    new = algorithm.server_update(server, stacked, jnp.asarray(weights, jnp.float32), info)
+    for index, (after, before) in enumerate(zip(jax.tree_util.tree_leaves(new["variables"]["batch_stats"]),
+                                                jax.tree_util.tree_leaves(server["variables"]["batch_stats"]))):
+        values = np.stack([np.asarray(stats_leaves(up["variables"])[index].values) for up in ups])  # [3, S, N]
+        after, before = np.asarray(after), np.asarray(before)
+        expected = before.copy()
+        for s, width in enumerate((0.25, 0.5, 1.0)):
+            kept = math.ceil(width * before.shape[1])
+            holders = [c for c, tier in enumerate((0.25, 0.5, 1.0)) if tier >= width]
+            expected[s, :kept] = sum(weights[c] * values[c, s, :kept] for c in holders) / weights[holders].sum()
+        np.testing.assert_allclose(after, expected, rtol=1e-5, atol=1e-6)
+    tree_map(lambda g, h: np.testing.assert_array_equal(np.asarray(g), np.asarray(h)[2]),
+             algorithm.global_variables(new)["batch_stats"], new["variables"]["batch_stats"])
+
+
+@pytest.mark.parametrize("name", MODEL_NAMES)
+def test_per_width_statistics_travel_as_the_sets_up_to_the_tier_over_the_zoo(name):
+    """On every model of the zoo, a client of tier 0.5 (widths 0.25, 0.5, 1) receives, besides the weights
+    of shared statistics' message, width 0.25's and 0.5's statistics in their first ceil(w N) channels and
+    nothing of width 1's, at 4 bytes a value; a model without BatchNorm sends the same as with shared."""
+    model = zoo_model(name)
+    variables = tree_map(lambda s: jnp.zeros(s.shape, s.dtype), jax.eval_shape(model.init, jax.random.key(0)))
+    ctx = BuildContext(local=LocalSGD(model, 0.1, 1, 8), num_clients=3, clients_per_round=2, train=None,
+                       num_classes=model.num_classes, seed=0)
+    options = dict(fjord_sampling="batch", fjord_widths=(0.25, 0.5, 1.0), static_bn=False)
+    downs = []
+    for bn in ("shared", "per_width"):
+        algorithm = build("fjord", ctx, fjord_bn=bn, **options)
+        server, _ = algorithm.init(jax.random.key(1), variables, 3)
+        downs.append(jax.jit(algorithm.broadcast, static_argnums=1)(server, 1, round_info(0, 0, jnp.array([1, 2]))))
+    shared, per_width = downs
+    extra = 0
+    for one, held in zip(stats_leaves(shared["variables"]), stats_leaves(per_width["variables"])):
+        units = np.arange(one.mask.shape[0])
+        np.testing.assert_array_equal(np.asarray(one.mask), units < math.ceil(0.5 * units.size))
+        for s, width in enumerate((0.25, 0.5)):
+            np.testing.assert_array_equal(np.asarray(held.mask[s]), units < math.ceil(width * units.size))
+        assert not np.asarray(held.mask[2]).any()
+        extra += math.ceil(0.25 * units.size)
+    assert bool(stats_leaves(shared["variables"])) == (name in ("spafl_cnn", "vgg9", "resnet20", "resnet32",
+                                                                "preresnet18", "cnn4"))
+    assert int(message_bytes(per_width)) == int(message_bytes(shared)) + 4 * extra

@@ -49,7 +49,13 @@ HeteroFL's two model devices, each an option:
                below eps / (2 var). We leave these layers unscaled, so their
                forward pass is exactly the unscaled one (the official one up to
                that epsilon), and running statistics (`static_bn` off) stay
-               those of the unscaled model that evaluation runs;
+               those of the unscaled model that evaluation runs. That epsilon is
+               not negligible where a norm's input variance is small: in the
+               parity run against their code (benchmarks/results/parity.md)
+               it moved the trained weights by up to 12 % (cnn4, beta 0.5)
+               and 47 % (PreResNet-18, beta 0.25) of a tensor's largest entry
+               after three steps, so in BatchNorm models this is their
+               computation without its Scaler, not with it;
              * a layer whose output reaches a norm only through a residual sum
                (PreResNet-18's projection shortcuts): not scaled, as in theirs;
              * a norm-free layer of a norm-free model (the MLP, LeNet, VGG-11,
@@ -212,12 +218,17 @@ class ServerMemory:
 # capacity(round_index, client_id) -> beta; step_masks(key, capacity) -> (unit masks, width) of one local step
 CapacityRule = Callable[[jax.Array, jax.Array], jax.Array]
 StepMasks = Callable[[jax.Array, jax.Array], tuple[dict, jax.Array]]
+# held_entries(variables, unit masks, capacity) -> bools like variables; client_objective(objective, unit masks,
+# capacity) -> objective
+HeldEntries = Callable[[dict, dict, jax.Array], dict]
+ClientObjective = Callable[[LocalObjective, dict, jax.Array], LocalObjective]
 
 
 def submodel_algorithm(name: str, context: BuildContext, options: SubmodelOptions, scores: ScoreRule, *,
                        feedback: Callable[[Any], dict] | None = None,
                        memory: ServerMemory | None = None, capacity: CapacityRule | None = None,
-                       step_masks: StepMasks | None = None, expected_step_flops: Callable | None = None
+                       step_masks: StepMasks | None = None, expected_step_flops: Callable | None = None,
+                       held_entries: HeldEntries | None = None, client_objective: ClientObjective | None = None
                        ) -> FederatedAlgorithm:
     """The sub-model round around a rule's unit `scores` (see the module docstring).
 
@@ -226,8 +237,13 @@ def submodel_algorithm(name: str, context: BuildContext, options: SubmodelOption
     capacity: a client's capacity in a round (default: `client_capacity` from the options).
     step_masks: each local step trains a smaller sub-model of the client's, drawn from the
       step's key (Fjord's per-batch widths); its width is what the Scaler divides by.
-      `expected_step_flops(capacity)`: the forward FLOPs of one example, in expectation over
-      those draws (the `train_flops` figure).
+      `expected_step_flops(capacity)`: the forward FLOPs of one example in a step (every forward
+      pass of the step), in expectation over those draws (the `train_flops` figure).
+    held_entries(variables, unit_masks, capacity): the entries a client holds, trains and sends
+      (default `variable_masks`; Fjord's per-width BatchNorm statistics: the sets of the widths
+      up to the client's).
+    client_objective(objective, unit_masks, capacity) -> objective: the client's local objective
+      from the round's (Fjord's distillation and per-width statistics: a `step_loss`).
 
     Every client reports `train_flops`: 3 x the forward multiply-adds of its sub-model over
     the examples it trained on (`core.flops`, with the inputs its dropped units no longer
@@ -258,11 +274,16 @@ def submodel_algorithm(name: str, context: BuildContext, options: SubmodelOption
             return capacity(round_index, client_id)
         return client_capacity(options, context.seed, round_index, client_id)
 
+    def entries(variables, masks, capacity):
+        if held_entries is not None:
+            return held_entries(variables, masks, capacity)
+        return variable_masks(structure, variables, masks)
+
     def broadcast(server_state, client_id, info):
         capacity = capacity_of(info.index, client_id)
         masks = keep_top_units(structure, scores(server_state, client_id, info, capacity), capacity)
         variables = server_state["variables"]
-        entry_masks = variable_masks(structure, variables, masks)
+        entry_masks = entries(variables, masks, capacity)
         return {"variables": tree_map(KnownMaskArray, sent(variables), sent(entry_masks)),
                 "unit_masks": Known(masks), "capacity": Known(capacity)}
 
@@ -272,7 +293,7 @@ def submodel_algorithm(name: str, context: BuildContext, options: SubmodelOption
                              is_leaf=lambda x: isinstance(x, KnownMaskArray))
         if options.static_bn:  # trains with batch statistics; its running ones are never used nor sent
             variables = {**variables, "batch_stats": tree_map(lambda s: jnp.zeros(s.shape, s.dtype), stats_shapes)}
-        entry_masks = variable_masks(structure, variables, masks)
+        entry_masks = entries(variables, masks, capacity)
         labels_held = client_label_counts(data, num_classes) > 0
 
         def forward(trainable, key):
@@ -288,6 +309,8 @@ def submodel_algorithm(name: str, context: BuildContext, options: SubmodelOption
             update_mask=entry_masks,
             label_mask=labels_held if options.label_mask else None,
             label_mask_fill=LABEL_MASK_FILLS[options.label_mask_fill])
+        if client_objective is not None:
+            objective = client_objective(objective, masks, capacity)
         trained, stats = local.train(variables, data, key, round_index=info.index, objective=objective)
         per_example = (forward_flops(structure, masks, count_inputs=True) if expected_step_flops is None
                        else expected_step_flops(capacity))

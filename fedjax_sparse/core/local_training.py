@@ -80,7 +80,13 @@ class LocalObjective:
       after_step(before, after, batch) -> (trainable, metrics): a projection after each
         step (SpaFL's clipping and reset) and per-step figures, summed over the real steps;
       optimizer(learning_rate) -> optax transformation replacing the run's (momentum) SGD
-        (FedPM trains its scores with Adam at the run's learning rate).
+        (FedPM trains its scores with Adam at the run's learning rate);
+      step_loss(trainable, batch_stats, batch, key) -> (loss, new batch_stats): the step's task loss
+        in place of the one forward pass (`forward`) and its label-masked cross-entropy (neither is
+        then read), for a method that runs the model more than once a step (Fjord's distillation:
+        a teacher and a student pass) or holds its BatchNorm statistics in a layout of its own
+        (Fjord's per-width sets: `batch_stats` is whatever `train` was given, and `update_mask`'s
+        'batch_stats' is shaped like it); the loss it returns is the one reported.
     """
 
     forward: Callable[[dict, jax.Array], dict] | None = None
@@ -91,6 +97,7 @@ class LocalObjective:
     update_mask: dict | None = None
     after_step: Callable[[dict, dict, Batch], tuple[dict, dict]] | None = None
     optimizer: Callable[[jax.Array], optax.GradientTransformation] | None = None
+    step_loss: Callable[[dict, Any, Batch, jax.Array], tuple[jax.Array, Any]] | None = None
 
 
 def proximal_term(params: Any, anchor: Any, mu: float) -> jax.Array:
@@ -211,10 +218,13 @@ class LocalSGD:
             trainable, batch_stats, opt_state, sums = carry
 
             def loss_fn(trainable):
-                logits, new_stats = model.apply({**forward(trainable, key), "batch_stats": batch_stats}, batch.x,
-                                                train=True, mask=batch.mask)
-                task = label_masked_cross_entropy(logits, batch.y, batch.mask, objective.label_mask,
-                                                  objective.label_mask_fill)
+                if objective.step_loss is not None:
+                    task, new_stats = objective.step_loss(trainable, batch_stats, batch, key)
+                else:
+                    logits, new_stats = model.apply({**forward(trainable, key), "batch_stats": batch_stats}, batch.x,
+                                                    train=True, mask=batch.mask)
+                    task = label_masked_cross_entropy(logits, batch.y, batch.mask, objective.label_mask,
+                                                      objective.label_mask_fill)
                 total = task + objective.extra_loss(trainable) if objective.extra_loss is not None else task
                 return total, (task, new_stats)
 
