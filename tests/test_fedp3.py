@@ -1,6 +1,11 @@
-"""FedP3 (OPU2) against independent truths: the code's id-based assignment and its generalisation, uploads of
-exactly the assigned layers, the ordered-dropout downlink over the whole zoo, personal entries, and the
-per-entry mean over uploaders."""
+"""FedP3 (OPU2) against independent truths: the code's id-based assignment and its generalisation, the
+code's client model after the download (the server's values, pruned entries zero) and its magnitude
+downlink with its index priced, over the whole zoo, SpaFL's ordered-dropout reading, the classifier
+uploaded and averaged as the code does, local pruning, the per-entry mean over uploaders, and the
+SpaFL-convention Comm shares."""
+
+import dataclasses
+import types
 
 import jax
 import jax.numpy as jnp
@@ -11,22 +16,48 @@ from test_structure import zoo_model
 from fedjax_sparse.algorithms import make_algorithm, make_options
 from fedjax_sparse.algorithms.fedp3 import assigned_layers
 from fedjax_sparse.core.algorithm import BuildContext
+from fedjax_sparse.core.flops import layer_forward_flops
 from fedjax_sparse.core.layer_groups import model_layer_groups
 from fedjax_sparse.core.local_training import LocalSGD
-from fedjax_sparse.core.messages import KnownMaskArray, message_bytes
+from fedjax_sparse.core.messages import KnownMaskArray, SparseArray, message_bytes
 from fedjax_sparse.core.round import round_info
 from fedjax_sparse.core.unit_masks import variable_masks
 from fedjax_sparse.core.unit_selection import keep_top_units, prefix_scores
 from fedjax_sparse.models import MODEL_NAMES, get_model
+from fedjax_sparse.models.structure import get_path, set_path
 
 tree_map = jax.tree_util.tree_map
-is_known = lambda x: isinstance(x, KnownMaskArray)  # noqa: E731
+is_sent = lambda x: isinstance(x, (SparseArray, KnownMaskArray))  # noqa: E731
+SPAFL_READING = {"fedp3_downlink": "ordered_dropout", "downlink_keep": 0.5, "fedp3_client_model": "own",
+                 "fedp3_upload_classifier": False}
 
 
-def build(model, num_clients, split=None, **options):
-    ctx = BuildContext(local=LocalSGD(model, 0.1, 1, 8), num_clients=num_clients, clients_per_round=2, train=split,
+@dataclasses.dataclass(frozen=True)
+class Untrained(LocalSGD):
+    """Local training that changes nothing, so a client's trained model is the model it started from."""
+
+    def train(self, variables, data, key, **kwargs):
+        return variables, {"loss": jnp.zeros(()), "num_steps": jnp.zeros((), jnp.int32)}
+
+
+def build(model, num_clients, split=None, local=LocalSGD, **options):
+    ctx = BuildContext(local=local(model, 0.1, 1, 8), num_clients=num_clients, clients_per_round=2, train=split,
                        num_classes=model.num_classes, seed=0)
     return make_algorithm("fedp3", ctx, make_options("fedp3", options))
+
+
+def leaves(tree):
+    return jax.tree_util.tree_leaves(tree, is_leaf=is_sent)
+
+
+def index_bytes(n):
+    return 1 if n <= 256 else 2 if n <= 65536 else 4
+
+
+def sparse_bytes(mask):
+    """A leaf's price by hand: its values, plus the cheaper of a bitmask and an index list unless whole."""
+    n, k = mask.size, int(mask.sum())
+    return 4 * n if k == n else min(4 * k + min(k * index_bytes(n), -(-n // 8)), 4 * n)
 
 
 def test_assignment_is_the_codes_for_100_clients_and_generalises():
@@ -44,32 +75,72 @@ def test_assignment_is_the_codes_for_100_clients_and_generalises():
     np.testing.assert_array_equal(one, [True])
 
 
+@pytest.mark.parametrize("downlink", ["magnitude", "ordered_dropout"])
 @pytest.mark.parametrize("name", MODEL_NAMES)
-def test_the_downlink_is_the_assigned_layers_whole_and_the_others_ordered_dropout(name):
-    """On every model of the zoo: a client receives its two shared layers' every entry (kernel, bias,
-    normalization and statistics), the ordered-dropout sub-model of the other shared layers, nothing
-    of the classifier, and pays 4 bytes a value."""
+def test_the_downlink_the_clients_model_and_the_upload_over_the_zoo(name, downlink):
+    """On every model of the zoo, clients 0 and 7 of 8: the downlink holds the two assigned shared layers
+    whole (kernel, bias, normalization and statistics), the other shared layers pruned, nothing of the
+    classifier. By magnitude (the code's default): each of their kernels at its ceil(0.9 n) entries of
+    largest |w|, their other leaves whole, a pruned kernel paying its index; by ordered dropout (SpaFL):
+    the first half of the units, values only. The client's model is then the server's shared layers with
+    the entries not sent zero, and its own classifier; it uploads its two layers and its classifier whole."""
     model = zoo_model(name)
-    # the messages' entries depend on the shapes only: zeros instead of a (slow) initialization
-    variables = tree_map(lambda s: jnp.zeros(s.shape, s.dtype), jax.eval_shape(model.init, jax.random.key(0)))
-    algorithm = build(model, 8, downlink_keep=0.5)
+    structure = model.structure
+    shapes = jax.eval_shape(model.init, jax.random.key(0))
+    keys = iter(jax.random.split(jax.random.key(1), len(jax.tree_util.tree_leaves(shapes))))
+    variables = tree_map(lambda s: jax.random.normal(next(keys), s.shape, s.dtype), shapes)  # no ties
+    own = tree_map(lambda v: v + 3.0, variables)
+    keep = 0.9 if downlink == "magnitude" else 0.5
+    algorithm = build(model, 8, local=Untrained, fedp3_downlink=downlink, downlink_keep=keep)
     server, _ = algorithm.init(jax.random.key(1), variables, 8)
-    groups = model_layer_groups(model)
-    od = variable_masks(model.structure, variables, keep_top_units(model.structure, prefix_scores(model.structure), 0.5))
-    shared = len(model.structure.layers) - 1
-    index = jax.tree_util.tree_leaves(groups.index)
-    for client in (0, 7):
-        down = jax.jit(algorithm.broadcast, static_argnums=1)(server, client, round_info(0, 0, jnp.array([0, 7])))
-        assigned = set(np.flatnonzero(np.asarray(assigned_layers(jnp.int32(client), 8, shared))))
-        masks = jax.tree_util.tree_leaves(tree_map(lambda leaf: np.asarray(leaf.mask), down["variables"],
-                                                   is_leaf=is_known))
-        total = 0
-        for layer, mask, pruned in zip(index, masks, jax.tree_util.tree_leaves(od)):
-            expected = (np.ones_like(mask) if layer in assigned else
-                        np.zeros_like(mask) if layer == shared else np.asarray(pruned))
-            np.testing.assert_array_equal(mask, expected, err_msg=f"{name} client {client} layer {layer}")
-            total += int(expected.sum())
-        assert int(message_bytes(down)) == 4 * total
+    od = variable_masks(structure, variables, keep_top_units(structure, prefix_scores(structure), 0.5))
+    is_kernel = tree_map(lambda _: False, shapes)
+    for layer in structure.layers:
+        is_kernel = {**is_kernel, "params": set_path(is_kernel["params"], layer.kernel, True)}
+    index = jax.tree_util.tree_leaves(model_layer_groups(model).index)
+    classifier = len(structure.layers) - 1
+    data = types.SimpleNamespace(count=jnp.int32(3))  # what client_update reads of the data: the count
+
+    clients = jnp.array([0, 7])
+
+    @jax.jit
+    def exchange(server, own):
+        def one(client):  # as the round runs them: the server's downlink pruning is computed once
+            down = algorithm.broadcast(server, client, round_info(0, 0, clients))
+            return (down,) + algorithm.client_update(down, own, data, jax.random.key(2), round_info(0, 0, clients))
+        return jax.vmap(one)(clients)
+
+    exchanged = exchange(server, own)
+    for i, client in enumerate((0, 7)):
+        down, up, state, _ = tree_map(lambda a: a[i], exchanged)
+        assigned = set(np.flatnonzero(np.asarray(assigned_layers(jnp.int32(client), 8, classifier))))
+        down_bytes = up_bytes = 0
+        for layer, kernel, value, mine, sent, pruned, start, uploaded in zip(
+                index, jax.tree_util.tree_leaves(is_kernel), leaves(variables), leaves(own),
+                leaves(down["variables"]), leaves(od), leaves(state), leaves(up)):
+            value, where = np.asarray(value), f"{name} client {client} layer {layer}"
+            if layer in assigned or (not kernel and layer != classifier and downlink == "magnitude"):
+                expected = np.ones(value.shape, bool)
+            elif layer == classifier:
+                expected = np.zeros(value.shape, bool)
+            elif downlink == "ordered_dropout":
+                expected = np.asarray(pruned)
+            else:  # the kernel's ceil(0.9 n) entries of largest magnitude, ties to the lower index
+                size = np.abs(value).reshape(-1)
+                kept = (9 * size.size + 9) // 10
+                least = np.partition(size, size.size - kept)[size.size - kept]
+                expected = size > least
+                expected[np.flatnonzero(size == least)[:kept - expected.sum()]] = True
+                expected = expected.reshape(value.shape)
+            np.testing.assert_array_equal(np.asarray(sent.mask), expected, err_msg=where)
+            down_bytes += sparse_bytes(expected) if downlink == "magnitude" else 4 * int(expected.sum())
+            np.testing.assert_array_equal(np.asarray(start), np.asarray(mine) if layer == classifier else
+                                          np.where(expected, value, 0.0), err_msg=where)
+            whole = layer in assigned or layer == classifier
+            np.testing.assert_array_equal(np.asarray(uploaded.mask), np.full(value.shape, whole), err_msg=where)
+            up_bytes += 4 * value.size * whole
+        assert int(message_bytes(down)) == down_bytes
+        assert int(message_bytes(up)) == up_bytes
 
 
 @pytest.fixture(scope="module")
@@ -77,56 +148,170 @@ def cnn():
     return get_model("cnn4", (8, 8, 1), 10)
 
 
-@pytest.fixture(scope="module")
-def cnn_clients(cnn):
-    """Four cnn4 clients (10, 20, 10, 30 examples), FedP3 built for them, and its jitted client update."""
+def ordered_by_index(variables):
+    """Each leaf's entries +-(i + 1) / n by flat index i: their magnitude order is their index order."""
+    def leaf(x):
+        i = np.arange(x.size)
+        return jnp.asarray((np.where(i % 2, -1.0, 1.0) * (i + 1) / x.size).reshape(x.shape), x.dtype)
+    return tree_map(leaf, variables)
+
+
+def test_the_clients_model_after_the_download_is_the_servers_with_pruned_entries_zero(cnn):
+    """The code's `synchronize_with_server` by hand on cnn4 (4 shared layers), client 2 of 4 (layers 2 and 3
+    assigned): conv1 and conv2 arrive pruned by magnitude to ceil(0.9 n) entries (here the last ones: |w|
+    grows with the index), their biases and normalization whole; the client's model is the server's with
+    the pruned entries zero, and its own classifier. The message pays the two pruned kernels' index."""
+    server_values = ordered_by_index(cnn.init(jax.random.key(0)))
+    own = tree_map(lambda v: jnp.full_like(v, 7.0), server_values)
+    for client_model in ("server", "own"):
+        algorithm = build(cnn, 4, local=Untrained, fedp3_client_model=client_model)
+        server, _ = algorithm.init(jax.random.key(1), server_values, 4)
+        info = round_info(0, 0, jnp.array([1, 2]))
+        down = algorithm.broadcast(server, 2, info)
+        _, start, _ = algorithm.client_update(down, own, types.SimpleNamespace(count=jnp.int32(3)),
+                                             jax.random.key(2), info)
+        for name, size in (("conv1", 3 * 3 * 1 * 64), ("conv2", 3 * 3 * 64 * 128)):
+            pruned = size - (9 * size + 9) // 10  # 57 and 7372: the entries of least magnitude
+            kernel = np.asarray(start["params"][name]["kernel"]).reshape(-1)
+            np.testing.assert_array_equal(kernel[pruned:], np.asarray(server_values["params"][name]["kernel"])
+                                          .reshape(-1)[pruned:])
+            np.testing.assert_array_equal(kernel[:pruned], 0.0 if client_model == "server" else 7.0)
+        for path in (("params", "conv1", "bias"), ("params", "bn2", "scale"), ("batch_stats", "bn1", "var"),
+                     ("params", "conv3", "kernel"), ("params", "conv4", "bias"), ("batch_stats", "bn4", "mean")):
+            np.testing.assert_array_equal(np.asarray(get_path(start, path)), np.asarray(get_path(server_values, path)))
+        np.testing.assert_array_equal(np.asarray(start["params"]["fc"]["kernel"]), 7.0)
+        np.testing.assert_array_equal(np.asarray(start["params"]["fc"]["bias"]), 7.0)
+    # values, plus the cheaper of a bitmask (ceil(n / 8) bytes) and an index list, for the two pruned kernels
+    conv1 = 4 * 519 + min(519 * 2, 72)  # 576 entries, 519 kept
+    conv2 = 4 * 66356 + min(66356 * 4, 9216)  # 73728 entries (> 65536: 4-byte indices), 66356 kept
+    whole = (64 + 64 * 4) + (128 + 128 * 4) + (3 * 3 * 128 * 256 + 256 * 5) \
+        + (3 * 3 * 256 * 512 + 512 * 5)  # conv1's and conv2's bias and norm (scale, bias, mean, var); conv3, conv4
+    assert int(message_bytes(down)) == conv1 + conv2 + 4 * whole
+
+
+def test_local_pruning_keeps_each_kernels_largest_entries_through_training(cnn):
+    """fedp3_local_keep = 0.5 on the hand-built case: after the download every kernel of the client's model
+    (classifier included) keeps its ceil(n / 2) entries of largest magnitude, the last half by index, the
+    others zero, and they stay zero through training while the kept ones train; the upload carries the
+    assigned layers and the classifier at those entries with their index, and the FLOPs are half the
+    dense model's."""
     from conftest import synthetic_split
     split = synthetic_split([10, 20, 10, 30])
-    algorithm = build(cnn, 4, split, downlink_keep=0.5)
-    server, clients = algorithm.init(jax.random.key(1), cnn.init(jax.random.key(0)), 4)
-    return split, algorithm, server, clients, jax.jit(algorithm.client_update)
-
-
-def test_a_client_uploads_exactly_its_two_layers_and_keeps_the_rest_personal(cnn, cnn_clients):
-    split, algorithm, server, clients, update = cnn_clients
-    own = tree_map(lambda v: v + 0.5, tree_map(lambda a: a[2], clients))  # a client model unlike the global one
+    server_values = ordered_by_index(cnn.init(jax.random.key(0)))
+    algorithm = build(cnn, 4, split, fedp3_local_keep=0.5)
+    server, _ = algorithm.init(jax.random.key(1), server_values, 4)
     info = round_info(0, 0, jnp.array([1, 2]))
     down = algorithm.broadcast(server, 2, info)
-    up, state, metrics = update(down, own, split.client(2), jax.random.key(2), info)
-    groups = model_layer_groups(cnn)
-    assigned = set(np.flatnonzero(np.asarray(assigned_layers(jnp.int32(2), 4, 4))))  # cnn4: 4 shared layers
-    assert assigned == {2, 3}
-    for layer, leaf in zip(jax.tree_util.tree_leaves(groups.index), jax.tree_util.tree_leaves(up, is_leaf=is_known)):
-        assert np.asarray(leaf.mask).all() == (layer in assigned) and np.asarray(leaf.mask).any() == (layer in assigned)
-    uploaded = sum(np.asarray(leaf.mask).sum() for leaf in jax.tree_util.tree_leaves(up, is_leaf=is_known))
-    assert int(message_bytes(up)) == 4 * uploaded
-    # what was not sent down started from the client's own values: the classifier is its own, trained
-    received = tree_map(lambda d, o: jnp.where(d.mask, d.values, o), down["variables"], own, is_leaf=is_known)
-    classifier = cnn.structure.layers[-1].kernel
-    before = np.asarray(received["params"][classifier[0]][classifier[1]])
-    np.testing.assert_array_equal(before, np.asarray(own["params"][classifier[0]][classifier[1]]))
-    assert not np.array_equal(np.asarray(state["params"][classifier[0]][classifier[1]]), before)
-    kernel_total = cnn.structure.num_prunable_weights
-    sent_kernels = sum(int(np.asarray(up["params"][l.kernel[0]][l.kernel[1]].mask).sum())
-                       for l in cnn.structure.layers)
-    assert float(metrics["upload_weight_fraction"]) == pytest.approx(sent_kernels / kernel_total)
+    up, trained, metrics = jax.jit(algorithm.client_update)(down, server_values, split.client(2), jax.random.key(2),
+                                                            info)
+    layers = {l.name: l for l in cnn.structure.layers}
+    sent_bytes = 0
+    for name, layer in layers.items():
+        kernel = np.asarray(get_path(trained["params"], layer.kernel)).reshape(-1)
+        before = np.asarray(get_path(server_values["params"], layer.kernel)).reshape(-1)
+        half = kernel.size // 2
+        np.testing.assert_array_equal(kernel[:half], 0.0, err_msg=name)
+        assert (kernel[half:] != before[half:]).any(), name
+        mask = np.asarray(get_path(up["params"], layer.kernel).mask).reshape(-1)
+        uploaded = name in ("conv3", "conv4", "fc")  # client 2's layers 2, 3 and the classifier
+        np.testing.assert_array_equal(mask, np.arange(kernel.size) >= half if uploaded else False, err_msg=name)
+        if uploaded:  # the kept half's values and the cheaper index
+            sent_bytes += sparse_bytes(np.arange(kernel.size) >= half)
+    assert all(isinstance(leaf, SparseArray) for leaf in leaves(up))
+    others = sum(4 * np.asarray(leaf.values).size for leaf in leaves(up)
+                 if np.asarray(leaf.mask).all())  # biases, normalization and statistics of the uploaded layers
+    assert others == 4 * (256 * 5 + 512 * 5 + 10)
+    assert int(message_bytes(up)) == sent_bytes + others
+    dense = sum(layer_forward_flops(cnn.structure).values())
+    assert float(metrics["train_flops"]) == pytest.approx(3 * 10 * 0.5 * dense, rel=1e-6)  # 10 examples, 1 epoch
 
 
-def test_each_layer_is_the_data_weighted_mean_of_its_uploaders(cnn, cnn_clients):
-    """Clients 0 (layers 0, 1) and 3 (layers 3, 0) upload: layer 0 is their weighted mean, layers 1 and
-    3 one client's, and layer 2, which no sampled client holds, keeps its global value."""
-    split, algorithm, server, clients, update = cnn_clients
+@pytest.fixture(scope="module")
+def cnn_clients(cnn):
+    """Four cnn4 clients (10, 20, 10, 30 examples) and FedP3 built for them with default options."""
+    from conftest import synthetic_split
+    split = synthetic_split([10, 20, 10, 30])
+    algorithm = build(cnn, 4, split)
+    server, clients = algorithm.init(jax.random.key(1), cnn.init(jax.random.key(0)), 4)
+    return split, algorithm, server, clients
+
+
+def test_each_layer_and_the_classifier_are_the_data_weighted_mean_of_their_uploaders(cnn, cnn_clients):
+    """Clients 0 (layers 0, 1) and 3 (layers 3, 0) upload, the classifier too (the code appends it to every
+    client's layers and the server averages it): layer 0 and the classifier are their weighted mean,
+    layers 1 and 3 one client's, and layer 2, which no sampled client holds, keeps its global value.
+    Without the classifier upload (SpaFL's reading) it keeps its global value too."""
+    split, algorithm, server, clients = cnn_clients
     ids = jnp.array([0, 3])
     info = round_info(0, 0, ids)
+    update = jax.jit(algorithm.client_update)
     ups = [update(algorithm.broadcast(server, c, info), tree_map(lambda a: a[c], clients), split.client(c),
                   jax.random.key(c), info)[0] for c in (0, 3)]
+    classifier = 512 * 10 + 10  # fc's kernel and bias
+    for up, layers in zip(ups, (("conv1", "conv2"), ("conv4", "conv1"))):
+        assert all(isinstance(leaf, KnownMaskArray) for leaf in leaves(up))  # both sides know the layers
+        entries = sum(np.asarray(leaf.values).size for name in layers for leaf in leaves(up["params"][name]))
+        norms = sum(np.asarray(leaf.values).size for name in layers
+                    for leaf in leaves({c: up[c].get(f"bn{name[-1]}", {}) for c in ("params", "batch_stats")}))
+        assert int(message_bytes(up)) == 4 * (entries + norms + classifier)
     stacked = tree_map(lambda *leaves: KnownMaskArray(jnp.stack([l.values for l in leaves]),
-                                                      jnp.stack([l.mask for l in leaves])), *ups, is_leaf=is_known)
+                                                      jnp.stack([l.mask for l in leaves])), *ups, is_leaf=is_sent)
     new = algorithm.server_update(server, stacked, jnp.array([10.0, 30.0]), info)["variables"]["params"]
     kernel = lambda tree, layer: np.asarray(tree[cnn.structure.layers[layer].kernel[0]]["kernel"])  # noqa: E731
-    first, last = [tree_map(lambda l: l.values, up, is_leaf=is_known)["params"] for up in ups]
-    np.testing.assert_allclose(kernel(new, 0), (10 * kernel(first, 0) + 30 * kernel(last, 0)) / 40, rtol=1e-5,
-                               atol=1e-6)
+    first, last = [tree_map(lambda l: l.values, up, is_leaf=is_sent)["params"] for up in ups]
+    for layer in (0, 4):
+        np.testing.assert_allclose(kernel(new, layer), (10 * kernel(first, layer) + 30 * kernel(last, layer)) / 40,
+                                   rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(kernel(new, 1), kernel(first, 1), rtol=1e-5, atol=1e-7)
     np.testing.assert_allclose(kernel(new, 3), kernel(last, 3), rtol=1e-5, atol=1e-7)
     np.testing.assert_array_equal(kernel(new, 2), kernel(server["variables"]["params"], 2))
+    no_classifier = build(cnn, 4, local=Untrained, fedp3_upload_classifier=False)  # what is sent, not its values
+    up = no_classifier.client_update(no_classifier.broadcast(server, 0, info), tree_map(lambda a: a[0], clients),
+                                     split.client(0), jax.random.key(0), info)[0]
+    assert not any(np.asarray(leaf.mask).any() for leaf in leaves(up["params"]["fc"]))
+    assert int(message_bytes(up)) == int(message_bytes(ups[0])) - 4 * classifier
+
+
+def test_spafls_reading_sends_ordered_dropout_and_keeps_what_was_not_sent(cnn, cnn_clients):
+    """SpaFL's Table 2 reading (ordered dropout at 0.5, the client's own values where nothing was sent,
+    two layers up): a client uploads exactly its two layers, values only, and trains from its own
+    classifier and its own values of the units not sent."""
+    split, _, server, clients = cnn_clients
+    algorithm = build(cnn, 4, split, **SPAFL_READING)
+    own = tree_map(lambda v: v + 0.5, tree_map(lambda a: a[2], clients))  # a client model unlike the global one
+    info = round_info(0, 0, jnp.array([1, 2]))
+    down = algorithm.broadcast(server, 2, info)
+    assert all(isinstance(leaf, KnownMaskArray) for leaf in leaves(down["variables"]))
+    up, state, metrics = jax.jit(algorithm.client_update)(down, own, split.client(2), jax.random.key(2), info)
+    groups = model_layer_groups(cnn)
+    for layer, leaf in zip(jax.tree_util.tree_leaves(groups.index), leaves(up)):
+        assert np.asarray(leaf.mask).all() == (layer in (2, 3)) and np.asarray(leaf.mask).any() == (layer in (2, 3))
+    uploaded = sum(np.asarray(leaf.mask).sum() for leaf in leaves(up))
+    assert int(message_bytes(up)) == 4 * uploaded
+    received = tree_map(lambda d, o: jnp.where(d.mask, d.values, o), down["variables"], own, is_leaf=is_sent)
+    units = np.asarray(down["variables"]["params"]["conv1"]["kernel"].mask)[0, 0, 0]
+    np.testing.assert_array_equal(units, np.arange(64) < 32)  # the first half of conv1's units
+    np.testing.assert_array_equal(np.asarray(received["params"]["conv1"]["kernel"])[..., 32:],
+                                  np.asarray(own["params"]["conv1"]["kernel"])[..., 32:])
+    before = np.asarray(received["params"]["fc"]["kernel"])
+    np.testing.assert_array_equal(before, np.asarray(own["params"]["fc"]["kernel"]))
+    assert not np.array_equal(np.asarray(state["params"]["fc"]["kernel"]), before)
+    sent_kernels = sum(int(np.asarray(up["params"][l.kernel[0]][l.kernel[1]].mask).sum()) for l in cnn.structure.layers)
+    assert float(metrics["upload_weight_fraction"]) == pytest.approx(sent_kernels / cnn.structure.num_prunable_weights)
+
+
+def test_spafl_convention_shares_follow_the_options():
+    """SpaFL's Comm convention for 4 clients and 4 shared layers of weights a..d and a classifier e (each
+    shared layer assigned to 2 of the 4 clients): by default (the code) up (a+b+c+d)/2 + e and down
+    (a+b+c+d)/2 whole + (a+b+c+d)/2 at 0.9; SpaFL's reading up (a+b+c+d)/2, down half at 0.5."""
+    from experiments.spafl import _fedp3_fractions
+    from fedjax_sparse.run import RunConfig
+    weights = [100, 200, 300, 400, 50]
+    d, shared = 1050, 1000
+    code = RunConfig.create(algorithm="fedp3", num_clients=4)
+    assert _fedp3_fractions(code, weights) == pytest.approx(((shared / 2 + 50) / d,
+                                                            (shared / 2 + 0.9 * shared / 2) / d))
+    spafl = RunConfig.create(algorithm="fedp3", num_clients=4, **SPAFL_READING)
+    assert _fedp3_fractions(spafl, weights) == pytest.approx((shared / 2 / d, (shared / 2 + 0.5 * shared / 2) / d))
+    pruned = RunConfig.create(algorithm="fedp3", num_clients=4, fedp3_local_keep=0.5)
+    assert _fedp3_fractions(pruned, weights)[0] == pytest.approx(0.5 * (shared / 2 + 50) / d)
