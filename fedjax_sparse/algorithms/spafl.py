@@ -92,6 +92,21 @@ Diagnostics (logged with each evaluation), over all clients' personal models:
 
 `spafl_local` is the paper's "Local" row: the same pruning and training, each
 client keeping its own thresholds, and no communication at all.
+
+The paper and its code (`spafl_variant`). All of the above is the paper's
+reading, the default ("paper"). "code" reproduces the client step of the
+official code behind Table 2's CIFAR-10 column (news-vt/SpaFL_NeruIPS_2024 at
+d3639ab, `main/cifar10/`; the pieces, with file and line, in `spafl_code`): a
+straight-through step whose backward passes g only where |mu_i - tau_i| > 1
+(thresholds then move by the regularizer alone), the mask on the kernel before
+the normalization, eq. 13 divided by a conv's k^2 instead of its fan-in,
+gradients clipped to global norm 3, no bounds (`weight_bounds` is refused),
+kernels drawn U(-1/sqrt(n), 1/sqrt(n)), and the reset at "at most 1 %". Not
+reproduced: the code applies eq. 13 to every client after each aggregation
+(here a client applies the change since its last download when next sampled:
+the same total), uploads before the reset its last step triggers, and drops
+each epoch's last partial batch. docs/methods/spafl.md tabulates every
+difference.
 """
 
 from __future__ import annotations
@@ -101,25 +116,39 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 
+from fedjax_sparse.algorithms import spafl_code
 from fedjax_sparse.core.aggregation import uniform_mean
 from fedjax_sparse.core.algorithm import AlgorithmSpec, FederatedAlgorithm, replicate
 from fedjax_sparse.core.flops import training_flops
 from fedjax_sparse.core.local_training import LocalObjective, LocalSGD
 from fedjax_sparse.core.options import option
 from fedjax_sparse.core.unit_masks import check_params, density, layer_mean_density
-from fedjax_sparse.models.structure import ModelStructure, get_path, set_path
+from fedjax_sparse.models.structure import Layer, ModelStructure, get_path, set_path
 
 tree_map = jax.tree_util.tree_map
 Thresholds = dict  # {layer_name: [num_units] float32}
 
 RESET_DENSITY = 0.01  # appendix A.1: a layer below 1 % density gets its thresholds reset to zero
+VARIANTS = ("paper", "code")
 
 
 @dataclasses.dataclass(frozen=True)
 class SpaFLLocalOptions:
     sparsity_coef: float = option(0.002, "SpaFL: alpha, the weight of sum(exp(-threshold)) in the loss", low=0.0)
     weight_bounds: bool = option(True, "SpaFL: clip weights to [-1, 1] and thresholds to [0, 1] after each step")
+    spafl_variant: str = option("paper", "SpaFL: the paper's reading (paper) or the official CIFAR-10 code's "
+                                         "client step (code: its gated straight-through step, masked kernels, "
+                                         "eq. 13 over k^2, gradient clip 3, no bounds, uniform init)",
+                                choices=VARIANTS)
+
+    def ignored(self) -> dict[str, str]:
+        """Options the chosen variant does not read (`core.options.refuse_ignored`)."""
+        if self.spafl_variant == "code":
+            return {"weight_bounds": "is not read by --spafl-variant code (the official code clips neither "
+                                     "weights nor thresholds)"}
+        return {}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -167,17 +196,23 @@ def threshold_masks(structure: ModelStructure, params, thresholds: Thresholds) -
     return {name: mu[name] - thresholds[name] > 0 for name in mu}
 
 
-def ste_masks(structure: ModelStructure, params, thresholds: Thresholds) -> dict[str, jax.Array]:
-    """Eq. 1 as float {0, 1} masks whose gradient is the straight-through estimator (eq. 9)."""
+def ste_masks(structure: ModelStructure, params, thresholds: Thresholds,
+              step=straight_through_step) -> dict[str, jax.Array]:
+    """Eq. 1 as float {0, 1} masks whose gradient is the straight-through estimator (eq. 9), or
+    `step`'s (the official code's gated one, `spafl_code.code_step`)."""
     mu = unit_magnitudes(structure, params)
-    return {name: straight_through_step(mu[name] - thresholds[name]) for name in mu}
+    return {name: step(mu[name] - thresholds[name]) for name in mu}
 
 
-def masked_variables(structure: ModelStructure, variables: dict, thresholds: Thresholds) -> dict:
-    """The sparse model a client predicts with: its weights run with its threshold masks."""
-    masks = threshold_masks(structure, variables["params"], thresholds)
-    return {"params": variables["params"], "batch_stats": variables["batch_stats"],
-            "unit_masks": {k: v.astype(jnp.float32) for k, v in masks.items()}}
+def masked_variables(structure: ModelStructure, variables: dict, thresholds: Thresholds,
+                     variant: str = "paper") -> dict:
+    """The sparse model a client predicts with: its weights run with its threshold masks (at the
+    units' outputs; under the code's variant on the kernels, as the official model does)."""
+    masks = {k: v.astype(jnp.float32) for k, v in threshold_masks(structure, variables["params"], thresholds).items()}
+    if variant == "code":
+        return {"params": spafl_code.mask_kernels(structure, variables["params"], masks),
+                "batch_stats": variables["batch_stats"]}
+    return {"params": variables["params"], "batch_stats": variables["batch_stats"], "unit_masks": masks}
 
 
 def sparsity_penalty(thresholds: Thresholds, alpha: float) -> jax.Array:
@@ -209,12 +244,18 @@ def reset_collapsed_layers(structure: ModelStructure, params, thresholds: Thresh
     return out, resets
 
 
-def global_threshold_update(structure: ModelStructure, params, delta: Thresholds):
-    """Eq. 13: w_ij <- w_ij - (dtau_i / n_i) sign(sum_j w_ij), n_i = the unit's fan-in."""
+def fan_in(layer: Layer, kernel: jax.Array) -> int:
+    """Eq. 13's n_i in the paper's reading: the unit's fan-in."""
+    return layer.fan_in
+
+
+def global_threshold_update(structure: ModelStructure, params, delta: Thresholds, divisor=fan_in):
+    """Eq. 13: w_ij <- w_ij - (dtau_i / n_i) sign(sum_j w_ij), n_i = `divisor(layer, kernel)`: the
+    unit's fan-in (`fan_in`) or the official code's (`spafl_code.eq13_divisor`)."""
     for layer in structure.layers:
         kernel = get_path(params, layer.kernel)
         direction = jnp.sign(jnp.sum(kernel, axis=_unit_axes(kernel)))
-        kernel = kernel - (delta[layer.name] / layer.fan_in) * direction
+        kernel = kernel - (delta[layer.name] / divisor(layer, kernel)) * direction
         params = set_path(params, layer.kernel, kernel)
     return params
 
@@ -242,6 +283,31 @@ def local_objective(structure: ModelStructure, alpha: float, weight_bounds: bool
                            "unit_masks": ste_masks(structure, t["params"], t["thresholds"])},
         extra_loss=lambda t: sparsity_penalty(t["thresholds"], alpha),
         after_step=after_step)
+
+
+def code_local_objective(structure: ModelStructure, alpha: float, optimizer) -> LocalObjective:
+    """The official code's local step: kernels masked through its gated step, the eq. 5
+    regularizer, the gradients clipped to global norm 3 before `optimizer` (the run's momentum
+    SGD), no bounds, and the code's 1 % reset: where this step's mask kept at most 1 % of a layer,
+    the code zeroes that layer's thresholds before its next forward pass; here right after the
+    step, which is the same point. Per-step metrics as `local_objective`'s."""
+
+    def after_step(before, after, batch):
+        used = threshold_masks(structure, before["params"], before["thresholds"])
+        flops = training_flops(structure, batch.mask.sum(), used)
+        thresholds, resets = spafl_code.reset_after_collapse(used, after["thresholds"])
+        return ({"params": after["params"], "thresholds": thresholds},
+                {"train_flops": jnp.asarray(flops, jnp.float32), "threshold_resets": resets})
+
+    def forward(t, key):
+        masks = ste_masks(structure, t["params"], t["thresholds"], step=spafl_code.code_step)
+        return {"params": spafl_code.mask_kernels(structure, t["params"], masks)}
+
+    return LocalObjective(
+        forward=forward,
+        extra_loss=lambda t: sparsity_penalty(t["thresholds"], alpha),
+        after_step=after_step,
+        optimizer=lambda lr: optax.chain(spafl_code.clip_grad_norm(spafl_code.CODE_GRAD_CLIP), optimizer(lr)))
 
 
 def _check_alpha(sparsity_coef: float) -> None:
@@ -275,15 +341,22 @@ def _diagnostics(structure: ModelStructure):
 
 
 def _builder(local: LocalSGD, sparsity_coef: float, weight_bounds: bool, threshold_update: bool,
-             communicate: bool) -> FederatedAlgorithm:
+             communicate: bool, variant: str) -> FederatedAlgorithm:
     _check_alpha(sparsity_coef)
+    if variant not in VARIANTS:
+        raise ValueError(f"--spafl-variant must be one of {', '.join(VARIANTS)}, got {variant}")
+    code = variant == "code"
+    weight_bounds = weight_bounds and not code
     structure = local.model.structure
-    objective = local_objective(structure, sparsity_coef, weight_bounds)
+    objective = (code_local_objective(structure, sparsity_coef, local.optimizer) if code
+                 else local_objective(structure, sparsity_coef, weight_bounds))
+    eq13_divisor = spafl_code.eq13_divisor if code else fan_in
     client_diagnostics, diagnostics = _diagnostics(structure)
 
     def init_clients(key, variables, ids):
-        del key
         check_params(structure, variables["params"])
+        if code:  # every client starts from the same draw of the code's initial kernels
+            variables = {**variables, "params": spafl_code.uniform_kernels(structure, variables["params"], key)}
         zeros = init_thresholds(structure)
         state = {"variables": variables, "thresholds": zeros, "train_flops": jnp.zeros((), jnp.float32)}
         if communicate:
@@ -301,7 +374,7 @@ def _builder(local: LocalSGD, sparsity_coef: float, weight_bounds: bool, thresho
             thresholds = down
             if threshold_update:
                 delta = tree_map(jnp.subtract, down, state["global_thresholds"])
-                params = global_threshold_update(structure, variables["params"], delta)
+                params = global_threshold_update(structure, variables["params"], delta, eq13_divisor)
                 if weight_bounds:
                     params = clip_kernels(structure, params)
                 variables = {**variables, "params": params}
@@ -309,7 +382,11 @@ def _builder(local: LocalSGD, sparsity_coef: float, weight_bounds: bool, thresho
                 extra_flops = training_flops(structure, 0, update_params=num_params)
         else:
             thresholds = state["thresholds"]
-        thresholds, start_resets = reset_collapsed_layers(structure, variables["params"], thresholds)
+        if code:  # a round's first forward pass checks the mask of the client's last one: its own thresholds
+            last = threshold_masks(structure, variables["params"], state["thresholds"])
+            thresholds, start_resets = spafl_code.reset_after_collapse(last, thresholds)
+        else:
+            thresholds, start_resets = reset_collapsed_layers(structure, variables["params"], thresholds)
         trained, stats = local.train(variables, data, key, round_index=info.index,
                                      extra={"thresholds": thresholds}, objective=objective)
         thresholds = trained.pop("thresholds")
@@ -339,7 +416,7 @@ def _builder(local: LocalSGD, sparsity_coef: float, weight_bounds: bool, thresho
         client_update=client_update,
         server_update=server_update,
         client_variables=lambda server_state, state: masked_variables(structure, state["variables"],
-                                                                      state["thresholds"]),
+                                                                      state["thresholds"], variant),
         global_variables=None,
         client_diagnostics=client_diagnostics,
         diagnostics=diagnostics,
@@ -347,22 +424,25 @@ def _builder(local: LocalSGD, sparsity_coef: float, weight_bounds: bool, thresho
 
 
 def spafl(local: LocalSGD, sparsity_coef: float, *, weight_bounds: bool = True,
-          threshold_update: bool = True) -> FederatedAlgorithm:
-    """SpaFL: `sparsity_coef` is alpha of eq. 5; see the module docstring."""
-    return _builder(local, sparsity_coef, weight_bounds, threshold_update, communicate=True)
+          threshold_update: bool = True, variant: str = "paper") -> FederatedAlgorithm:
+    """SpaFL: `sparsity_coef` is alpha of eq. 5; `variant` 'paper' or 'code'; see the module docstring."""
+    return _builder(local, sparsity_coef, weight_bounds, threshold_update, communicate=True, variant=variant)
 
 
-def spafl_local(local: LocalSGD, sparsity_coef: float, *, weight_bounds: bool = True) -> FederatedAlgorithm:
+def spafl_local(local: LocalSGD, sparsity_coef: float, *, weight_bounds: bool = True,
+                variant: str = "paper") -> FederatedAlgorithm:
     """The paper's "Local" row: SpaFL's pruning and training with no communication."""
-    return _builder(local, sparsity_coef, weight_bounds, threshold_update=False, communicate=False)
+    return _builder(local, sparsity_coef, weight_bounds, threshold_update=False, communicate=False,
+                    variant=variant)
 
 
 SPECS = (
     AlgorithmSpec("spafl", SpaFLOptions,
                   lambda ctx, o: spafl(ctx.local, o.sparsity_coef, weight_bounds=o.weight_bounds,
-                                       threshold_update=o.threshold_update),
+                                       threshold_update=o.threshold_update, variant=o.spafl_variant),
                   "SpaFL: trainable unit thresholds, only thresholds travel"),
     AlgorithmSpec("spafl_local", SpaFLLocalOptions,
-                  lambda ctx, o: spafl_local(ctx.local, o.sparsity_coef, weight_bounds=o.weight_bounds),
+                  lambda ctx, o: spafl_local(ctx.local, o.sparsity_coef, weight_bounds=o.weight_bounds,
+                                             variant=o.spafl_variant),
                   "SpaFL's pruning and training with no communication"),
 )
