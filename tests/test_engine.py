@@ -512,3 +512,32 @@ def test_fedprox_step_includes_the_proximal_gradient():
     np.testing.assert_allclose(results[mu], expected, rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(results[0.0], hand_local_sgd(theta, xs[0], ys[0], steps, lr), rtol=1e-5, atol=1e-6)
     assert np.abs(results[mu] - results[0.0]).max() > 1e-2  # the proximal term really pulls
+
+
+def test_grad_clip_norm_scales_the_raw_gradient_before_weight_decay_and_the_step():
+    """One plain-SGD step with weight decay: unclipped, the step is -lr (g + wd w), which gives g; clipped
+    at c it is -lr (g min(1, c / (||g|| + 1e-6)) + wd w), PyTorch's clip_grad_norm_ then SGD's decay.
+    A norm above ||g|| leaves the step exactly as it was; none and a bad value: one line."""
+    from conftest import synthetic_split
+    model = get_model("mlp", (8, 8, 1), 10)
+    split = synthetic_split([12])
+    data = split.client(0)
+    variables = model.init(jax.random.key(0))
+    lr, wd = 0.1, 0.01
+
+    def step(clip):
+        local = LocalSGD(model, lr, 1, 16, weight_decay=wd, grad_clip_norm=clip)
+        new, stats = local.train(variables, data, jax.random.key(1))
+        assert int(stats["num_steps"]) == 1
+        return new["params"]
+
+    w = variables["params"]
+    g = jax.tree_util.tree_map(lambda n, o: -(n - o) / lr - wd * o, step(None), w)
+    norm = float(optax.tree.norm(g))
+    for clip in (norm / 4, norm * 2):
+        scale = min(1.0, clip / (norm + 1e-6))
+        expected = jax.tree_util.tree_map(lambda o, gi: o - lr * (gi * scale + wd * o), w, g)
+        jax.tree_util.tree_map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), step(clip),
+                               expected)
+    with pytest.raises(ValueError, match=r"^--grad-clip-norm must be a finite number > 0 \(or none\), got 0.0$"):
+        LocalSGD(model, lr, 1, 16, grad_clip_norm=0.0)

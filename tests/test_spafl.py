@@ -15,7 +15,7 @@ from fedjax_sparse.algorithms.spafl import (global_threshold_update, init_thresh
                                             unit_magnitudes)
 from fedjax_sparse.run.cli import main
 from fedjax_sparse.core.flops import forward_flops, training_flops
-from fedjax_sparse.core.local_training import LocalSGD, masked_cross_entropy
+from fedjax_sparse.core.local_training import LocalSGD, clip_grad_norm, masked_cross_entropy
 from fedjax_sparse.core.messages import message_bytes
 from fedjax_sparse.core.round import build_round
 from fedjax_sparse.core.unit_masks import (density, layer_mean_density, live_input_fraction,
@@ -489,7 +489,7 @@ def test_code_eq13_divides_a_conv_by_k2_and_a_dense_layer_by_its_fan_in():
 
 def test_code_clips_the_gradients_global_norm_to_3():
     """torch's clip_grad_norm_: norm 5 (3, 4, 0 over two leaves) -> times 3 / (5 + 1e-6); norm 2 untouched."""
-    clip = spafl_code.clip_grad_norm(3.0)
+    clip = clip_grad_norm(3.0)
     big = {"a": jnp.array([3.0, 4.0]), "b": jnp.zeros(1)}
     out, _ = clip.update(big, clip.init(big))
     np.testing.assert_allclose(out["a"], np.array([3.0, 4.0]) * 3.0 / (5.0 + 1e-6), rtol=1e-6)

@@ -122,7 +122,7 @@ from fedjax_sparse.algorithms import spafl_code
 from fedjax_sparse.core.aggregation import uniform_mean
 from fedjax_sparse.core.algorithm import AlgorithmSpec, FederatedAlgorithm, replicate
 from fedjax_sparse.core.flops import training_flops
-from fedjax_sparse.core.local_training import LocalObjective, LocalSGD
+from fedjax_sparse.core.local_training import LocalObjective, LocalSGD, clip_grad_norm
 from fedjax_sparse.core.options import option
 from fedjax_sparse.core.unit_masks import check_params, density, layer_mean_density
 from fedjax_sparse.models.structure import Layer, ModelStructure, get_path, set_path
@@ -307,7 +307,7 @@ def code_local_objective(structure: ModelStructure, alpha: float, optimizer) -> 
         forward=forward,
         extra_loss=lambda t: sparsity_penalty(t["thresholds"], alpha),
         after_step=after_step,
-        optimizer=lambda lr: optax.chain(spafl_code.clip_grad_norm(spafl_code.CODE_GRAD_CLIP), optimizer(lr)))
+        optimizer=lambda lr: optax.chain(clip_grad_norm(spafl_code.CODE_GRAD_CLIP), optimizer(lr)))
 
 
 def _check_alpha(sparsity_coef: float) -> None:
@@ -346,6 +346,9 @@ def _builder(local: LocalSGD, sparsity_coef: float, weight_bounds: bool, thresho
     if variant not in VARIANTS:
         raise ValueError(f"--spafl-variant must be one of {', '.join(VARIANTS)}, got {variant}")
     code = variant == "code"
+    if code and local.grad_clip_norm is not None:
+        raise ValueError(f"--grad-clip-norm {local.grad_clip_norm} and --spafl-variant code do not combine: the "
+                         f"code variant clips at its code's {spafl_code.CODE_GRAD_CLIP:g} already")
     weight_bounds = weight_bounds and not code
     structure = local.model.structure
     objective = (code_local_objective(structure, sparsity_coef, local.optimizer) if code

@@ -12,7 +12,6 @@ import math
 
 import jax
 import jax.numpy as jnp
-import optax
 
 from fedjax_sparse.models.structure import Layer, ModelStructure, get_path, set_path
 
@@ -21,8 +20,6 @@ from fedjax_sparse.models.structure import Layer, ModelStructure, get_path, set_
 CODE_GRAD_CLIP = 3.0
 # model/binarization.py:61 and :131, `if self.ratio <= 0.01` (at most, where the paper's reading says below)
 CODE_RESET_DENSITY = 0.01
-# torch.nn.utils.clip_grad_norm_ divides by (total_norm + 1e-6)
-TORCH_CLIP_EPS = 1e-6
 
 
 @jax.custom_vjp
@@ -61,18 +58,6 @@ def eq13_divisor(layer: Layer, kernel: jax.Array) -> int:
     if layer.kind == "conv":
         return int(kernel.shape[0]) * int(kernel.shape[1])
     return layer.fan_in
-
-
-def clip_grad_norm(max_norm: float) -> optax.GradientTransformation:
-    """`torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)` (client/Client_Class.py:57): every
-    gradient (weights, thresholds, normalization) times min(1, max_norm / (global L2 norm + 1e-6))."""
-
-    def update(grads, state, params=None):
-        del params
-        scale = jnp.minimum(1.0, max_norm / (optax.tree.norm(grads) + TORCH_CLIP_EPS))
-        return jax.tree_util.tree_map(lambda g: g * scale.astype(g.dtype), grads), state
-
-    return optax.GradientTransformation(lambda params: optax.EmptyState(), update)
 
 
 def uniform_kernels(structure: ModelStructure, params, key: jax.Array):

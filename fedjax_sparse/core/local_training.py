@@ -120,11 +120,35 @@ def label_masked_cross_entropy(logits: jax.Array, labels: jax.Array, mask: jax.A
     return masked_cross_entropy(logits, labels, mask)
 
 
+TORCH_CLIP_EPS = 1e-6  # torch.nn.utils.clip_grad_norm_ divides by (total norm + 1e-6)
+
+
+def clip_grad_norm(max_norm: float) -> optax.GradientTransformation:
+    """Every gradient times min(1, max_norm / (global L2 norm + 1e-6)): PyTorch's `clip_grad_norm_`,
+    which the authors' code of SpaFL (3), HeteroFL and FedRolex (1) and FedP3 (10) apply before their
+    optimizer step (optax's `clip_by_global_norm` omits the 1e-6, so it differs in the last bits).
+
+        >>> grads = {"a": jnp.array([3.0, 4.0]), "b": jnp.array([0.0])}  # global norm 5
+        >>> clipped, _ = clip_grad_norm(2.5).update(grads, optax.EmptyState())
+        >>> [round(float(x), 5) for x in clipped["a"]]
+        [1.5, 2.0]
+    """
+
+    def update(grads, state, params=None):
+        del params
+        scale = jnp.minimum(1.0, max_norm / (optax.tree.norm(grads) + TORCH_CLIP_EPS))
+        return jax.tree_util.tree_map(lambda g: g * scale.astype(g.dtype), grads), state
+
+    return optax.GradientTransformation(lambda params: optax.EmptyState(), update)
+
+
 @dataclasses.dataclass(frozen=True)
 class LocalSGD:
     """Local training of a model with (momentum) SGD, the optimizer of all four papers.
 
-    The optimizer state starts fresh every round, as in the papers' code. The
+    The optimizer state starts fresh every round, as in the papers' code. `grad_clip_norm`
+    clips each step's gradients to that global L2 norm first, as PyTorch's `clip_grad_norm_`
+    (`clip_grad_norm`) does in the authors' code of HeteroFL, FedRolex, FedP3 and SpaFL. The
     learning rate of round r is `learning_rate * lr_decay ** r` (SpaFL's CIFAR-100
     schedule decays it by 0.993 per round); a function of the round index, so a
     resumed run uses exactly the rate the uninterrupted run would have.
@@ -137,6 +161,7 @@ class LocalSGD:
     momentum: float = 0.0
     weight_decay: float = 0.0
     lr_decay: float = 1.0
+    grad_clip_norm: float | None = None
 
     def __post_init__(self):
         if not (self.learning_rate > 0 and math.isfinite(self.learning_rate)):
@@ -151,6 +176,8 @@ class LocalSGD:
             raise ValueError(f"--weight-decay must be a finite number >= 0, got {self.weight_decay}")
         if not 0.0 < self.lr_decay <= 1.0:
             raise ValueError(f"--lr-decay must be in (0, 1], got {self.lr_decay}")
+        if self.grad_clip_norm is not None and not (self.grad_clip_norm > 0 and math.isfinite(self.grad_clip_norm)):
+            raise ValueError(f"--grad-clip-norm must be a finite number > 0 (or none), got {self.grad_clip_norm}")
 
     def learning_rate_at(self, round_index: jax.Array | int) -> jax.Array:
         if self.lr_decay == 1.0:
@@ -159,8 +186,10 @@ class LocalSGD:
 
     def optimizer(self, learning_rate: jax.Array | float | None = None) -> optax.GradientTransformation:
         lr = self.learning_rate if learning_rate is None else learning_rate
-        return optax.chain(optax.add_decayed_weights(self.weight_decay),
-                           optax.sgd(lr, momentum=self.momentum or None))
+        sgd = optax.chain(optax.add_decayed_weights(self.weight_decay), optax.sgd(lr, momentum=self.momentum or None))
+        if self.grad_clip_norm is None:
+            return sgd
+        return optax.chain(clip_grad_norm(self.grad_clip_norm), sgd)  # torch clips the raw gradients, then steps
 
     def effective_steps(self, num_steps: jax.Array) -> jax.Array:
         """||a||_1 of FedNova: the sum of the weights momentum gives to the gradients of `num_steps` steps.
