@@ -14,7 +14,7 @@ from conftest import synthetic_split
 from fedjax_sparse.algorithms import make_algorithm, make_options
 from fedjax_sparse.algorithms.uplink_compression import UplinkCompressionOptions, compress_uplink
 from fedjax_sparse.core.algorithm import BuildContext
-from fedjax_sparse.core.compression import decompressed, random_k, stochastic_quantization
+from fedjax_sparse.core.compression import decompressed, random_k, stochastic_quantization, top_k
 from fedjax_sparse.core.local_training import LocalSGD
 from fedjax_sparse.core.messages import KnownMaskArray, QuantizedArray, message_bytes
 from fedjax_sparse.core.options import ignored_options, validate
@@ -222,3 +222,19 @@ def test_fedavg_with_random_k_is_fedavg_at_ratio_one_and_unbiased_below(setting)
     unscaled = sum((1 - np.ceil(0.25 * step[0].size) / step[0].size) ** 2 * float(jnp.sum(step.mean(0) ** 2))
                    for step in jax.tree_util.tree_leaves(steps))
     assert unscaled > 3 * expected  # the unscaled random-k's squared bias: far outside the range above
+
+
+def test_top_k_keeping_most_entries_ranks_the_dropped_ones_and_keeps_the_same_set():
+    """Above half the entries top-k ranks the n - k it drops (a k near n is near a full sort): the kept set,
+    ties included (the lower index wins), is the one ranking the kept entries gives, computed here with numpy."""
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.integers(-3, 4, size=(7, 9)).astype(np.float32))  # many ties, zeros among them
+    flat = np.abs(np.asarray(x).reshape(-1))
+    for ratio in (0.3, 0.5, 0.6, 0.9, 0.99, 1.0):
+        k = max(1, int(np.ceil(ratio * flat.size - 1e-9)))
+        order = np.lexsort((np.arange(flat.size), -flat))  # by magnitude descending, then index ascending
+        expected = np.zeros(flat.size, bool)
+        expected[order[:k]] = True
+        leaf = top_k({"w": x}, ratio)["w"]
+        np.testing.assert_array_equal(np.asarray(leaf.mask).reshape(-1), expected, err_msg=str(ratio))
+        np.testing.assert_array_equal(np.asarray(leaf.dense()), np.where(expected.reshape(x.shape), x, 0.0))

@@ -64,8 +64,18 @@ def top_k(tree: Any, ratio: float) -> Any:
     """Each leaf as a `SparseArray` of its ceil(ratio x n) largest-magnitude entries (ties: lower index)."""
     def leaf(x):
         flat = x.reshape(-1)
-        _, indices = jax.lax.top_k(jnp.abs(flat), _kept(flat.size, ratio))
-        return SparseArray.from_indices(indices, flat[indices], x.shape)
+        kept = _kept(flat.size, ratio)
+        if 2 * kept <= flat.size:
+            _, indices = jax.lax.top_k(jnp.abs(flat), kept)
+            return SparseArray.from_indices(indices, flat[indices], x.shape)
+        # Keeping most entries: rank the n - k dropped ones instead (top_k's cost grows with k: a k near n is
+        # close to a full sort). They are the smallest magnitudes, ties going to the higher index, exactly the
+        # complement of the kept set; reversing the leaf makes top_k's lower-index tie rule pick those.
+        mask = jnp.ones((flat.size,), bool)
+        if kept < flat.size:
+            _, reversed_indices = jax.lax.top_k(-jnp.abs(flat[::-1]), flat.size - kept)
+            mask = mask.at[flat.size - 1 - reversed_indices].set(False)
+        return SparseArray(jnp.where(mask, flat, jnp.zeros_like(flat)).reshape(x.shape), mask.reshape(x.shape))
 
     return tree_map(leaf, tree)
 
