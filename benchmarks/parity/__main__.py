@@ -103,7 +103,8 @@ def markdown(results: dict) -> str:
              "(unchanged, fed by `benchmarks/parity`) and in this library from the same initial weights and "
              "batches; every updated tensor compared. max rel = max |library - official| / max |official| of "
              f"a tensor; a row within {A.ROUND_OFF:g} is float32 round-off. The first case of each method is "
-             "the code as published; the others are diagnostics that remove one known difference each.", "",
+             "the code as published; the others are diagnostics that remove one known difference each, but SpaFL's "
+             "second, which shows one (the code's evaluation on two batches).", "",
              f"Versions: jax {env['jax']}, flax {env['flax']}, optax {env['optax']}; torch {env['torch']}. "
              f"Command: `{env['command']}` ({env['date']}).", "",
              "| method | case | tensors | max abs | max rel | verdict |", "|---|---|---|---|---|---|"]

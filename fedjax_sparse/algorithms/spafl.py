@@ -104,8 +104,12 @@ gradients clipped to global norm 3, no bounds (`weight_bounds` is refused),
 kernels drawn U(-1/sqrt(n), 1/sqrt(n)), and the reset at "at most 1 %". Not
 reproduced: the code applies eq. 13 to every client after each aggregation
 (here a client applies the change since its last download when next sampled:
-the same total), uploads before the reset its last step triggers, and drops
-each epoch's last partial batch. docs/methods/spafl.md tabulates every
+the same total), uploads before the reset its last step triggers, drops each epoch's last
+partial batch, and runs its reset check in evaluation passes too: with two test
+batches or more, its evaluation already resets a collapsed layer of the client's
+own thresholds, so the next round starts from the received ones unreset (here
+the round's start resets the received thresholds where the client's own last
+mask collapsed a layer; benchmarks/results/parity.md, `two_test_batches`). docs/methods/spafl.md tabulates every
 difference.
 """
 

@@ -51,11 +51,12 @@ HeteroFL's two model devices, each an option:
                that epsilon), and running statistics (`static_bn` off) stay
                those of the unscaled model that evaluation runs. That epsilon is
                not negligible where a norm's input variance is small: in the
-               parity run against their code (benchmarks/results/parity.md)
-               it moved the trained weights by up to 12 % (cnn4, beta 0.5)
-               and 47 % (PreResNet-18, beta 0.25) of a tensor's largest entry
-               after three steps, so in BatchNorm models this is their
-               computation without its Scaler, not with it;
+               parity run against their code (benchmarks/results/parity.md,
+               their gradient clip on both sides) it moved the trained
+               weights by up to 3.3 % (cnn4) and 46.5 % (PreResNet-18) of a
+               tensor's largest entry after three steps, so in BatchNorm
+               models this is their computation without its Scaler, not with
+               it;
              * a layer whose output reaches a norm only through a residual sum
                (PreResNet-18's projection shortcuts): not scaled, as in theirs;
              * a norm-free layer of a norm-free model (the MLP, LeNet, VGG-11,

@@ -20,7 +20,7 @@ from __future__ import annotations
 import importlib
 from types import ModuleType
 
-METHODS = ("heterofl", "fedrolex", "fedpm", "spatl")
+METHODS = ("heterofl", "fedrolex", "fedpm", "spatl", "spafl", "fedp3")
 
 
 def get(name: str) -> ModuleType:

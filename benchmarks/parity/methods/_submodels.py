@@ -7,10 +7,13 @@ Official arrays (torch side): client{c}/value/<key> the trained sub-model tensor
 and client{c}/cols/<key> its output and input index lists (1-D tensors: rows only), global/<key>
 after aggregation, norms: the gradient norms their clipping saw.
 Library arrays (JAX side): client{c}/value/<key> the full-shape trained tensor, client{c}/mask/<key>
-the entries it sends, global/<key> after `server_update` (or global_<aggregation>/<key>).
+the entries it sends, global_<aggregation>/<key> after `server_update`; `library_runs` keeps one such
+set per gradient clipping, under clip<norm>/ or noclip/ (`run_arrays` picks a case's).
 """
 
 from __future__ import annotations
+
+from typing import Callable
 
 import numpy as np
 
@@ -31,10 +34,12 @@ def record_indices(param_idx: dict) -> dict[str, np.ndarray]:
 
 def library_round(algorithm: str, model_name: str, setup: dict, mapping, rates, round_index: int,
                   options: dict, *, lr: float, momentum: float, weight_decay: float, batch_size: int,
-                  num_classes: int, aggregations: tuple[str, ...]) -> dict[str, np.ndarray]:
+                  num_classes: int, aggregations: tuple[str, ...],
+                  grad_clip_norm: float | None = None) -> dict[str, np.ndarray]:
     """One round of the library's `algorithm` from the setup's weights: client c trains at capacity
-    rates[c] (its `broadcast` from an algorithm built with capacities=(rates[c],)), then
-    `server_update` once per submodel aggregation in `aggregations`."""
+    rates[c] (its `broadcast` from an algorithm built with capacities=(rates[c],)), with its gradients
+    clipped to `grad_clip_norm` (None: unclipped), then `server_update` once per submodel aggregation
+    in `aggregations`."""
     import jax
     import jax.numpy as jnp
 
@@ -51,7 +56,7 @@ def library_round(algorithm: str, model_name: str, setup: dict, mapping, rates, 
     variables = J.load_torch(model.init(jax.random.key(0)), mapping, A.under(setup, "init"))
     split = J.federated_data(setup)
     clients = len(rates)
-    local = LocalSGD(model, lr, 1, batch_size, momentum, weight_decay)
+    local = LocalSGD(model, lr, 1, batch_size, momentum, weight_decay, grad_clip_norm=grad_clip_norm)
     context = BuildContext(local=local, num_clients=clients, clients_per_round=clients, train=split,
                            num_classes=num_classes, seed=0)
 
@@ -82,6 +87,20 @@ def library_round(algorithm: str, model_name: str, setup: dict, mapping, rates, 
         new = jax.jit(algorithm_.server_update)(state, stacked, split.counts, info)
         out.update(A.prefixed(f"global_{aggregation}", J.in_torch_layout(new["variables"], mapping)))
     return out
+
+
+CLIP = 1.0  # HeteroFL's and FedRolex's clip_grad_norm_(..., 1) in their local step
+
+
+def library_runs(round_: Callable[..., dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
+    """`round_(grad_clip_norm=...)` (a `library_round` with everything else bound) twice: clipped to
+    norm CLIP, as their code clips (the case as published), and unclipped (their clipping lifted)."""
+    return {**A.prefixed(f"clip{CLIP:g}", round_(grad_clip_norm=CLIP)),
+            **A.prefixed("noclip", round_(grad_clip_norm=None))}
+
+
+def run_arrays(library: dict, clipped: bool) -> dict[str, np.ndarray]:
+    return A.under(library, f"clip{CLIP:g}" if clipped else "noclip")
 
 
 def selection_rows(library: dict, official: dict, clients: int, rates) -> list[dict]:

@@ -4,12 +4,13 @@ step), `models/resnet.py`'s pre-activation `resnet18`.
 
 One round at round index 5 (the window rolls by 5 units: {(j - 5) mod N : j < ceil(rate N)}, so it
 wraps around), three clients of rates 1, 1/2, 1/4 each holding a few labels, SGD momentum 0.9 and
-weight decay 1e-3 (their CIFAR-10 settings) at lr 0.1 (their README's 2e-4 would move the weights by
+weight decay 1e-3 (their CIFAR-10 settings) at lr 0.01 (their README's 2e-4 would move the weights by
 ~1e-4 in three steps and hide any difference), one local epoch of 3 batches of 8, their `resnet18`
 (64-128-256-512) at 8x8x3. The library runs `fedrolex` on `preresnet18` with `--label-mask
---label-mask-fill zero --scaler --static-bn`, aggregated twice: `--submodel-aggregation heterofl`
-(the paper's plain mean over holders, the library's reading) and `fedrolex_counts` (their code's
-weighting), where the library has it.
+--label-mask-fill zero --scaler --static-bn --grad-clip-norm 1` (their `clip_grad_norm_(..., 1)`;
+unclipped in the diagnostics no_clip and no_clip_no_scaler), aggregated twice:
+`--submodel-aggregation heterofl` (the paper's plain mean over holders, the library's reading) and
+`fedrolex_counts` (their code's weighting), where the library has it.
 
 Their run is fed from the harness: ray is an import stub whose `remote` leaves classes as they are
 and whose `get`/`put` return their argument (the harness calls `distribute`, each client's `update`
@@ -17,8 +18,8 @@ and `step` and the server's `step` in the order their `main_resnet.py` does, in 
 `make_data_loader`/`SplitDataset` (resnet_client's names) return our batches; their hard-coded
 'cuda' device reads as the CPU; data, torchvision and the logger are import stubs.
 
-Known differences: the gradient clipping and the Scaler's BatchNorm epsilon as in HeteroFL (see
-heterofl.py; the same diagnostic cases), and in `combine` `self.tmp_counts = tmp_counts_cpy` sits
+Known differences: the Scaler's BatchNorm epsilon as in HeteroFL (see heterofl.py; the same
+diagnostic cases), and in `combine` `self.tmp_counts = tmp_counts_cpy` sits
 inside the loop over keys, so from the second key on the k-th client holding a bias, normalization
 parameter or output row weighs its count + (k - 1) instead of the same count: the paper's plain mean
 (the library's `heterofl` aggregation) differs there, their weighting (`fedrolex_counts`) does not.
@@ -26,6 +27,7 @@ parameter or output row weighs its count + (k - 1) instead of the same count: th
 
 from __future__ import annotations
 
+import functools
 import sys
 import time
 from pathlib import Path
@@ -50,15 +52,20 @@ LR, MOMENTUM, WEIGHT_DECAY = 0.01, 0.9, 1e-3
 LIBRARY_OPTIONS = {"algorithm": "fedrolex", "model": "preresnet18", "capacities": "the client's rate", "round": ROUND,
                    "submodel_aggregation": "heterofl and fedrolex_counts", "label_mask": True,
                    "label_mask_fill": "zero", "scaler": True, "static_bn": True, "lr": LR, "momentum": MOMENTUM,
-                   "weight_decay": WEIGHT_DECAY, "local_epochs": 1, "batch_size": BATCH}
+                   "weight_decay": WEIGHT_DECAY, "local_epochs": 1, "batch_size": BATCH,
+                   "grad_clip_norm": f"{S.CLIP:g} (none in no_clip and no_clip_no_scaler)"}
 CASES = {
-    "published": "their code as published (`--algo roll --weighting avg`, gradients clipped to norm 1, Scaler on)",
-    "no_clip": "diagnostic: their code with clip_grad_norm_ measuring only (max_norm = inf)",
-    "no_clip_no_scaler": "diagnostic: no clipping and their `scale` control at 0",
+    "published": "their code as published (`--algo roll --weighting avg`, gradients clipped to norm 1, Scaler on); "
+                 "the library clips at 1 too",
+    "no_clip": "diagnostic: both sides unclipped (their clip_grad_norm_ measuring only, max_norm = inf)",
+    "no_scaler": "diagnostic: both sides clipped at 1, their `scale` control at 0",
+    "no_clip_no_scaler": "diagnostic: both sides unclipped (their clip_grad_norm_ measuring only, max_norm = inf), "
+                         "their `scale` control at 0",
 }
 EXPLANATIONS = {
-    "published": "their clip_grad_norm_(1) binds (the library has no clipping), plus the Scaler's BatchNorm epsilon",
+    "published": "the Scaler: their BN(x / rate) has epsilon 1e-5 rate^2, the library's unscaled BN 1e-5",
     "no_clip": "the Scaler: their BN(x / rate) has epsilon 1e-5 rate^2, the library's unscaled BN 1e-5",
+    "no_scaler": "UNEXPLAINED",
     "no_clip_no_scaler": "UNEXPLAINED",
 }
 PLAIN_MEAN = ("their combine's tmp_counts aliasing: the k-th client holding a bias, norm parameter or output row "
@@ -137,9 +144,9 @@ def torch_official(checkout: Path, setup: dict, library: dict, case: str) -> dic
     import torch
 
     from benchmarks.parity import torch_side as T
-    resnet_client, resnet_server, resnet, cfg = _official(checkout, scale=case != "no_clip_no_scaler")
+    resnet_client, resnet_server, resnet, cfg = _official(checkout, scale=case in ("published", "no_clip"))
     T.deterministic(SEED)
-    norms = T.GradientNorms(clip=case == "published")
+    norms = T.GradientNorms(clip=case in ("published", "no_scaler"))
     model = resnet.resnet18(model_rate=cfg["global_model_rate"], cfg=cfg)
     T.load_state(model, A.under(setup, "init"))
     users = list(range(len(RATES)))
@@ -199,12 +206,13 @@ def mapping(setup: dict):
 
 def library(setup: dict) -> dict[str, np.ndarray]:
     options = {k: LIBRARY_OPTIONS[k] for k in ("label_mask", "label_mask_fill", "scaler", "static_bn")}
-    return S.library_round("fedrolex", "preresnet18", setup, mapping(setup), RATES, ROUND, options, lr=LR,
-                           momentum=MOMENTUM, weight_decay=WEIGHT_DECAY, batch_size=BATCH, num_classes=CLASSES,
-                           aggregations=_aggregations())
+    return S.library_runs(functools.partial(S.library_round, "fedrolex", "preresnet18", setup, mapping(setup), RATES,
+                                            ROUND, options, lr=LR, momentum=MOMENTUM, weight_decay=WEIGHT_DECAY,
+                                            batch_size=BATCH, num_classes=CLASSES, aggregations=_aggregations()))
 
 
 def compare(setup: dict, library: dict, official: dict, case: str) -> list[dict]:
+    library = S.run_arrays(library, clipped=case in ("published", "no_scaler"))
     rows = S.client_rows(setup, library, official, len(RATES), RATES, "")
     A.explain(rows, EXPLANATIONS[case])
     code = [S.global_row(setup, library, official, "fedrolex_counts",

@@ -8,22 +8,24 @@ CIFAR-10 settings), one local epoch of 3 batches of 8, on their `Conv` (64-128-2
 without running statistics) at 16x16x3. The library runs `heterofl` on `cnn4` with the options that
 mirror their code: `--submodel-aggregation heterofl` (plain mean over holders, label rows),
 `--label-mask --label-mask-fill zero` (their `masked_fill(mask == 0, 0)`), `--scaler`,
-`--static-bn`.
+`--static-bn`, and `--grad-clip-norm 1` (their `clip_grad_norm_(..., 1)`: `LocalSGD.grad_clip_norm`,
+PyTorch's semantics).
 
 Their run is fed from the harness: `make_data_loader`/`SplitDataset` (train_classifier_fed's names)
 return our batches; the data module, torchvision and the tensorboard logger are import stubs.
 
-Known differences, each removed by a diagnostic case:
-  * `Local.train` clips every gradient to norm 1 (`clip_grad_norm_(..., 1)`); the library has no
-    gradient clipping (a gap: no option mirrors it). `no_clip`: their code with the clipping
-    measured but not applied (max_norm = inf).
-  * Their Scaler divides a conv's output by the rate before its BatchNorm; on batch statistics that
-    only changes BatchNorm's epsilon, eps -> eps rate^2; the library leaves BatchNorm layers
-    unscaled (`algorithms/submodels.py`). `no_clip_no_scaler`: also their `scale` control at 0.
+Known difference: their Scaler divides a conv's output by the rate before its BatchNorm; on batch
+statistics that only changes BatchNorm's epsilon, eps -> eps rate^2; the library leaves BatchNorm
+layers unscaled (`algorithms/submodels.py`). At rate 1 the Scaler is the identity, so client 0's row
+of the case as published checks the clipping alone. The diagnostics: `no_clip`, both sides unclipped
+(their clip_grad_norm_ measuring only, max_norm = inf; the library without the option), the Scaler's
+epsilon alone; `no_scaler`, both sides clipped at 1 (the clip's global norm is the sub-model's, on both
+sides) and their `scale` control at 0; `no_clip_no_scaler`, neither.
 """
 
 from __future__ import annotations
 
+import functools
 import sys
 from pathlib import Path
 
@@ -45,15 +47,19 @@ LR, MOMENTUM, WEIGHT_DECAY = 0.1, 0.9, 5e-4
 LIBRARY_OPTIONS = {"algorithm": "heterofl", "model": "cnn4", "capacities": "the client's rate", "round": 0,
                    "submodel_aggregation": "heterofl", "label_mask": True, "label_mask_fill": "zero",
                    "scaler": True, "static_bn": True, "lr": LR, "momentum": MOMENTUM,
-                   "weight_decay": WEIGHT_DECAY, "local_epochs": 1, "batch_size": BATCH}
+                   "weight_decay": WEIGHT_DECAY, "local_epochs": 1, "batch_size": BATCH,
+                   "grad_clip_norm": f"{S.CLIP:g} (none in no_clip and no_clip_no_scaler)"}
 CASES = {
-    "published": "their code as published (gradients clipped to norm 1, Scaler on)",
-    "no_clip": "diagnostic: their code with clip_grad_norm_ measuring only (max_norm = inf)",
-    "no_clip_no_scaler": "diagnostic: no clipping and their `scale` control at 0",
+    "published": "their code as published (gradients clipped to norm 1, Scaler on); the library clips at 1 too",
+    "no_clip": "diagnostic: both sides unclipped (their clip_grad_norm_ measuring only, max_norm = inf)",
+    "no_scaler": "diagnostic: both sides clipped at 1, their `scale` control at 0",
+    "no_clip_no_scaler": "diagnostic: both sides unclipped (their clip_grad_norm_ measuring only, max_norm = inf), "
+                         "their `scale` control at 0",
 }
 EXPLANATIONS = {
-    "published": "their clip_grad_norm_(1) binds (the library has no clipping), plus the Scaler's BatchNorm epsilon",
+    "published": "the Scaler: their BN(x / rate) has epsilon 1e-5 rate^2, the library's unscaled BN 1e-5",
     "no_clip": "the Scaler: their BN(x / rate) has epsilon 1e-5 rate^2, the library's unscaled BN 1e-5",
+    "no_scaler": "UNEXPLAINED",
     "no_clip_no_scaler": "UNEXPLAINED",
 }
 
@@ -114,9 +120,9 @@ def torch_official(checkout: Path, setup: dict, library: dict, case: str) -> dic
     import torch
 
     from benchmarks.parity import torch_side as T
-    fed, models, train_classifier_fed, utils, cfg = _official(checkout, scale=case != "no_clip_no_scaler")
+    fed, models, train_classifier_fed, utils, cfg = _official(checkout, scale=case in ("published", "no_clip"))
     T.deterministic(SEED)
-    norms = T.GradientNorms(clip=case == "published")
+    norms = T.GradientNorms(clip=case in ("published", "no_scaler"))
     model = models.conv(model_rate=cfg["global_model_rate"])
     T.load_state(model, A.under(setup, "init"))
     label_split = {c: sorted(set(T.client_arrays(setup, c)[1].tolist())) for c in range(len(RATES))}
@@ -168,14 +174,14 @@ def mapping(setup: dict):
 
 
 def library(setup: dict) -> dict[str, np.ndarray]:
-    return S.library_round("heterofl", "cnn4", setup, mapping(setup), RATES, 0,
-                           {k: v for k, v in LIBRARY_OPTIONS.items()
-                            if k in ("label_mask", "label_mask_fill", "scaler", "static_bn")},
-                           lr=LR, momentum=MOMENTUM, weight_decay=WEIGHT_DECAY, batch_size=BATCH,
-                           num_classes=CLASSES, aggregations=("heterofl",))
+    options = {k: LIBRARY_OPTIONS[k] for k in ("label_mask", "label_mask_fill", "scaler", "static_bn")}
+    return S.library_runs(functools.partial(S.library_round, "heterofl", "cnn4", setup, mapping(setup), RATES, 0,
+                                            options, lr=LR, momentum=MOMENTUM, weight_decay=WEIGHT_DECAY,
+                                            batch_size=BATCH, num_classes=CLASSES, aggregations=("heterofl",)))
 
 
 def compare(setup: dict, library: dict, official: dict, case: str) -> list[dict]:
+    library = S.run_arrays(library, clipped=case in ("published", "no_scaler"))
     rows = S.client_rows(setup, library, official, len(RATES), RATES, "")
     rows.append(S.global_row(setup, library, official, "heterofl", "server: global model after combine", ""))
     A.explain(rows, EXPLANATIONS[case])
