@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
+import reprlib
 import typing
 from typing import Any, Iterable, Sequence
 
@@ -65,6 +66,17 @@ class OptionSpec:
         return True
 
 
+# A message quotes a value cut to a line: a config file's value can be any size (YAML's aliases expand 340
+# bytes into millions of values), and reprlib stops reading where it stops writing.
+_QUOTE = reprlib.Repr()
+_QUOTE.maxlevel, _QUOTE.maxlist, _QUOTE.maxtuple, _QUOTE.maxdict, _QUOTE.maxstring, _QUOTE.maxother = 2, 6, 6, 4, 60, 60
+
+
+def quoted(value: Any) -> str:
+    """`repr(value)`, cut to at most a line's worth."""
+    return _QUOTE.repr(value)
+
+
 def _num(x: float) -> str:
     return str(int(x)) if float(x).is_integer() and abs(x) < 1e16 else f"{x:g}"
 
@@ -106,7 +118,8 @@ def check_value(name: str, spec: OptionSpec, value: Any) -> None:
         if v is None:
             continue
         if not spec.accepts(v):
-            shown = v if not isinstance(value, tuple) else ",".join(map(str, value))
+            shown = ",".join(map(str, value)) if isinstance(value, tuple) else str(v)
+            shown = shown if len(shown) <= _QUOTE.maxother else shown[:_QUOTE.maxother - 3] + "..."
             valid = spec.describe()
             if isinstance(v, float) and spec.finite and not math.isfinite(v) and spec.choices is None \
                     and not valid.startswith("a finite"):
@@ -133,7 +146,7 @@ def refuse_unread_values(obj: Any) -> None:
     for field in option_fields(type(obj)):
         value = getattr(obj, field.name)
         if field.name in ignored and value != field.default:
-            raise ValueError(f"{flag_name(field.name)} {ignored[field.name]} (it is set to {value!r})")
+            raise ValueError(f"{flag_name(field.name)} {ignored[field.name]} (it is set to {quoted(value)})")
 
 
 def _base_type(annotation: Any) -> tuple[Any, bool, bool]:
@@ -153,7 +166,7 @@ def _parser_for(element: type, optional: bool, is_tuple: bool, name: str):
         try:
             return element(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not a valid {element.__name__}")
+            raise argparse.ArgumentTypeError(f"{quoted(text)} is not a valid {element.__name__}")
 
     def parse(text: str):
         if optional and text.lower() == "none":
@@ -176,19 +189,19 @@ def coerce(name: str, annotation: Any, value: Any) -> Any:
         raise ValueError(f"{flag_name(name)}: null is not a valid {element.__name__}")
     if isinstance(value, str) and not (element is str and not is_tuple):
         if element is bool and not is_tuple:
-            raise ValueError(f"{flag_name(name)}: {value!r} is not a valid bool (true or false)")
+            raise ValueError(f"{flag_name(name)}: {quoted(value)} is not a valid bool (true or false)")
         try:
             return _parser_for(element, optional, is_tuple, name)(value)
         except argparse.ArgumentTypeError as err:
             raise ValueError(f"{flag_name(name)}: {err}") from None
     if is_tuple:
         if not isinstance(value, (list, tuple)):
-            raise ValueError(f"{flag_name(name)}: {value!r} is not a list of {element.__name__}")
+            raise ValueError(f"{flag_name(name)}: {quoted(value)} is not a list of {element.__name__}")
         return tuple(coerce(name, element, v) for v in value)
     if element is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
     if not isinstance(value, element) or (element is int and isinstance(value, bool)):
-        raise ValueError(f"{flag_name(name)}: {value!r} is not a valid {element.__name__}")
+        raise ValueError(f"{flag_name(name)}: {quoted(value)} is not a valid {element.__name__}")
     return value
 
 

@@ -8,7 +8,13 @@ example's client (`--partition natural`):
     LEAF's `preprocess.sh -t sample` writes. The data set follows from x: 784 pixel values in
     [0, 1] are FEMNIST (62 classes: digits, upper, lower case), 80-character strings are
     Shakespeare. Parsed once, then cached as arrays keyed on the files' contents
-    (`data.array_cache`, like an image folder).
+    (`data.array_cache`, like an image folder). Checked while read: each file must be a regular
+    file (a FIFO would block the read forever), each listed user must have x and y lists of one
+    length, and every example must be of the training split's kind -- 784 finite pixel values in
+    [0, 1] and a whole-number label in [0, 62), or an 80-character string and a 1-character one;
+    anything else (NaN pixels, a label of 3.7, a 700-value row, strings in the test split of a
+    FEMNIST folder) is a one-line ValueError naming the file, the user, the field and the example,
+    where a silent conversion would have trained on zeros or truncated labels.
   * `femnist`, `shakespeare`: the copies Flower publishes on Hugging Face (flwrlabs/femnist:
     image, writer_id, character; flwrlabs/shakespeare: character_id, x, y), prepared on first use
     through the `datasets` package (the [leaf] extra) into DIR/leaf/NAME (DIR: --data-dir, else
@@ -33,6 +39,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import stat
 from pathlib import Path
 
 import numpy as np
@@ -52,6 +59,7 @@ LAYOUT = 'PATH/{train,test}/*.json of {"users", "num_samples", "user_data"}'
 TRAIN_FRACTION = 0.9
 SPLIT_SEED = 0
 _FORMAT = 1
+_FOLDER_FORMAT = 2  # 2: checked while read (a folder cached by version 1 may hold what the checks refuse)
 _ARRAYS = ("x_train", "y_train", "x_test", "y_test", "train_clients", "test_clients")
 _INDEX = np.full(0x110000, VOCABULARY.index(" "), np.int32)
 _INDEX[[ord(c) for c in VOCABULARY]] = np.arange(len(VOCABULARY), dtype=np.int32)
@@ -87,6 +95,20 @@ def make_dataset(kind: str, name: str, arrays: dict, client_names: tuple[str, ..
                    client_names=tuple(client_names))
 
 
+def _what(value) -> str:
+    """A JSON value described in a few words (never quoted whole: an example is 784 values)."""
+    if isinstance(value, str):
+        return f"a string of {len(value)} character{'' if len(value) == 1 else 's'}"
+    if isinstance(value, list):
+        return f"a list of {len(value)} values"
+    if isinstance(value, dict):
+        return "an object"
+    if value is None or isinstance(value, bool):
+        return json.dumps(value)
+    shown = repr(value)
+    return shown if len(shown) <= 40 else shown[:37] + "..."
+
+
 def _kind_of(x0) -> str:
     if isinstance(x0, str):
         if len(x0) != SEQUENCE:
@@ -95,43 +117,155 @@ def _kind_of(x0) -> str:
     if isinstance(x0, list) and len(x0) == 784:
         return "femnist"
     raise ValueError(f"LEAF examples must be 784 FEMNIST pixels or {SEQUENCE}-character Shakespeare strings, "
-                     f"got {type(x0).__name__} of length {len(x0) if hasattr(x0, '__len__') else '-'}")
+                     f"got {_what(x0)}")
 
 
-def _read_split(root: Path, split: str) -> dict[str, tuple[list, list]]:
+def _is_number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _first_bad_pixel(xs: list) -> str:
+    """What is wrong with the first bad example of `xs` (the slow path, taken once a check has failed)."""
+    for i, row in enumerate(xs):
+        if not isinstance(row, list) or len(row) != 784:
+            mixed = " (the folder's first training example makes it FEMNIST)" if isinstance(row, str) else ""
+            return f"example {i} is {_what(row)}, not a list of 784 pixel values{mixed}"
+        for j, v in enumerate(row):
+            if not (_is_number(v) and 0 <= v <= 1):  # NaN fails both comparisons
+                return f"example {i}, pixel {j} is {_what(v)}; FEMNIST pixels are numbers in [0, 1]"
+    return "not a list of examples of 784 numbers in [0, 1]"
+
+
+def _first_bad_label(ys: list) -> str:
+    classes = len(FEMNIST_CLASSES)
+    for i, v in enumerate(ys):
+        if not (_is_number(v) and 0 <= v < classes and float(v).is_integer()):
+            return f"example {i}'s label is {_what(v)}; FEMNIST labels are whole numbers in [0, {classes})"
+    return f"not a list of whole numbers in [0, {classes})"
+
+
+def _check_femnist(xs: list, ys: list) -> None:
+    """Raises ValueError('field x: ...') for the first example that is not 784 pixels in [0, 1] with a
+    whole-number label in [0, 62); vectorized where every example is good."""
+    if not xs:  # a user without examples in this file
+        return
+    try:
+        x = np.asarray(xs)
+    except ValueError:  # ragged rows
+        x = None
+    if x is None or x.shape != (len(xs), 784) or x.dtype.kind not in "iuf" or not np.all((x >= 0) & (x <= 1)):
+        raise ValueError(f"field x: {_first_bad_pixel(xs)}")
+    try:
+        y = np.asarray(ys)
+    except ValueError:
+        y = None
+    if y is None or y.shape != (len(ys),) or y.dtype.kind not in "iuf" or not np.all(
+            (y >= 0) & (y < len(FEMNIST_CLASSES)) & (np.floor(y) == y)):
+        raise ValueError(f"field y: {_first_bad_label(ys)}")
+
+
+def _check_shakespeare(xs: list, ys: list) -> None:
+    for field, values, length in (("x", xs, SEQUENCE), ("y", ys, 1)):
+        for i, v in enumerate(values):
+            if not isinstance(v, str) or len(v) != length:
+                mixed = " (the folder's first training example makes it Shakespeare)" if isinstance(v, list) else ""
+                raise ValueError(f"field {field}: example {i} is {_what(v)}; Shakespeare's {field} are strings of "
+                                 f"{length} character{'s' if length > 1 else ''}{mixed}")
+
+
+def _user_name(user) -> str:
+    shown = json.dumps(user)
+    return shown if len(shown) <= 60 else shown[:57] + "..."
+
+
+def _split_files(root: Path, split: str) -> list[Path]:
+    """The split's JSON files, each a regular file (reading a FIFO or a device would block or never end)."""
     folder = root / split
     files = sorted(folder.glob("*.json")) if folder.is_dir() else []
     if not files:
         raise FileNotFoundError(f"no LEAF files in {folder}; expected layout {LAYOUT}")
-    users: dict[str, tuple[list, list]] = {}
     for path in files:
         try:
-            content = json.loads(path.read_text())
-            for user in content["users"]:
-                data = content["user_data"][user]
-                xs, ys = users.setdefault(user, ([], []))
-                if len(data["x"]) != len(data["y"]):
-                    raise ValueError(f"user {user!r} has {len(data['x'])} x but {len(data['y'])} y")
-                xs.extend(data["x"])
-                ys.extend(data["y"])
-        except (KeyError, TypeError, ValueError) as err:
-            raise ValueError(f"LEAF file {path} is not {{'users', 'num_samples', 'user_data'}} JSON: {err}") from None
-    return users
+            mode = path.stat().st_mode
+        except OSError as err:
+            raise ValueError(f"LEAF file {path} cannot be read ({err.strerror or err}); expected layout "
+                             f"{LAYOUT}") from None
+        if not stat.S_ISREG(mode):
+            what = ("a FIFO" if stat.S_ISFIFO(mode) else "a folder" if stat.S_ISDIR(mode)
+                    else "a socket" if stat.S_ISSOCK(mode) else "a device")
+            raise ValueError(f"LEAF file {path} is {what}, not a regular file; expected layout {LAYOUT}")
+    return files
+
+
+def _file_users(path: Path) -> list[tuple[str, list, list]]:
+    """(user, x, y) of every user a LEAF file lists, in its order, each user's x and y lists of one length."""
+    try:
+        content = json.loads(path.read_text(encoding="utf-8"))
+    except ValueError as err:  # JSONDecodeError and UnicodeDecodeError
+        raise ValueError(f"LEAF file {path} is not JSON: {' '.join(str(err).split())[:200]}") from None
+    if not (isinstance(content, dict) and isinstance(content.get("users"), list)
+            and isinstance(content.get("user_data"), dict)):
+        raise ValueError(f"LEAF file {path} is not {{'users', 'num_samples', 'user_data'}} JSON: it needs a "
+                         f"'users' list and a 'user_data' object")
+    out = []
+    for user in content["users"]:
+        where = f"LEAF file {path}, user {_user_name(user)}"
+        if not isinstance(user, str):
+            raise ValueError(f"{where}: a user is named by a string, not {_what(user)}")
+        data = content["user_data"].get(user)
+        if not isinstance(data, dict):
+            raise ValueError(f"{where}: user_data holds {'nothing' if data is None else _what(data)} for this "
+                             f"user, where an object of 'x' and 'y' lists is expected")
+        for field in ("x", "y"):
+            if not isinstance(data.get(field), list):
+                raise ValueError(f"{where}, field {field}: "
+                                 f"{'missing' if field not in data else _what(data[field])}, where a list is expected")
+        if len(data["x"]) != len(data["y"]):
+            raise ValueError(f"{where}, fields x and y: {len(data['x'])} examples but {len(data['y'])} labels")
+        out.append((user, data["x"], data["y"]))
+    return out
+
+
+def _read_splits(root: Path, files: dict[str, list[Path]]) -> tuple[str, dict[str, dict[str, tuple[list, list]]]]:
+    """(kind, {split: {user: (x, y)}}): every file's users merged (a user may be spread over files, in
+    file order), every example checked against the kind of the first training example."""
+    chunks = {split: [(path, *u) for path in paths for u in _file_users(path)] for split, paths in files.items()}
+    for split, parts in chunks.items():
+        if not any(xs for _, _, xs, _ in parts):
+            raise ValueError(f"LEAF folder {root}: no {split} examples (every user's x in {root / split}/*.json is "
+                             f"empty)")
+    first = next((path, user, xs[0]) for path, user, xs, _ in chunks["train"] if xs)
+    try:
+        kind = _kind_of(first[2])
+    except ValueError as err:
+        raise ValueError(f"LEAF file {first[0]}, user {_user_name(first[1])}, field x: example 0: {err}") from None
+    check = _check_femnist if kind == "femnist" else _check_shakespeare
+    splits: dict[str, dict[str, tuple[list, list]]] = {}
+    for split, parts in chunks.items():
+        users = splits[split] = {}
+        for path, user, xs, ys in parts:
+            try:
+                check(xs, ys)
+            except ValueError as err:
+                raise ValueError(f"LEAF file {path}, user {_user_name(user)}, {err}") from None
+            merged_x, merged_y = users.setdefault(user, ([], []))
+            merged_x.extend(xs)
+            merged_y.extend(ys)
+    return kind, splits
 
 
 def read_leaf(root: str | os.PathLike, cache_dir: str | os.PathLike | None = None) -> Dataset:
     """A LEAF folder (module docstring): clients are its users in sorted order, each holding its examples
     of both splits (a user of one split only is a client without test or training examples)."""
     root = Path(root).expanduser().resolve()
-    relative = [str(p.relative_to(root)) for split in ("train", "test") for p in sorted((root / split).glob("*.json"))]
-    key = content_key(root, relative, _FORMAT) if relative else None
+    files = {split: _split_files(root, split) for split in ("train", "test")}
+    relative = [str(p.relative_to(root)) for paths in files.values() for p in paths]
+    key = content_key(root, relative, _FOLDER_FORMAT)
     directory = cache_base(cache_dir, "leaf") / f"folder-{key}"
-    cached = load_arrays(directory, key, _FORMAT, _ARRAYS) if key else None
+    cached = load_arrays(directory, key, _FORMAT, _ARRAYS)
     if cached is None:
-        splits = {split: _read_split(root, split) for split in ("train", "test")}
+        kind, splits = _read_splits(root, files)
         names = sorted(set(splits["train"]) | set(splits["test"]))
-        first = next(xs[0] for xs, _ in splits["train"].values() if xs)
-        kind = _kind_of(first)
         arrays, ids = {}, {u: i for i, u in enumerate(names)}
         for split, users in splits.items():
             parts = [examples(kind, xs, ys) for xs, ys in users.values() if xs]

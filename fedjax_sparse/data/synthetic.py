@@ -32,6 +32,12 @@ the previous round computes); the device store materializes all of them once (`m
 The global test set is the union of the test examples of every client when there are at most
 1,000, else of 1,000 clients drawn by the seed ([seed, 4]): a held-out sample of the
 population (those clients' test examples are never trained on, wherever the clients train).
+
+Any finite alpha and beta parse, but the draws scale with them: a beta past about 1e38
+overflows a client's float32 features, and large enough ones overflow the float64 class
+scores that pick its labels (argmaxes of NaN). Each client's examples are checked as they
+are generated, and such a client is a one-line ValueError naming alpha and beta, not a
+training loss of NaN that would blame the learning rate.
 """
 
 from __future__ import annotations
@@ -132,7 +138,16 @@ class Synthetic:
         n = int(self.counts[split][client])
         rng = self._rng(SPLITS[split], client)
         x = v + rng.standard_normal((n, FEATURES)) * _SIGMA_SQRT
-        return x.astype(np.float32), np.argmax(x @ w + b, axis=1).astype(np.int32)
+        with np.errstate(over="ignore", invalid="ignore"):  # overflow is refused below, in one line
+            features, scores = x.astype(np.float32), x @ w + b
+        if not (np.isfinite(features).all() and np.isfinite(scores).all()):
+            what = (f"features reach |x| = {np.abs(x).max():.3g}, past float32's {np.finfo(np.float32).max:.3g}"
+                    if not np.isfinite(features).all() else "class scores x W_k + b_k, which pick its labels, "
+                    "overflow float64")
+            raise ValueError(f"{self.name}: client {client}'s generated {split} {what} (alpha = {self.alpha:g}, "
+                             f"beta = {self.beta:g} draw its model and features); choose smaller ones (the paper's are "
+                             f"0 to 1, e.g. synthetic:1,1)")
+        return features, np.argmax(scores, axis=1).astype(np.int32)
 
     def materialize(self, clients, split: str) -> tuple[np.ndarray, np.ndarray]:
         """The examples of `clients`, client after client (x [n, 60], y [n])."""
