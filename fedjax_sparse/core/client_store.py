@@ -18,7 +18,9 @@ gets a fresh slot (or a freed one) and its old slot is freed once no kept checkp
 refers to it, so the file holds about (clients ever written + K x rounds between
 checkpoints) rows. `snapshot(directory)` flushes the rows (fsync) and writes the slot map
 (the host and device stores write their rows themselves, `core.store_snapshots`);
-`restore(directory)` reads it back.
+`restore(directory)` reads it back. Each snapshot is checksummed (`core.store_snapshots`), and
+the disk store's records a CRC-32 of every row it refers to, so rows damaged in the file since
+are refused rather than restored (`DiskStore`).
 
 `choose_store` is the `auto` rule.
 """
@@ -28,6 +30,7 @@ from __future__ import annotations
 import functools
 import mmap
 import os
+import zlib
 from pathlib import Path
 from typing import Any
 
@@ -39,8 +42,9 @@ import numpy as np
 from fedjax_sparse.core.algorithm import FederatedAlgorithm
 from fedjax_sparse.core.client_rows import RowLayout, SlotMap
 from fedjax_sparse.core.distributed import ProcessLayout
-from fedjax_sparse.core.store_snapshots import (ClientRowsLost, read_rows_snapshot, read_snapshot_meta,
-                                                save_snapshot)
+from fedjax_sparse.core.store_snapshots import (ClientRowsLost, SnapshotError, checkpoint_of, damaged,
+                                                read_rows_snapshot, read_snapshot_meta, save_snapshot,
+                                                verify_snapshot)
 
 tree_map = jax.tree_util.tree_map
 BACKENDS = ("device", "host", "disk")
@@ -143,6 +147,7 @@ class ClientStore:
             if meta[field] != expected[field]:
                 raise ValueError(f"the client-state snapshot in {path} was written for another run "
                                  f"({field}: {meta[field]!r} there, {expected[field]!r} here)")
+        verify_snapshot(path, meta)
         return path, meta
 
 
@@ -319,6 +324,12 @@ class DiskStore(RowStore):
 
     `keep`: how many of the latest snapshots stay restorable (their rows are never
     overwritten); set it to the number of checkpoints the run keeps.
+
+    The rows live outside the checkpoints, so a snapshot records a CRC-32 of each row it refers to,
+    and a restore refuses rows that no longer match. A snapshot checksums only the rows written since
+    the one before (read back from the file, most likely still in the page cache): a row not written
+    since is the same bytes, a slot a kept snapshot refers to being never overwritten. The rounds in
+    between pay nothing but noting which slots they wrote.
     """
 
     backend = "disk"
@@ -333,6 +344,8 @@ class DiskStore(RowStore):
         self.path = self.directory / f"client_rows.{self.process.tag()}.bin"
         self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
         self._stale = True  # rows left by an earlier run: dropped at the first write unless restored
+        self._row_crc = np.zeros(0, np.uint32)  # by slot: the CRC-32 of its row when last snapshotted
+        self._written: set[int] = set()  # slots written since the last snapshot
 
     def close(self) -> None:
         if getattr(self, "_fd", None) is not None:
@@ -359,20 +372,41 @@ class DiskStore(RowStore):
         if self._stale:
             os.ftruncate(self._fd, 0)
             self._stale = False
+            self._row_crc, self._written = np.zeros(0, np.uint32), set()
+        self._written.update(slots.tolist())
         for slot, k in sorted(zip(slots.tolist(), positions.tolist())):
             view, offset = memoryview(np.ascontiguousarray(rows[k])), slot * self.row_bytes
             while len(view):
                 n = os.pwrite(self._fd, view, offset)
                 view, offset = view[n:], offset + n
 
+    def _row_crcs(self, slots: np.ndarray, chunk_bytes: int = 16 << 20) -> np.ndarray:
+        """The CRC-32 of each of these slots' rows in the file, read a chunk of rows at a time."""
+        crcs = np.zeros(len(slots), np.uint32)
+        per_chunk = max(1, chunk_bytes // max(self.row_bytes, 1))
+        for start in range(0, len(slots), per_chunk):
+            part = slots[start:start + per_chunk]
+            rows = np.empty((len(part), self.row_bytes), np.uint8)
+            self._read_rows(part, rows, np.arange(len(part)))
+            crcs[start:start + len(part)] = [zlib.crc32(row) for row in rows]
+        return crcs
+
     def snapshot(self, directory: str | Path) -> Path:
-        """Flushes the rows to disk and writes the slot map, and the slots of the older checkpoints kept
-        (which a restore keeps intact too); the rows themselves stay in the store's file."""
+        """Flushes the rows to disk and writes the slot map, the slots of the older checkpoints kept
+        (which a restore keeps intact too) and the CRC-32 of each row the map refers to; the rows
+        themselves stay in the store's file."""
         os.fsync(self._fd)
         saved = self.slots.commit()
+        self._row_crc = np.pad(self._row_crc, (0, max(0, self.slots.num_slots - len(self._row_crc))))
+        fresh = np.array(sorted(self._written.intersection(saved[saved >= 0].tolist())), np.int64)
+        self._row_crc[fresh] = self._row_crcs(fresh)
+        self._written = set()
+        row_crc = np.zeros(len(saved), np.uint32)  # by local client, as slots.npy
+        row_crc[saved >= 0] = self._row_crc[saved[saved >= 0]]
         return save_snapshot(Path(directory), self._snapshot_name(),
                               {**self._meta(), "rows_file": self.path.name, "num_slots": self.slots.num_slots},
-                              {"slots.npy": saved, "older_slots.npy": self.slots.older_pins()})
+                              {"slots.npy": saved, "older_slots.npy": self.slots.older_pins(),
+                               "row_crc32.npy": row_crc})
 
     def restore(self, directory: str | Path) -> None:
         """From this store's own snapshot (a slot map into its file), or a device or host store's (whose
@@ -393,7 +427,21 @@ class DiskStore(RowStore):
                 f"{meta['num_slots']} rows of {self.row_bytes} bytes its checkpoint refers to (missing or cut "
                 f"short); every checkpoint keeps its client states in that file, so none can be resumed: start "
                 f"the run again with --overwrite")
+        held = slots >= 0
+        # None: a snapshot written before the checksums, whose rows are taken as they are
+        recorded = np.load(path / "row_crc32.npy") if (path / "row_crc32.npy").exists() else None
+        if recorded is not None:
+            bad = np.flatnonzero(held)[self._row_crcs(slots[held]) != recorded[held]]
+            if len(bad):
+                clients = bad * self.process.count + self.process.index
+                shown = ", ".join(map(str, clients[:5])) + (f" and {len(bad) - 5} more" if len(bad) > 5 else "")
+                raise SnapshotError(damaged(f"the rows of client{'s' if len(bad) > 1 else ''} {shown} in the disk "
+                                            f"client store's file {self.path}", checkpoint_of(path)))
         self.slots.load(slots, size // max(self.row_bytes, 1), np.load(path / "older_slots.npy"))
+        self._row_crc = np.zeros(self.slots.num_slots, np.uint32)
+        if recorded is not None:
+            self._row_crc[slots[held]] = recorded[held]
+        self._written = set() if recorded is not None else set(slots[held].tolist())
         self._stale = False
         self.generation += 1
 

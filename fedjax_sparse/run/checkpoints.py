@@ -17,6 +17,16 @@ replicated server state once and every process takes part in each save.
 A save either commits a checkpoint that reads back or raises `CheckpointError`:
 orbax silently skips a step that is not above the latest one on disk, which
 would leave a run believing it had saved.
+
+Every byte a checkpoint covers is checksummed (CRC-32) when it is written and
+checked before it is read: the client-state snapshots and the disk store's rows
+by the store (`core.store_snapshots`), orbax's files by `checksums.json`, which
+process 0 writes into the checkpoint's folder once orbax has committed it. A
+changed byte is refused in one line naming the file and the checkpoint, before
+orbax reads it: orbax restores a flipped byte of an array's data silently, and
+its reads failing on a damaged index spill tracebacks from their threads. A
+checkpoint without `checksums.json` (written before it, or killed in the moment
+between orbax's commit and the file) restores unchecked.
 """
 
 from __future__ import annotations
@@ -28,6 +38,7 @@ import logging
 import os
 import re
 import shutil
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -35,8 +46,9 @@ import jax
 import orbax.checkpoint as ocp
 
 from fedjax_sparse.core.client_store import ClientStore, DeviceStore
-from fedjax_sparse.core.store_snapshots import SnapshotError
+from fedjax_sparse.core.store_snapshots import SnapshotError, damaged, file_crc32
 from fedjax_sparse.run.faults import fault_point
+from fedjax_sparse.run.outputs import replace_atomically
 
 # Config fields a resumed run may change without changing its results. The client store may change
 # (each holds the same states), except that a disk store's checkpoint restores only into the disk
@@ -47,6 +59,7 @@ RESUMABLE_CHANGES = ("rounds", "out", "checkpoint_every", "compilation_cache", "
 ASYNC_TIMEOUT_S = 60  # orbax's waits on its background save (its default: 20 minutes)
 KEEP = 2  # checkpoints kept; the disk client store never overwrites the rows they refer to
 CLIENT_STATES = "client_states"  # the checkpoint's item holding the client-state snapshots
+CHECKSUMS = "checksums.json"  # in a checkpoint's folder: the CRC-32 of each of orbax's files there
 
 
 class ClientStatesHandler(ocp.CheckpointHandler):
@@ -103,6 +116,12 @@ def io_reason(err: BaseException) -> str:
     return " ".join(str(err).split())[:300]
 
 
+def _orbax_files(step: Path) -> list[Path]:
+    """The files orbax wrote for a checkpoint (the client-state snapshots carry their own checksums)."""
+    return sorted(f for f in step.rglob("*") if f.is_file() and f.name != CHECKSUMS
+                  and f.relative_to(step).parts[0] != CLIENT_STATES)
+
+
 @contextlib.contextmanager
 def _quiet_orbax():
     """Orbax logs each failure of its background threads with a traceback; the run reports it once."""
@@ -113,6 +132,25 @@ def _quiet_orbax():
         yield
     finally:
         logger.setLevel(level)
+
+
+@contextlib.contextmanager
+def _orbax_reading():
+    """Orbax's reads, quiet (`_quiet_orbax`). When one fails, tensorstore's reads still in flight
+    complete into the event loop orbax has closed, each printing 'RuntimeError: Event loop is
+    closed' as unraisable: up to a hundred lines around the run's one-line error, while orbax
+    unwinds and after. Those are dropped from the start of the reads, and for good after a failure;
+    anything else still reaches the hook before."""
+    previous = sys.unraisablehook
+
+    def hook(unraisable):
+        if not (isinstance(unraisable.exc_value, RuntimeError) and str(unraisable.exc_value) == "Event loop is closed"):
+            previous(unraisable)
+
+    sys.unraisablehook = hook
+    with _quiet_orbax():
+        yield
+    sys.unraisablehook = previous  # not reached when the reads failed
 
 
 class RunCheckpointer:
@@ -131,6 +169,7 @@ class RunCheckpointer:
                                                async_options=ocp.AsyncOptions(timeout_secs=ASYNC_TIMEOUT_S))
         with _quiet_orbax():
             self._manager = ocp.CheckpointManager(self.directory, options=options)
+        self._verified: set[int] = set()  # checkpoints whose files matched their checksums
 
     def _probe(self, rounds_done: int) -> None:
         probe = self.directory / f".write-probe-{os.getpid()}"
@@ -171,13 +210,50 @@ class RunCheckpointer:
             raise CheckpointError(f"cannot save the checkpoint of round {rounds_done} in {self.directory}: it "
                                   f"already holds one of round {latest}, from another run or an earlier "
                                   f"attempt; start again with --overwrite or choose a new --out")
-        self._manager.reload()
         path = self.directory / str(rounds_done)
+        if jax.process_index() == 0:
+            self._write_checksums(path)
+        self._verified.add(rounds_done)  # its checksums were just taken from its files
+        with _quiet_orbax():  # it logs a damaged _CHECKPOINT_METADATA (timestamps only) of any checkpoint kept
+            self._manager.reload()
         if self.latest_round() != rounds_done or self.read_meta() != json.loads(json.dumps(meta)):
             raise CheckpointError(f"the checkpoint of round {rounds_done} in {path} did not read back as "
                                   f"written; check the disk (space, permissions) and resume from the one "
                                   f"before with --resume {self.run_dir}")
         return path
+
+    def _write_checksums(self, step: Path) -> None:
+        text = json.dumps({str(f.relative_to(step)): file_crc32(f) for f in _orbax_files(step)}, indent=0)
+
+        def write(tmp: Path) -> None:
+            with open(tmp, "w") as f:
+                f.write(text)
+                f.flush()
+                os.fsync(f.fileno())
+
+        replace_atomically(step / CHECKSUMS, write)
+
+    def _verify(self, rounds_done: int) -> None:
+        """Refuses the checkpoint of `rounds_done` if a file orbax wrote differs from its checksum."""
+        step = self.directory / str(rounds_done)
+        checksums = step / CHECKSUMS
+        if rounds_done in self._verified or not checksums.exists():
+            return
+        try:
+            recorded = json.loads(checksums.read_text())
+            if not isinstance(recorded, dict) or not all(isinstance(c, int) for c in recorded.values()):
+                raise ValueError("it holds no file checksums")
+        except (ValueError, UnicodeDecodeError) as err:
+            raise CheckpointError(f"the checksums of the checkpoint {step}, {checksums}, cannot be read "
+                                  f"({' '.join(str(err).split())[:200]}); delete {step} to resume from the "
+                                  f"checkpoint before, or start again with --overwrite") from None
+        for name, crc in recorded.items():
+            if not (step / name).is_file():
+                raise CheckpointError(f"{step / name} is missing from the checkpoint {step}; delete {step} to "
+                                      f"resume from the checkpoint before, or start again with --overwrite")
+            if file_crc32(step / name) != crc:
+                raise CheckpointError(damaged(f"the bytes of {step / name}", step))
+        self._verified.add(rounds_done)
 
     def latest_round(self) -> int | None:
         return self._manager.latest_step()
@@ -203,6 +279,7 @@ class RunCheckpointer:
         if rounds_done is None:
             raise FileNotFoundError(f"no checkpoint under {self.directory}; run with --checkpoint-every "
                                     f"to make one")
+        self._verify(rounds_done)
         like = {"server_state": server_like}
         items = {CLIENT_STATES: ClientStatesRestore(store)}
         if self.client_states_dir() is None:  # saved before the client stores: client states beside the server's
@@ -213,8 +290,9 @@ class RunCheckpointer:
             like["client_states"], items = store.states, {}
         abstract = jax.tree_util.tree_map(ocp.utils.to_shape_dtype_struct, like)
         try:
-            restored = self._manager.restore(rounds_done, args=ocp.args.Composite(
-                state=ocp.args.StandardRestore(abstract), meta=ocp.args.JsonRestore(), **items))
+            with _orbax_reading():
+                restored = self._manager.restore(rounds_done, args=ocp.args.Composite(
+                    state=ocp.args.StandardRestore(abstract), meta=ocp.args.JsonRestore(), **items))
         except Exception as err:  # orbax raises many kinds; each means this folder cannot be used
             cause = err
             while cause is not None and not isinstance(cause, SnapshotError):  # orbax may wrap the store's
@@ -230,8 +308,10 @@ class RunCheckpointer:
         rounds_done = self.latest_round()
         if rounds_done is None:
             return None
+        self._verify(rounds_done)
         try:
-            meta = self._manager.restore(rounds_done, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+            with _orbax_reading():
+                meta = self._manager.restore(rounds_done, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
         except Exception as err:
             raise self._unreadable(rounds_done, err) from err
         if not isinstance(meta, dict) or not isinstance(meta.get("config"), dict) or "counters" not in meta:
