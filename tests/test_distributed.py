@@ -165,8 +165,8 @@ def test_only_process_0_writes_the_run_files(cli_runs):
     _, two, first, resumed = cli_runs
     events = sorted(p.name for p in two.glob("events.out.tfevents.*"))
     assert sorted(p.name for p in two.iterdir()) == sorted(
-        [".lock", "accuracy.png", "checkpoints", "client_store", "config.json", "metrics.jsonl", "partition.json",
-         "summary.json", *events]) and len(events) == 2
+        [".lock", "accuracy.png", "checkpoints", "client_store", "config.json", "fedjax_sparse_files.json",
+         "metrics.jsonl", "partition.json", "summary.json", *events]) and len(events) == 2
     for launch in (first, resumed):
         assert "done: " in launch[0][1] and "done: " not in launch[1][1]
     for i in range(2):

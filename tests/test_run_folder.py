@@ -207,10 +207,11 @@ def test_a_rerun_into_a_finished_folder_is_refused_and_overwrite_starts_afresh(p
     before = {p.name: p.read_bytes() for p in run.iterdir() if p.is_file()}
     code, err = cli(capsys, *ARGS, "--rounds", "3", "--out", str(run))
     assert code == 2
-    assert err.strip() == (f"fedjax-sparse: error: --out {run} already holds another run's files (config.json, "
-                           f"metrics.jsonl, partition.json, summary.json, accuracy.png, checkpoints, client_store, 1 "
-                           f"TensorBoard event file); continue that run with --resume {run}, choose a new --out, or "
-                           f"pass --overwrite to delete them first")
+    events = next(run.glob("events.out.tfevents.*")).name
+    assert err.strip() == (f"fedjax-sparse: error: --out {run} holds the files of an earlier run (config.json, "
+                           f"metrics.jsonl, partition.json, summary.json, accuracy.png, checkpoints, client_store, "
+                           f"{events}); continue that run with --resume {run}, choose a new --out, or pass "
+                           f"--overwrite to delete them first")
     assert {p.name: p.read_bytes() for p in run.iterdir() if p.is_file()} == before
     assert checkpoint_rounds(run) == [2, 4]
 

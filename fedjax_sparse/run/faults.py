@@ -12,7 +12,8 @@ reaches `point` do `action`:
 Points: `start_up` (the run folder locked, the data not loaded yet), `round_end` (a round done, its
 metrics written and any checkpoint due saved), `checkpoint_write` (a checkpoint's files being written
 in the background, not yet committed), `metrics_write` (half of a metrics line written and flushed),
-`write:NAME` (the run is about to write its file NAME, or, for `write:checkpoints`, a checkpoint).
+`write:NAME` (the run is about to write its file NAME, or, for `write:checkpoints`, a checkpoint, for
+`write:events.out.tfevents`, its TensorBoard event file).
 Without the variable nothing happens.
 """
 

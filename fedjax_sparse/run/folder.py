@@ -4,8 +4,13 @@
   second process into the same folder fails at once, naming the holder's pid (kept in RUN_DIR/.lock).
   The kernel drops the lock when its process dies, kill -9 included, so a crashed run never leaves a
   stale lock; and since the lock is the folder's, deleting .lock by hand cannot let a second run in.
-* `claim_run_folder` refuses a new run in a folder holding another run's files (`RUN_FILES`) unless
-  told to clear them first (--overwrite).
+* `RunManifest` records, in RUN_DIR/fedjax_sparse_files.json, the name of every file the run writes
+  there, before it is first written: what this library provably wrote (a kill between the record and
+  the write leaves a name recorded and no file, never a file unrecorded).
+* `claim_run_folder` refuses a new run in a folder holding a run's files (`RUN_FILES`, TensorBoard
+  event files) unless told to delete them first (--overwrite), which deletes only what the manifest
+  records; a file of those names that it does not record (the user's own) is refused in one line
+  naming it, --overwrite or not.
 * `recover_metrics` and `read_saved_config` read what a kill may have cut short: a torn last
   metrics line is dropped (the checkpoint decides which rounds stand, and restores those it covers:
   `run.resume`), an unusable config.json is replaced by the config saved with the checkpoint. Every
@@ -22,11 +27,16 @@ import shutil
 from pathlib import Path
 from typing import Callable, Iterator
 
+from fedjax_sparse.run.outputs import dumps, replace_atomically
+
 LOCK_FILE = ".lock"
 # "client_store": the disk client store's rows (`core.client_store.DiskStore`), part of the run's state
 RUN_FILES = ("config.json", "metrics.jsonl", "partition.json", "summary.json", "accuracy.png", "checkpoints",
              "client_store")
 TENSORBOARD_EVENTS = "events.out.tfevents.*"  # `run.tensorboard.TensorBoardWriter`'s files
+# Visible, not hidden: it is the run's own account of the folder, and a user clearing a folder by hand
+# should see it go with the rest.
+MANIFEST = "fedjax_sparse_files.json"
 
 
 class RunFolderError(ValueError):
@@ -63,34 +73,82 @@ def hold_run_folder(out: str | Path) -> Iterator[Path]:
 
 
 def run_files(out: str | Path) -> list[str]:
-    """The files of a run (`RUN_FILES`, and its TensorBoard event files) present in `out`."""
+    """The files of a run (`RUN_FILES`, and its TensorBoard event files) present in `out`, whoever wrote them."""
     out = Path(out)
     events = sorted(p.name for p in out.glob(TENSORBOARD_EVENTS)) if out.is_dir() else []
-    return [name for name in RUN_FILES if (out / name).exists()] + events
+    return [name for name in RUN_FILES if os.path.lexists(out / name)] + events
+
+
+def recorded_files(out: str | Path) -> tuple[set[str], str | None]:
+    """The names `out`'s manifest records, and, where it records none, why (in words)."""
+    path = Path(out) / MANIFEST
+    try:
+        values = json.loads(path.read_text())
+    except FileNotFoundError:
+        return set(), f"there is no {path}"
+    except (OSError, ValueError) as err:  # json.JSONDecodeError and UnicodeDecodeError are ValueErrors
+        return set(), f"{path} cannot be read ({' '.join(str(err).split())[:200]})"
+    names = values.get("files") if isinstance(values, dict) else None
+    if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+        return set(), f"{path} is not a list of files"
+    return set(names), None
+
+
+class RunManifest:
+    """The names of the files this library wrote in a run folder (`MANIFEST`), kept with the folder.
+
+    `record(name)` adds a name before its file is first written, replacing the manifest atomically,
+    so whatever a kill leaves, every run file in the folder is recorded. A resumed run records into
+    its folder's manifest (and starts one in a folder from before manifests, vouching then only for
+    what it writes itself). Only the process writing the run's files records.
+    """
+
+    def __init__(self, out: str | Path):
+        self.out = Path(out)
+        names, _ = recorded_files(self.out)
+        self.names = sorted(names)
+
+    def record(self, *names: str) -> None:
+        new = [name for name in names if name not in self.names]
+        if not new:
+            return
+        self.names = sorted([*self.names, *new])
+        text = dumps({"written_by": "fedjax-sparse", "files": self.names}, indent=2) + "\n"
+        replace_atomically(self.out / MANIFEST, lambda tmp: tmp.write_text(text))
+
+
+def _listed(names: list[str]) -> str:
+    events = [name for name in names if name not in RUN_FILES]
+    return ", ".join([name for name in names if name in RUN_FILES] + (
+        [f"{len(events)} TensorBoard event file{'s' if len(events) > 1 else ''}"] if len(events) > 1 else events))
 
 
 def claim_run_folder(out: str | Path, overwrite: bool) -> None:
-    """Makes `out` a new run's folder: refused when another run's files are there, unless `overwrite`
-    (which deletes those files, and only those)."""
+    """Makes `out` a new run's folder: refused when a run's files are there, unless `overwrite` (which
+    deletes them, and only them, and the manifest recording them); refused in any case when a file of
+    a run's name is there that the manifest does not record (the user's own), naming it."""
     out = Path(out)
     present = run_files(out)
     if not present:
         return
+    recorded, why = recorded_files(out)
+    foreign = [name for name in present if name not in recorded]
+    if foreign:
+        raise RunFolderError(f"--out {out} holds {_listed(foreign)}, which fedjax-sparse has no record of writing "
+                             f"({why or f'{out / MANIFEST} does not list them'}): "
+                             + ("--overwrite deletes only what it wrote; " if overwrite else "")
+                             + f"move them out of {out}, or choose another --out")
     if not overwrite:
-        events = [name for name in present if name not in RUN_FILES]
-        shown = [name for name in present if name in RUN_FILES] + ([f"{len(events)} TensorBoard event file"
-                                                                    f"{'s' if len(events) > 1 else ''}"]
-                                                                   if events else [])
-        raise RunFolderError(f"--out {out} already holds another run's files ({', '.join(shown)}); continue "
-                             f"that run with --resume {out}, choose a new --out, or pass --overwrite to "
-                             f"delete them first")
-    for name in present:
+        raise RunFolderError(f"--out {out} holds the files of an earlier run ({_listed(present)}); continue that "
+                             f"run with --resume {out}, choose a new --out, or pass --overwrite to delete them "
+                             f"first")
+    for name in [*present, MANIFEST]:  # the manifest last: what could not be deleted stays recorded
         path = out / name
         try:
             if path.is_dir() and not path.is_symlink():
                 shutil.rmtree(path)
             else:  # a file, or a link (to a folder too): the link goes, never what it points to
-                path.unlink()
+                path.unlink(missing_ok=True)
         except OSError as err:
             raise RunFolderError(f"--overwrite cannot delete {path} ({err.strerror}); delete it by hand or "
                                  f"choose a new --out") from None
@@ -164,6 +222,12 @@ def read_saved_config(run_dir: Path, usable: Callable[[dict], object], checkpoin
         if not path.exists() and not run_files(run_dir):
             raise RunFolderError(f"--resume {run_dir}: no run there (no config.json, no checkpoints); give the "
                                  f"folder of a run, or start one with --out {run_dir}")
+        recorded, why = recorded_files(run_dir)
+        foreign = [name for name in run_files(run_dir) if name not in recorded]
+        if foreign:  # not (provably) a run's folder: --overwrite would refuse it too
+            raise RunFolderError(f"--resume {run_dir}: {path} {problem}, there is no checkpoint to take the "
+                                 f"config from, and fedjax-sparse has no record of writing {_listed(foreign)} ("
+                                 f"{why or f'{run_dir / MANIFEST} does not list them'}); give the folder of a run")
         raise RunFolderError(f"--resume {run_dir}: {path} {problem} and there is no checkpoint to take the "
                              f"config from; start the run again with --overwrite")
     warn(f"{path} {problem}; using the config saved with the checkpoint")

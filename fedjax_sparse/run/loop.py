@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 import math
 import signal
 import time
@@ -28,7 +29,8 @@ from fedjax_sparse.run.checkpoints import CheckpointError, RunCheckpointer, io_r
 from fedjax_sparse.run.config import RunConfig
 from fedjax_sparse.run.experiment import Experiment, build_experiment, load_run_dataset, use_compilation_cache
 from fedjax_sparse.run.faults import fault_point
-from fedjax_sparse.run.folder import SHARED_CHECK, RunFolderError, claim_run_folder, hold_run_folder, shared_folder_problem
+from fedjax_sparse.run.folder import (SHARED_CHECK, RunFolderError, RunManifest, claim_run_folder, hold_run_folder,
+                                      shared_folder_problem)
 from fedjax_sparse.run.outputs import RunWriteError, RunWriter, device_description, progress_bar
 from fedjax_sparse.run.resume import check_resume, restore
 from fedjax_sparse.run.signals import StopAfterRound
@@ -124,8 +126,10 @@ def run_experiment(config: RunConfig, *, progress: bool = True, resume: bool = F
                    overwrite: bool = False, allow_data_change: bool = False) -> dict:
     """Runs `config` and writes config.json, metrics.jsonl, partition.json, summary.json and a plot.
 
-    The run holds its folder's lock throughout (`run.folder.hold_run_folder`). A new run refuses a
-    folder holding another run's files unless `overwrite` (which deletes them first); `resume=True`
+    The run holds its folder's lock throughout (`run.folder.hold_run_folder`) and records each file it
+    writes there before writing it (`run.folder.RunManifest`). A new run refuses a folder holding an
+    earlier run's files unless `overwrite` (which deletes them first, only those recorded), and files
+    of a run's names that no record vouches for in any case (`run.folder.claim_run_folder`); `resume=True`
     continues the run in `config.out` from its latest checkpoint, refusing one made with a config
     that would change the results, or `config.rounds` below the rounds done. With
     `config.checkpoint_every` the whole run state is saved every so many rounds and at the end, with
@@ -135,7 +139,10 @@ def run_experiment(config: RunConfig, *, progress: bool = True, resume: bool = F
     `Interrupted` after writing summary.json with status "interrupted". A non-finite loss or model
     stops the run with `DivergenceError` after writing what was measured so far. A file or checkpoint
     that cannot be written stops it with `RunFailed` (one line: the path and the OS's reason) after
-    writing summary.json with status "failed" where it still can; earlier checkpoints stay intact.
+    writing summary.json with status "failed" where it still can (the metrics file, the TensorBoard
+    events and the summary are written apart, so either's failure still reaches the summary); earlier
+    checkpoints stay intact. A refusal, or data that cannot be loaded, leave a new run's folder holding
+    its lock alone (no summary), so the same command may simply be run again.
 
     Several processes (`core.distributed.initialize` first): every process calls this with the
     same config. Process 0 alone holds the lock, claims the folder and writes the run's files;
@@ -151,7 +158,7 @@ def run_experiment(config: RunConfig, *, progress: bool = True, resume: bool = F
     process = current_process()
     lead = process.index == 0
     with hold_run_folder(out) if lead else contextlib.nullcontext(out):
-        failure, snapshot, dataset, counters = None, None, None, Counters()
+        failure, snapshot, dataset, counters, manifest = None, None, None, Counters(), None
         try:  # the folder made this run's (by process 0) before any process writes into it
             if lead and not resume:
                 claim_run_folder(out, overwrite)
@@ -159,7 +166,13 @@ def run_experiment(config: RunConfig, *, progress: bool = True, resume: bool = F
             if resume:
                 snapshot = check_resume(config, out, process)
             if lead:  # first, so that a data set prepared on first use is prepared once
-                dataset = load_run_dataset(config, progress)
+                with _logged_only_if_it_works("absl"):
+                    dataset = load_run_dataset(config, progress)
+                # A new run stopped before here has written nothing but the lock (the same command may simply
+                # be run again). From here on each run file is recorded before any process may write it: the
+                # client stores are built next, the checkpoints come with any signal.
+                manifest = RunManifest(out)
+                manifest.record("checkpoints", *(["client_store"] if config.client_store in ("disk", "auto") else []))
         except Exception as e:  # noqa: BLE001 - raised below, in every process
             failure = e
         agree(failure, "preparing the run folder")
@@ -179,7 +192,7 @@ def run_experiment(config: RunConfig, *, progress: bool = True, resume: bool = F
                 counters = Counters(**meta["counters"])
             with StopAfterRound(first_round=counters.rounds_done + 1, last_round=config.rounds) as stop:
                 return _run_rounds(exp, config, out, counters, records, server_state, stop,
-                                   progress and lead, start)
+                                   progress and lead, start, manifest)
         finally:
             exp.close()
 
@@ -230,10 +243,43 @@ def _one_line(err: BaseException) -> str:
     return f"cannot write the run's files in the run folder: {io_reason(err)}"
 
 
+@contextlib.contextmanager
+def _logged_only_if_it_works(logger_name: str):
+    """Holds back what `logger_name` logs in the block and logs it after, unless the block raises:
+    then its error is the one line the user sees (TFDS logs through absl on its way to failing,
+    e.g. "Variant folder ... has no dataset_info.json" for a data set that is not prepared)."""
+    logger, held = logging.getLogger(logger_name), []
+
+    class Hold(logging.Handler):
+        def emit(self, record):
+            held.append(record)
+
+    hold, propagate = Hold(), logger.propagate
+    logger.addHandler(hold)
+    logger.propagate = False
+    try:
+        yield
+    finally:
+        logger.removeHandler(hold)
+        logger.propagate = propagate
+    for record in held:  # reached only when the block did not raise
+        logger.handle(record)
+
+
+def _name_store_file(err: OSError, exp: Experiment) -> None:
+    """Makes `err` name the disk client store's rows file, the one file a round reads and writes, where
+    the OS gave no name (pwrite on a full disk)."""
+    path = getattr(exp.store, "path", None)
+    if err.filename is None and path is not None:
+        err.filename = str(path)
+
+
 def _run_rounds(exp: Experiment, config: RunConfig, out: Path, counters: Counters, history: list,
-                server_state, stop: StopAfterRound, progress: bool, start: float) -> dict:
+                server_state, stop: StopAfterRound, progress: bool, start: float,
+                manifest: RunManifest | None) -> dict:
     """The rounds of `run_experiment` from `counters.rounds_done` on, and the files they leave
-    (process 0's; every process runs the rounds, evaluations and checkpoints)."""
+    (process 0's, whose `manifest` records them; every process runs the rounds, evaluations and
+    checkpoints)."""
     lead = exp.process.index == 0
     title = f"{config.algorithm} / {config.model} / {config.dataset}"
     checkpointer = None
@@ -256,9 +302,11 @@ def _run_rounds(exp: Experiment, config: RunConfig, out: Path, counters: Counter
         return saved[counters.rounds_done]
 
     def finish(status: str, **extra) -> dict:
+        nonlocal board
         bar.close()
         if board is not None:
-            board.close()
+            board, closing = None, board
+            closing.close()
         stopped = {"last_checkpoint": max(saved)} if saved and status != "completed" else {}  # where to resume
         first_round_seconds = round_seconds[0] if round_seconds else None
         summary = {**_summary(exp, history, _totals(counters), first_round_seconds, time.perf_counter() - start),
@@ -270,6 +318,11 @@ def _run_rounds(exp: Experiment, config: RunConfig, out: Path, counters: Counter
         return summary
 
     def failed(error: RunFailed) -> RunFailed:
+        nonlocal board
+        if board is not None:  # (its own failure may be the one reported)
+            board, closing = None, board
+            with contextlib.suppress(RunWriteError):
+                closing.close()
         try:  # the summary says so, where it still can be written
             finish("failed", error=str(error))
         except (RunWriteError, OSError):
@@ -282,10 +335,12 @@ def _run_rounds(exp: Experiment, config: RunConfig, out: Path, counters: Counter
 
     try:
         if lead:
-            writer = RunWriter(out, history)
+            writer = RunWriter(out, manifest)
+            writer.start_metrics(history)
             writer.write_config(config.to_dict())
             writer.write_partition(exp.federation.summary())
-            board = TensorBoardWriter(out, first_round=counters.rounds_done + 1) if config.tensorboard else None
+            if config.tensorboard:
+                board = TensorBoardWriter(out, first_round=counters.rounds_done + 1, manifest=manifest)
         counts = exp.train_counts
         dense_forward = forward_flops(exp.model.structure)
         start_round = counters.rounds_done
@@ -297,7 +352,11 @@ def _run_rounds(exp: Experiment, config: RunConfig, out: Path, counters: Counter
         for r in range(counters.rounds_done, config.rounds):
             stop.round, stop.waiting_for = r + 1, f"round {r + 1} to finish"
             t0 = time.perf_counter()
-            server_state, round_out = exp.round_fn(server_state, r, prefetch_next=r + 1 < config.rounds)
+            try:
+                server_state, round_out = exp.round_fn(server_state, r, prefetch_next=r + 1 < config.rounds)
+            except OSError as err:
+                _name_store_file(err, exp)
+                raise
             ids = np.asarray(round_out.client_ids)
             train_loss = float(np.average(np.asarray(round_out.metrics["loss"]), weights=counts[ids]))
             round_seconds.append(time.perf_counter() - t0)

@@ -9,11 +9,14 @@ import os
 import platform
 import sys
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import jax
 
 from fedjax_sparse.run.faults import fault_point
+
+if TYPE_CHECKING:
+    from fedjax_sparse.run.folder import RunManifest
 
 
 def device_description() -> str:
@@ -55,10 +58,11 @@ class RunWriteError(RuntimeError):
 
 
 @contextlib.contextmanager
-def writing(path: Path):
-    """Turns an OSError while writing `path` into one RunWriteError naming it and the OS's reason."""
+def writing(path: Path, point: str | None = None):
+    """Turns an OSError while writing `path` into one RunWriteError naming it and the OS's reason.
+    `point`: the fault point's name (`run.faults`, `write:POINT`) where it is not the file's name."""
     try:
-        fault_point(f"write:{path.name}")
+        fault_point(f"write:{point or path.name}")
         yield
     except OSError as err:
         reason = f"{err.strerror} [errno {err.errno}]" if err.errno else " ".join(str(err).split())
@@ -81,23 +85,29 @@ def replace_atomically(path: Path, write: Callable[[Path], None]) -> None:
 class RunWriter:
     """Writes a run's files into one directory, metrics line by line as they come.
 
-    The metrics file starts with `records` (a resumed run's rounds that its checkpoint covers).
-    Every file but the metrics is replaced atomically; each metrics line is flushed to the disk
-    (fsync) before the run goes on, so a round whose record was written survives a crash of the
-    machine. A failed write is one `RunWriteError`.
+    The metrics file starts with `start_metrics(records)` (a resumed run's rounds that its
+    checkpoint covers); the other files are independent of it, so a run whose metrics cannot be
+    written still says so in its summary. Every file but the metrics is replaced atomically; each
+    metrics line is flushed to the disk (fsync) before the run goes on, so a round whose record was
+    written survives a crash of the machine. Each file's name goes to the folder's `manifest` before
+    the file is first written. A failed write is one `RunWriteError` naming the file.
     """
 
-    def __init__(self, out: Path, records: Sequence[dict] = ()):
-        self.out = Path(out)
-        with writing(self.out):
-            self.out.mkdir(parents=True, exist_ok=True)
+    def __init__(self, out: Path, manifest: "RunManifest"):
+        self.out, self.manifest = Path(out), manifest
         self.metrics_path = self.out / "metrics.jsonl"
+
+    def _replace(self, name: str, write: Callable[[Path], None]) -> None:
+        self.manifest.record(name)
+        replace_atomically(self.out / name, write)
+
+    def start_metrics(self, records: Sequence[dict] = ()) -> None:
         text = "".join(dumps(r) + "\n" for r in records)
-        replace_atomically(self.metrics_path, lambda tmp: tmp.write_text(text))
+        self._replace(self.metrics_path.name, lambda tmp: tmp.write_text(text))
 
     def _json(self, name: str, obj) -> None:
         text = dumps(obj, indent=2) + "\n"
-        replace_atomically(self.out / name, lambda tmp: tmp.write_text(text))
+        self._replace(name, lambda tmp: tmp.write_text(text))
 
     def write_config(self, config: dict) -> None:
         self._json("config.json", config)
@@ -120,9 +130,8 @@ class RunWriter:
             os.fsync(f.fileno())
 
     def plot(self, history: list[dict], title: str) -> Path:
-        path = self.out / "accuracy.png"
-        replace_atomically(path, lambda tmp: plot_accuracy({"run": history}, tmp, title))
-        return path
+        self._replace("accuracy.png", lambda tmp: plot_accuracy({"run": history}, tmp, title))
+        return self.out / "accuracy.png"
 
 
 def plot_accuracy(histories: dict[str, list[dict]], path: Path, title: str,

@@ -1,17 +1,36 @@
-"""A run's per-round figures as TensorBoard event files (written by tensorboardX, read by TensorBoard).
+"""A run's per-round figures as TensorBoard event files (read by TensorBoard; tensorboardX's protocol buffers).
 
 The event files lie in the run folder itself, so `tensorboard --logdir runs`
 shows every run under `runs/` by its folder name. Each number of a metrics
 record becomes a scalar at step = the record's round; a dict of numbers
 (e.g. SpaFL's `density_per_layer`) becomes one scalar per key under the
 dict's name; lists and missing values (`None`) are left out.
+
+The events are written here, in the run's own thread, not by tensorboardX's
+`SummaryWriter`: that one writes from a background thread and an exit hook, so
+a full disk or a file-size limit gave two tracebacks, no file named and no
+summary; and it logs a warning for every NaN, which a diverged run has. Here
+each round's events are written and flushed to the disk before the run goes on,
+and a failed write is one `RunWriteError` naming the file, as for every file
+of the run.
 """
 
 from __future__ import annotations
 
+import os
+import socket
+import struct
+import time
 from numbers import Real
 from pathlib import Path
-from typing import Iterator
+from typing import TYPE_CHECKING, Iterator
+
+from fedjax_sparse.run.outputs import writing
+
+if TYPE_CHECKING:
+    from fedjax_sparse.run.folder import RunManifest
+
+FAULT_POINT = "events.out.tfevents"  # `run.faults`: write:events.out.tfevents fails this writer's writes
 
 
 def scalars(record: dict, prefix: str = "") -> Iterator[tuple[str, float]]:
@@ -25,27 +44,73 @@ def scalars(record: dict, prefix: str = "") -> Iterator[tuple[str, float]]:
 
 
 class TensorBoardWriter:
-    """Appends each round's metrics record to the run's TensorBoard event files.
+    """Appends each round's metrics record to a new event file of the run folder `out`.
 
     `first_round` is the first round this process will write (a resumed run's
     rounds_done + 1): events a previous process wrote for that round or later
-    are discarded by TensorBoard (tensorboardX's `purge_step`), so a resumed
-    run shows each round once.
+    are discarded by TensorBoard (a session-start event at that step, what
+    tensorboardX's `purge_step` writes), so a resumed run shows each round once.
+    The file's name goes to `manifest` before the file is made.
     """
 
-    def __init__(self, out: str | Path, first_round: int = 1):
-        from tensorboardX import SummaryWriter
+    def __init__(self, out: str | Path, first_round: int = 1, manifest: "RunManifest | None" = None):
+        from tensorboardX.proto.event_pb2 import Event, SessionLog
+        from tensorboardX.proto.summary_pb2 import Summary
 
-        # The suffix orders the files of one run chronologically also when two processes start within
-        # the same second (the files' names carry the time in seconds), and keeps them apart.
-        self._writer = SummaryWriter(logdir=str(out), purge_step=first_round if first_round > 1 else None,
-                                     filename_suffix=f".from_round_{first_round:06d}")
+        self._event, self._summary = Event, Summary
+        # The time (in seconds) orders a run's files; the suffix orders and keeps apart two processes'
+        # that start within the same second. TensorBoard reads every file whose name holds "tfevents".
+        self.path = Path(out) / (f"events.out.tfevents.{int(time.time()):010d}.{socket.gethostname()}"
+                                 f".from_round_{first_round:06d}")
+        if manifest is not None:
+            manifest.record(self.path.name)
+        self._file = None
+        with writing(self.path, FAULT_POINT):
+            self._file = open(self.path, "wb")
+        first = [Event(wall_time=time.time(), file_version="brain.Event:2")]
+        if first_round > 1:
+            first.append(Event(wall_time=time.time(), step=first_round,
+                               session_log=SessionLog(status=SessionLog.START)))
+        self._append(first)
+
+    def _append(self, events) -> None:
+        if self._file is None:  # a write failed before: the run is ending
+            return
+        with writing(self.path, FAULT_POINT):
+            try:
+                for event in events:
+                    self._file.write(_record(event.SerializeToString()))
+                self._file.flush()
+                os.fsync(self._file.fileno())
+            except OSError:
+                self._abandon()
+                raise
+
+    def _abandon(self) -> None:
+        """Closes the file after a failed write without trying its buffer again (each try would fail
+        anew, the last at the interpreter's exit)."""
+        file, self._file = self._file, None
+        try:
+            file.close()
+        except OSError:
+            pass  # the buffer is dropped; the write's own error is the one reported
 
     def write(self, record: dict) -> None:
-        step = int(record["round"])
-        for tag, value in scalars({k: v for k, v in record.items() if k != "round"}):
-            self._writer.add_scalar(tag, value, step)
-        self._writer.flush()
+        values = [self._summary.Value(tag=tag, simple_value=value)
+                  for tag, value in scalars({k: v for k, v in record.items() if k != "round"})]
+        self._append([self._event(wall_time=time.time(), step=int(record["round"]),
+                                  summary=self._summary(value=values))])
 
     def close(self) -> None:
-        self._writer.close()
+        if self._file is not None:
+            with writing(self.path, FAULT_POINT):
+                file, self._file = self._file, None
+                file.close()
+
+
+def _record(data: bytes) -> bytes:
+    """`data` framed as one TFRecord: its length, the length's masked CRC-32C, the data, its masked CRC-32C."""
+    from tensorboardX.record_writer import masked_crc32c
+
+    length = struct.pack("<Q", len(data))
+    return length + struct.pack("<I", masked_crc32c(length)) + data + struct.pack("<I", masked_crc32c(data))
