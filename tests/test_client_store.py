@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from fedjax_sparse.algorithms import fedavg, make_algorithm, make_options, scaffold, spafl
-from fedjax_sparse.algorithms import ALGORITHMS
+from fedjax_sparse.algorithms import BUILT_IN
 from fedjax_sparse.algorithms.spatl import SalientPolicy, spatl
 from fedjax_sparse.core.algorithm import BuildContext
 from fedjax_sparse.core.client_rows import RowLayout, SlotMap
@@ -81,7 +81,7 @@ def test_per_client_init_matches_init_for_every_algorithm(setting):
     key, variables = jax.random.key(3), setting["variables"]
     drawn = SalientPolicy(init=lambda k: {"draw": jax.random.uniform(k, (2,))},
                           select=lambda state, v, data, k: (state, {}, {}))
-    algorithms = [make_algorithm(name, ctx, make_options(name, {})) for name in ALGORITHMS]
+    algorithms = [make_algorithm(name, ctx, make_options(name, {})) for name in sorted(BUILT_IN)]
     algorithms.append(spatl(ctx, make_options("spatl", {}), policy=drawn))
     stateful = set()
     for alg in algorithms:

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from fedjax_sparse.algorithms import ALGORITHMS, fedavg, fedldf, fedldf_random, hdfl
+from fedjax_sparse.algorithms import BUILT_IN, fedavg, fedldf, fedldf_random, hdfl
 from fedjax_sparse.algorithms.fedldf import random_n_per_layer, top_n_per_layer
 from fedjax_sparse.run.cli import main
 from fedjax_sparse.core.layer_groups import layer_groups, model_layer_groups
@@ -227,7 +227,7 @@ def test_the_registry_builds_every_algorithm_with_its_options(make_split, mlp):
     split = make_split([8, 8, 8, 8])
     context = BuildContext(local=local_sgd(mlp), num_clients=4, clients_per_round=4, train=split, num_classes=10,
                            labels_per_client=2)
-    for name in ALGORITHMS:
+    for name in BUILT_IN:
         assert make_algorithm(name, context, make_options(name, {})).name == name
     for name in ("fedldf", "fedldf_random"):
         algorithm = make_algorithm(name, context, make_options(name, {"clients_per_layer": 3}))

@@ -34,9 +34,10 @@ from fedjax_sparse.algorithms.fedprox import fedprox
 from fedjax_sparse.algorithms.local import local_only
 from fedjax_sparse.algorithms.scaffold import scaffold
 from fedjax_sparse.algorithms.spafl import spafl, spafl_local
-from fedjax_sparse.algorithms.registry import (ALGORITHMS, BUILT_IN, ENTRY_POINT_GROUP, UnknownAlgorithm,
-                                               algorithm_names, get_spec, load_entry_points, option_users, register,
-                                               registered)
+from fedjax_sparse.algorithms.registry import (ALGORITHMS, BUILT_IN, ENTRY_POINT_GROUP, PluginSkipped,
+                                               UnknownAlgorithm, algorithm_names, flags_of, get_spec,
+                                               load_entry_points, option_users, refused, register, registered,
+                                               reserve)
 from fedjax_sparse.core.algorithm import AlgorithmSpec, BuildContext, FederatedAlgorithm
 from fedjax_sparse.core.options import from_mapping, validate
 
@@ -67,7 +68,8 @@ def options_dict(options: Any) -> dict[str, Any]:
     return {f.name: getattr(options, f.name) for f in dataclasses.fields(options)}
 
 
-__all__ = ["ALGORITHMS", "BUILT_IN", "ENTRY_POINT_GROUP", "AlgorithmSpec", "UnknownAlgorithm", "algorithm_names",
-           "load_entry_points", "register", "registered", "BuildContext", "FederatedAlgorithm", "fedavg",
-           "fedldf", "fedldf_random", "fednova", "fedprox", "get_spec", "hdfl", "local_only", "make_algorithm",
-           "make_options", "option_users", "options_dict", "scaffold", "spafl", "spafl_local"]
+__all__ = ["ALGORITHMS", "BUILT_IN", "ENTRY_POINT_GROUP", "AlgorithmSpec", "BuildContext",
+           "FederatedAlgorithm", "PluginSkipped", "UnknownAlgorithm", "algorithm_names", "fedavg", "fedldf",
+           "fedldf_random", "fednova", "fedprox", "flags_of", "get_spec", "hdfl", "load_entry_points", "local_only",
+           "make_algorithm", "make_options", "option_users", "options_dict", "refused", "register", "registered",
+           "reserve", "scaffold", "spafl", "spafl_local"]

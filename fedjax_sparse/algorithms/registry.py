@@ -12,7 +12,14 @@ declare, one live registry that the command line, run configs, `--resume` and th
   has `my_package.topk.SPEC` (an `AlgorithmSpec`, or a tuple of them) registered the first time the
   registry is read, once the package is installed: no patch of the library.
 One flag, one declaration: an option that several algorithms declare must be declared identically (same
-default, range and type), checked as each algorithm registers. Algorithms from outside the library have
+default, range and type), checked as each algorithm registers, and no algorithm may declare a flag the run
+itself declares (`reserve`: the run's shared options such as `--lr`, the command line's own flags), which
+would otherwise train with the run's value while config.json recorded the algorithm's.
+
+An installed package is not the library's to vouch for: a plug-in that cannot be imported, names no
+`AlgorithmSpec`, takes a built-in's name or another package's, or declares a flag another declaration owns
+is skipped with one line saying so (`REFUSED`, and a `PluginSkipped` warning), so that it breaks no other
+algorithm; asking for it by name gives that line as the error. Algorithms from outside the library have
 their contract checked on shapes before their first round (`core.contract`).
 """
 
@@ -20,20 +27,28 @@ from __future__ import annotations
 
 import dataclasses
 import typing
+import warnings
 from importlib import metadata
-from typing import Iterable
 
 from fedjax_sparse.core.algorithm import AlgorithmSpec
-from fedjax_sparse.core.options import option_fields
+from fedjax_sparse.core.options import flag_name, option_fields
 
 ENTRY_POINT_GROUP = "fedjax_sparse.algorithms"
 ALGORITHMS: dict[str, AlgorithmSpec] = {}
 BUILT_IN: set[str] = set()
+# a plug-in (or a script's algorithm) not registered -> why, in one line (its package and what it clashes with)
+REFUSED: dict[str, str] = {}
+_PLUGIN_PACKAGES: dict[str, str] = {}  # a registered plug-in's name -> the package that declares it
+_RESERVED: dict[str, str] = {}  # a flag the run declares itself -> who declares it
 _entry_points_loaded = False
 
 
 class UnknownAlgorithm(ValueError):
-    """A name no registered algorithm has; the message lists the registered ones."""
+    """A name no registered algorithm has; the message lists the registered ones (or says why it was refused)."""
+
+
+class PluginSkipped(UserWarning):
+    """An installed package's algorithm was not registered; the message says why, in one line."""
 
 
 def _declarations(spec: AlgorithmSpec) -> dict:
@@ -41,59 +56,158 @@ def _declarations(spec: AlgorithmSpec) -> dict:
     return {f.name: (f.default, f.metadata["option"], hints[f.name]) for f in option_fields(spec.options)}
 
 
-def register(spec: AlgorithmSpec, *, replace: bool = False) -> AlgorithmSpec:
-    """Adds `spec` to the registry (again: nothing, if it is the same spec) and returns it.
+def flags_of(options: type) -> dict[str, str]:
+    """The flags an options dataclass puts on the command line, as `core.options.add_flags` makes them
+    (a bool option both --x and --no-x): flag -> option name."""
+    hints = typing.get_type_hints(options)
+    flags = {}
+    for field in option_fields(options):
+        flags[flag_name(field.name)] = field.name
+        annotation = hints[field.name]
+        if typing.get_origin(annotation) is not tuple and bool in (annotation, *typing.get_args(annotation)):
+            flags["--no-" + flag_name(field.name)[2:]] = field.name
+    return flags
 
-    Refused in one line: a spec that is no `AlgorithmSpec`, a name taken by another spec (unless
-    `replace`), options that are not a dataclass, or an option declared differently by another algorithm.
-    """
-    if not isinstance(spec, AlgorithmSpec):
-        raise TypeError(f"register takes an AlgorithmSpec (fedjax_sparse.core.algorithm), got {type(spec).__name__}")
+
+def _origin(name: str, spec: AlgorithmSpec) -> str:
+    if name in BUILT_IN:
+        return "fedjax-sparse (built in)"
+    if name in _PLUGIN_PACKAGES:
+        return f"package {_PLUGIN_PACKAGES[name]!r}"
+    return f"module {spec.build.__module__}"
+
+
+def _reserved_clash(spec: AlgorithmSpec, origin: str) -> str | None:
+    for flag, option_name in flags_of(spec.options).items():
+        if flag in _RESERVED:
+            return (f"option {option_name!r} of algorithm {spec.name} ({origin}) makes the flag {flag}, which "
+                    f"{_RESERVED[flag]} declares; one flag needs one declaration: rename {spec.name}'s option")
+    return None
+
+
+def _check(spec: AlgorithmSpec, origin: str, replace: bool) -> None:
+    """Raises, in one line naming both declarations, if `spec` cannot join the registry as it stands."""
     if not spec.name or not spec.name.replace("_", "").isalnum():
         raise ValueError(f"an algorithm's name is letters, digits and underscores (a --algorithm value), got "
-                         f"{spec.name!r}")
+                         f"{spec.name!r} ({origin})")
     if not dataclasses.is_dataclass(spec.options):
-        raise TypeError(f"algorithm {spec.name!r}: its options must be a dataclass (NoOptions for none), got "
-                        f"{spec.options!r}")
+        raise TypeError(f"algorithm {spec.name!r} ({origin}): its options must be a dataclass (NoOptions for none), "
+                        f"got {spec.options!r}")
     known = ALGORITHMS.get(spec.name)
     if known is not None and known is not spec and known != spec and not replace:
-        raise ValueError(f"algorithm {spec.name!r} is registered already (by {known.build.__module__}); choose another "
-                         f"name, or register(spec, replace=True)")
+        raise ValueError(f"algorithm {spec.name!r} ({origin}) is registered already (by "
+                         f"{_origin(spec.name, known)}); choose another name, or register(spec, replace=True)")
+    clash = _reserved_clash(spec, origin)
+    if clash is not None:
+        raise TypeError(clash)
     mine = _declarations(spec)
     for other in ALGORITHMS.values():
         if other.name == spec.name:
             continue
         for name, declaration in _declarations(other).items():
             if name in mine and mine[name] != declaration:
-                raise TypeError(f"option {name!r} is declared differently by {spec.name} and {other.name}; one flag "
-                                f"needs one declaration (rename {spec.name}'s, or declare it as {other.name} does)")
+                raise TypeError(f"option {name!r} is declared differently by {spec.name} ({origin}) and "
+                                f"{other.name} ({_origin(other.name, other)}); one flag needs one declaration "
+                                f"(rename {spec.name}'s, or declare it as {other.name} does)")
+
+
+def register(spec: AlgorithmSpec, *, replace: bool = False) -> AlgorithmSpec:
+    """Adds `spec` to the registry (again: nothing, if it is the same spec) and returns it.
+
+    Refused in one line: a spec that is no `AlgorithmSpec`, a name taken by another spec (unless
+    `replace`), options that are not a dataclass, an option declared differently by another algorithm,
+    or a flag the run declares itself (`reserve`).
+    """
+    if not isinstance(spec, AlgorithmSpec):
+        raise TypeError(f"register takes an AlgorithmSpec (fedjax_sparse.core.algorithm), got {type(spec).__name__}")
+    _check(spec, f"module {spec.build.__module__}", replace)
     ALGORITHMS[spec.name] = spec
+    REFUSED.pop(spec.name, None)
+    _PLUGIN_PACKAGES.pop(spec.name, None)  # (a script's, replacing a plug-in's)
     return spec
 
 
-def _specs_of(value, where: str) -> Iterable[AlgorithmSpec]:
-    specs = value if isinstance(value, (tuple, list)) else (value,)
-    for spec in specs:
-        if not isinstance(spec, AlgorithmSpec):
-            raise TypeError(f"entry point {where} gives a {type(spec).__name__}; it must name an AlgorithmSpec (or a "
-                            f"tuple of them)")
-    return specs
+def _refuse(name: str, why: str) -> None:
+    REFUSED.setdefault(name, why)
+    warnings.warn(f"{why}; skipped", PluginSkipped, stacklevel=3)
+
+
+def reserve(flags: typing.Iterable[str], owner: str) -> None:
+    """Marks `flags` as declared by `owner` (the run's shared options, the command line's own flags): an
+    algorithm declaring one is refused when it registers, and one registered before (a script may register
+    before it imports the run layer) is taken out of the registry, asking for it then giving the line."""
+    for flag in flags:
+        _RESERVED.setdefault(flag, owner)  # the first owner named stays (the command line reserves the run's too)
+    for name, spec in list(ALGORITHMS.items()):
+        clash = _reserved_clash(spec, _origin(name, spec))
+        if clash is not None:
+            del ALGORITHMS[name]
+            _refuse(name, clash)
+
+
+def _brief(err: BaseException, limit: int = 300) -> str:
+    """An installed package's exception in one line of bounded length (its message may be anything)."""
+    text = " ".join(str(err).split())
+    return f"{type(err).__name__}: {text if len(text) <= limit else text[:limit] + ' ...'}"
+
+
+def _package(entry: metadata.EntryPoint) -> str:
+    dist = getattr(entry, "dist", None)
+    return dist.name if dist is not None else entry.value.split(":")[0].split(".")[0]
 
 
 def load_entry_points() -> None:
-    """Registers the algorithms installed packages declare (group `fedjax_sparse.algorithms`), once."""
+    """Registers the algorithms installed packages declare (group `fedjax_sparse.algorithms`), once.
+
+    Nothing an installed package does raises here: each plug-in that fails is skipped (`REFUSED`). Two
+    packages offering one name are both skipped, whatever order the environment lists them in."""
     global _entry_points_loaded
     if _entry_points_loaded:
         return
     _entry_points_loaded = True
+    offers: dict[str, list[tuple[AlgorithmSpec, str]]] = {}
     for entry in metadata.entry_points(group=ENTRY_POINT_GROUP):
-        where = f"{entry.name} = {entry.value!r} (group {ENTRY_POINT_GROUP})"
+        package = _package(entry)
+        where = (f"plug-in algorithm {entry.name!r} of package {package!r} (entry point {entry.name} = "
+                 f"{entry.value!r})")
         try:
             value = entry.load()
-        except Exception as err:  # noqa: BLE001 - an installed package's import may fail any way
-            raise ImportError(f"entry point {where} cannot be loaded: {type(err).__name__}: {err}") from None
-        for spec in _specs_of(value, where):
-            register(spec)
+        except (Exception, SystemExit) as err:  # noqa: BLE001 - an installed package's import may fail any way
+            _refuse(entry.name, f"{where} cannot be loaded: {_brief(err)}")
+            continue
+        specs = value if isinstance(value, (tuple, list)) else (value,)
+        odd = next((spec for spec in specs if not isinstance(spec, AlgorithmSpec)), None)
+        if odd is not None or not specs:
+            what = f"an object of type {type(odd).__name__}" if specs else "an empty tuple"
+            _refuse(entry.name, f"{where} gives {what}, not an AlgorithmSpec (or a tuple of them)")
+            continue
+        for spec in specs:
+            offers.setdefault(spec.name, []).append((spec, package))
+    for name, offered in offers.items():
+        distinct = [(spec, package) for i, (spec, package) in enumerate(offered)
+                    if all(spec != before for before, _ in offered[:i])]
+        if len(distinct) > 1:
+            packages = sorted({package for _, package in distinct})
+            by = (f"packages {' and '.join(map(repr, packages))}" if len(packages) > 1 else
+                  f"package {packages[0]!r} twice")
+            _refuse(name, f"plug-in algorithm {name!r} is declared by {by}; uninstall one")
+            continue
+        spec, package = distinct[0]
+        if name in ALGORITHMS and ALGORITHMS[name] != spec:
+            _refuse(name, f"plug-in algorithm {name!r} of package {package!r} takes the name of algorithm {name} "
+                          f"of {_origin(name, ALGORITHMS[name])}; rename it")
+            continue
+        try:
+            _check(spec, f"plug-in of package {package!r}", replace=False)
+        except (ValueError, TypeError) as err:
+            _refuse(name, str(err))
+            continue
+        except Exception as err:  # noqa: BLE001 - e.g. its options' annotations name what its module lacks
+            _refuse(name, f"plug-in algorithm {name!r} of package {package!r}: its options cannot be read: "
+                          f"{_brief(err)}")
+            continue
+        ALGORITHMS[name] = spec
+        _PLUGIN_PACKAGES[name] = package
 
 
 def registered() -> dict[str, AlgorithmSpec]:
@@ -106,8 +220,16 @@ def algorithm_names() -> tuple[str, ...]:
     return tuple(registered())
 
 
+def refused() -> dict[str, str]:
+    """Installed (or registered) algorithms left out of the registry -> why, one line each."""
+    load_entry_points()
+    return REFUSED
+
+
 def get_spec(name: str) -> AlgorithmSpec:
     specs = registered()
+    if name not in specs and name in REFUSED:
+        raise UnknownAlgorithm(REFUSED[name])
     if name not in specs:
         raise UnknownAlgorithm(f"unknown algorithm {name!r}; registered: {', '.join(specs)} (an algorithm from outside "
                                f"the library joins with fedjax_sparse.algorithms.register or the entry point group "

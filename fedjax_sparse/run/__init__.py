@@ -11,9 +11,18 @@ client store, round and evaluators), `loop` (the rounds, evaluations and the rec
     summary = run_experiment(RunConfig.create(algorithm="fedavg", rounds=5, out="runs/a"))
 """
 
-from fedjax_sparse.run.config import SHARED_OPTIONS, RunConfig
-from fedjax_sparse.run.experiment import Experiment, build_experiment, load_run_dataset
-from fedjax_sparse.run.loop import Counters, DivergenceError, Interrupted, RunFailed, evaluate, run_experiment
+import importlib
 
-__all__ = ["Counters", "DivergenceError", "Experiment", "Interrupted", "RunConfig", "RunFailed", "SHARED_OPTIONS",
-           "build_experiment", "evaluate", "load_run_dataset", "run_experiment"]
+# name -> the module defining it, imported on first use (PEP 562): `fedjax-sparse` imports this package
+# before its command line can install the signal handlers, which must come before JAX and the algorithms
+_EXPORTS = {"SHARED_OPTIONS": "config", "RunConfig": "config", "Experiment": "experiment",
+            "build_experiment": "experiment", "load_run_dataset": "experiment", "Counters": "loop",
+            "DivergenceError": "loop", "Interrupted": "loop", "RunFailed": "loop", "evaluate": "loop",
+            "run_experiment": "loop"}
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{_EXPORTS[name]}"), name)

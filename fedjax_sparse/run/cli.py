@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import warnings
 from pathlib import Path
 
 from fedjax_sparse.run.signals import stop_start_up_at_once
@@ -24,31 +25,43 @@ LAUNCH_FLAGS = ("coordinator", "num_processes", "process_id", "cluster", "launch
 
 
 class OneLineParser(argparse.ArgumentParser):
-    """A malformed or unknown flag is one line naming it (argparse prints its whole usage first)."""
+    """A malformed or unknown flag is one line naming it (argparse prints its whole usage first);
+    `before_help` says what `--help` should be preceded by on stderr."""
+
+    def __init__(self, *args, before_help=None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._before_help = before_help
+
+    def print_help(self, file=None):
+        if self._before_help is not None:
+            self._before_help()
+        super().print_help(file)
 
     def error(self, message: str):
         self.exit(2, f"fedjax-sparse: error: {' '.join(message.split())} (`{self.prog} --help` lists the "
                      f"options)\n")
 
 
+def _warn_refused() -> None:
+    """One line for each installed algorithm the registry left out (it breaks no other command)."""
+    from fedjax_sparse.algorithms import refused
+
+    for why in refused().values():
+        print(f"fedjax-sparse: warning: {why}; skipped", file=sys.stderr)
+
+
 def _run_parser(sub) -> argparse.ArgumentParser:
-    from fedjax_sparse.algorithms import algorithm_names, option_users, registered
+    from fedjax_sparse.algorithms import algorithm_names, option_users, refused, registered, reserve
     from fedjax_sparse.core.distributed import DEFAULT_TIMEOUT_S, LAUNCH_FAILURE_EXIT
     from fedjax_sparse.core.options import add_flags
     from fedjax_sparse.run import RunConfig
 
-    p = sub.add_parser("run", help="run one federated experiment", epilog=_HELP_EPILOG)
+    p = sub.add_parser("run", help="run one federated experiment", epilog=_HELP_EPILOG, before_help=_warn_refused)
     # The parsed namespace holds exactly the flags given (`add_flags` sets no defaults).
     shared = p.add_argument_group("run options")
     seen: set[str] = set()
     add_flags(shared, RunConfig, seen=seen)
-    algo = p.add_argument_group("algorithm options")
-    users = option_users()
-    for spec in registered().values():
-        add_flags(algo, spec.options, used_by=users, seen=seen)
-    for action in shared._group_actions:  # the live registry's names, not a list frozen at import
-        if action.dest == "algorithm":
-            action.choices = algorithm_names()
+    algo = p.add_argument_group("algorithm options")  # filled last, once the command line's own flags are reserved
     p.add_argument("--config", metavar="FILE", default=None,
                    help="read the options from a JSON, YAML or TOML file (a run's config.json is one); flags "
                         "given with it override it")
@@ -57,7 +70,8 @@ def _run_parser(sub) -> argparse.ArgumentParser:
                         "is unusable, the checkpoint's config) is the default for every flag, and flags that "
                         "would change the results are refused")
     p.add_argument("--overwrite", action="store_true",
-                   help="delete the files of another run in --out first (without it such a folder is refused)")
+                   help="delete the files an earlier run wrote in --out first, those its fedjax_sparse_files.json "
+                        "records (without it such a folder is refused; files it does not record are refused always)")
     p.add_argument("--allow-data-change", action="store_true",
                    help="with --resume: go on although the data differ from those the run started on (refused "
                         "without it)")
@@ -76,14 +90,25 @@ def _run_parser(sub) -> argparse.ArgumentParser:
                         help=f"seconds within which all processes must meet, else each ends with one line and "
                              f"exit code {LAUNCH_FAILURE_EXIT} (default {DEFAULT_TIMEOUT_S}); also how long JAX's "
                              f"heartbeat waits for a process that stopped answering")
+    reserve(p._option_string_actions, "fedjax-sparse run's own flags")  # (argparse's table of the flags so far)
+    users = option_users()
+    for spec in registered().values():
+        add_flags(algo, spec.options, used_by=users, seen=seen)
+    for action in shared._group_actions:  # the live registry's names, not a list frozen at import
+        if action.dest == "algorithm":  # a refused plug-in's name too: asking for it says why it was left out
+            action.choices = (*algorithm_names(), *(name for name in refused() if name not in registered()))
     return p
 
 
 def _parser() -> argparse.ArgumentParser:
+    from fedjax_sparse.algorithms import PluginSkipped
+
     parser = OneLineParser(prog="fedjax-sparse",
                            description="Communication-efficient, sparse federated learning in JAX.")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=OneLineParser)
-    _run_parser(sub)
+    with warnings.catch_warnings():  # a skipped plug-in: `_warn_refused` says it in one line, once the command is known
+        warnings.simplefilter("ignore", PluginSkipped)
+        _run_parser(sub)
     return parser
 
 
@@ -172,6 +197,8 @@ def _main(argv: list[str] | None) -> int:
         if args.allow_data_change and args.resume is None:
             raise ValueError("--allow-data-change goes with --resume: a new run takes whatever data it is given")
         config = _config(args)
+        if lead:
+            _warn_refused()
         summary = run_experiment(config, progress=not args.no_progress, resume=args.resume is not None,
                                  overwrite=args.overwrite, allow_data_change=args.allow_data_change)
     except ProcessLost as e:

@@ -6,8 +6,8 @@ import dataclasses
 import typing
 from typing import Any
 
-from fedjax_sparse.algorithms import (ENTRY_POINT_GROUP, UnknownAlgorithm, get_spec, make_options, option_users,
-                                     options_dict, registered)
+from fedjax_sparse.algorithms import (ENTRY_POINT_GROUP, UnknownAlgorithm, flags_of, get_spec, make_options,
+                                     option_users, options_dict, refused, registered, reserve)
 from fedjax_sparse.algorithms.personalization import PersonalizationOptions
 from fedjax_sparse.algorithms.uplink_compression import UplinkCompressionOptions
 from fedjax_sparse.core.client_store import BACKENDS
@@ -55,6 +55,9 @@ class RunConfig(UplinkCompressionOptions, PersonalizationOptions):
                              high=1.0)
     momentum: float = option(0.0, "local SGD momentum", low=0.0, high=1.0, high_open=True)
     weight_decay: float = option(0.0, "local weight decay", low=0.0)
+    grad_clip_norm: float | None = option(None, "clip each local step's gradients to this global L2 norm first, "
+                                                "as PyTorch's clip_grad_norm_ in the authors' code of HeteroFL and "
+                                                "FedRolex (1), FedP3 (10) (default: none)", low=0.0, low_open=True)
     partition: str | None = option(None, "how data is split over clients: natural (the data set's own clients: "
                                          "writers, roles, generated clients) or a split of pooled data (default: "
                                          "natural where the data set has its own clients, else dirichlet)",
@@ -118,9 +121,10 @@ class RunConfig(UplinkCompressionOptions, PersonalizationOptions):
         if not isinstance(algorithm, str):
             raise ValueError(f"--algorithm: {algorithm!r} is not a valid str")
         if algorithm not in registered():
-            raise UnknownAlgorithm(f"the run's algorithm {algorithm!r} is not registered here; install the package "
-                                   f"that provides it (entry point group {ENTRY_POINT_GROUP}) or register it "
-                                   f"(fedjax_sparse.algorithms.register) before resuming")
+            raise UnknownAlgorithm(refused().get(algorithm) or (  # an installed plug-in: why it was left out
+                f"the run's algorithm {algorithm!r} is not registered here; install the package that provides it "
+                f"(entry point group {ENTRY_POINT_GROUP}) or register it (fedjax_sparse.algorithms.register) "
+                f"before resuming"))
         own = {f.name for f in dataclasses.fields(make_options(algorithm, {}))}
         users = option_users()
         return cls.create(**typed_values({k: v for k, v in values.items() if k not in users or k in own}))
@@ -168,6 +172,7 @@ class RunConfig(UplinkCompressionOptions, PersonalizationOptions):
 
 
 SHARED_OPTIONS = tuple(f.name for f in option_fields(RunConfig))
+reserve(flags_of(RunConfig), "fedjax-sparse's run options (fedjax_sparse.run.config.RunConfig)")
 
 
 def declared_options() -> dict[str, tuple[Any, Any]]:

@@ -8,13 +8,17 @@ SIGHUP (a closed terminal, a dropped ssh session), all alike.
   round; the run then saves its checkpoint and writes its summary. A further signal only says
   what the run is waiting for: nothing, a checkpoint save above all, is ever cut short by it.
 
-This module imports nothing heavy, so the command line installs it before importing JAX.
+A SIGHUP that the process was started ignoring (`nohup`) stays ignored: the user asked that a closed
+terminal not stop the run.
+
+This module imports nothing heavy, so the command line installs it before importing JAX and the
+algorithms (`fedjax_sparse.run` imports its modules lazily for the same reason): a signal in the first
+second gets the same one line as a later one.
 """
 
 from __future__ import annotations
 
 import contextlib
-import multiprocessing
 import os
 import signal
 import sys
@@ -35,7 +39,8 @@ def _stop_start_up(signum, frame):
             "during start-up, before the first round: nothing was run")
     sys.stderr.write(f"fedjax-sparse: {signal.Signals(signum).name} {when}\n")
     sys.stderr.flush()
-    for child in multiprocessing.active_children():  # image-decoding workers
+    workers = sys.modules.get("multiprocessing")  # image-decoding workers; none if it was never imported
+    for child in workers.active_children() if workers is not None else ():
         child.kill()
     os._exit(128 + signum)
 
@@ -43,7 +48,8 @@ def _stop_start_up(signum, frame):
 def _install(handler) -> dict:
     if threading.current_thread() is not threading.main_thread():
         return {}
-    return {s: signal.signal(s, handler) for s in SIGNALS}
+    ignored = signal.SIGHUP if signal.getsignal(signal.SIGHUP) == signal.SIG_IGN else None  # under nohup
+    return {s: signal.signal(s, handler) for s in SIGNALS if s != ignored}
 
 
 def _restore(previous: dict) -> None:
@@ -53,7 +59,7 @@ def _restore(previous: dict) -> None:
 
 @contextlib.contextmanager
 def stop_start_up_at_once() -> Iterator[None]:
-    """In this block (until `StopAfterRound` takes over) SIGINT and SIGTERM end the process at once,
+    """In this block (until `StopAfterRound` takes over) SIGINT, SIGTERM and SIGHUP end the process at once,
     with one line and exit code 128 + the signal. Only the command line uses it: a library
     caller keeps Python's own handling."""
     global _rounds_began
