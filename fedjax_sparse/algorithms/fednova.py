@@ -34,7 +34,10 @@ def fednova(local: LocalSGD, server: ServerOptimizer | None = None) -> Federated
     def client_update(down, client_state, data, key, info):
         y, stats = local.train(down, data, key, round_index=info.index)
         a_norm = local.effective_steps(stats["num_steps"])
-        up = {"normalized_update": tree_map(lambda w0, w1: (w0 - w1) / a_norm, down["params"], y["params"]),
+        # times the reciprocal, not divided by a_norm: XLA rewrites a division by a broadcast scalar into this
+        # product on one device but not in a program partitioned over several, and the two round apart
+        inverse = 1.0 / a_norm
+        up = {"normalized_update": tree_map(lambda w0, w1: (w0 - w1) * inverse, down["params"], y["params"]),
               "a_norm": a_norm,
               "batch_stats": y["batch_stats"]}
         return up, client_state, stats

@@ -13,7 +13,10 @@ the algorithm's model (`client_variables`); the global model, if the algorithm h
 personal leaves it started with.
 
 Applies to algorithms whose broadcast and upload are the model's variables ({'params',
-'batch_stats'}: FedAvg, FedProx, FedDyn); one clear line for the others.
+'batch_stats'}: FedAvg, FedProx, FedDyn); one clear line for the others, HDFL included (its server
+chooses which layers its clients upload after they answer, and could choose a personal one). The
+wrapped client state is {'inner': the algorithm's, 'personal': ...}; the algorithm's functions of
+client states read their own part (`reading_inner_state`), so `--uplink-compression` may wrap this.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from fedjax_sparse.algorithms.uplink_compression import broadcast_shapes, upload_shapes
+from fedjax_sparse.algorithms.uplink_compression import broadcast_shapes, reading_inner_state, upload_shapes
 from fedjax_sparse.core.algorithm import BuildContext, FederatedAlgorithm, replicate
 from fedjax_sparse.core.layer_groups import model_layer_groups
 from fedjax_sparse.core.model_parts import overlay, part_labels, take_part
@@ -67,6 +70,10 @@ def personalize(algorithm: FederatedAlgorithm, context: BuildContext, options: P
     model = context.local.model
     flag = f"--personal {options.personal}"
     variables = jax.eval_shape(model.init, jax.random.key(0))
+    if algorithm.select_uploads is not None:
+        raise ValueError(f"{flag}: {algorithm.name}'s server chooses what its clients upload after they answer; "
+                         f"personal layers apply to algorithms that send the model's variables both ways (fedavg, "
+                         f"fedprox, feddyn)")
     structure_of = jax.tree_util.tree_structure
     if structure_of(broadcast_shapes(algorithm, context)) != structure_of(variables) or \
             structure_of(upload_shapes(algorithm, context)) != structure_of(variables):
@@ -102,4 +109,4 @@ def personalize(algorithm: FederatedAlgorithm, context: BuildContext, options: P
     return dataclasses.replace(
         algorithm, init=init, init_clients=init_clients, client_update=client_update, server_update=server_update,
         broadcast=lambda server_state, client_id, info: shared(algorithm.broadcast(server_state, client_id, info)),
-        client_variables=client_variables)
+        **{**reading_inner_state(algorithm), "client_variables": client_variables})

@@ -31,8 +31,13 @@ bits in buckets of 512); on a Gaussian leaf of 100,000 entries resent every roun
 0.38 ||x||^2 and the residual stayed at 0.78 ||x|| over 20 rounds, where one norm for the whole leaf
 (15.8 ||x||^2) let it grow 6,800-fold.
 
+The wrapped client state is {'inner': the algorithm's, 'residual': ...}: every function of client
+states (evaluation's `client_variables`, `client_diagnostics`, `evaluation_clients`) reads the
+algorithm's own part (`reading_inner_state`), so the wrapper composes with `--personal` and with
+SpaFL, whose thresholds are a dense upload.
+
 Refused in one line: algorithms whose upload is already priced per entry (sparse or known-mask
-leaves: SpaFL, FedLDF, the sub-model family, SPATL, FedPM, ...) or chosen by the server after the
+leaves: FedLDF, the sub-model family, SPATL, FedPM, ...) or chosen by the server after the
 clients answer (`select_uploads`).
 """
 
@@ -153,7 +158,22 @@ def compress_uplink(algorithm: FederatedAlgorithm, context: BuildContext,
         return algorithm.server_update(server_state, stacked, weights, info)
 
     return dataclasses.replace(algorithm, init=init, init_clients=init_clients, client_update=client_update,
-                               server_update=server_update, select_uploads=None)
+                               server_update=server_update, select_uploads=None, **reading_inner_state(algorithm))
+
+
+def reading_inner_state(algorithm: FederatedAlgorithm) -> dict:
+    """`algorithm`'s functions of client states, given a wrapper's client states {'inner': the algorithm's,
+    ...}: the evaluations hand them the wrapper's, and the algorithm knows only its own (a KeyError at the
+    first evaluation otherwise)."""
+    readers = {"client_variables": lambda server_state, state: algorithm.client_variables(server_state,
+                                                                                          state["inner"])}
+    if algorithm.client_diagnostics is not None:
+        readers["client_diagnostics"] = lambda server_state, states: algorithm.client_diagnostics(server_state,
+                                                                                                  states["inner"])
+    if algorithm.evaluation_clients is not None:
+        readers["evaluation_clients"] = lambda server_state, states: {
+            **states, "inner": algorithm.evaluation_clients(server_state, states["inner"])}
+    return readers
 
 
 def _shapes(algorithm: FederatedAlgorithm, context: BuildContext):

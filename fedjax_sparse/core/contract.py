@@ -8,7 +8,10 @@ refuses, in one line naming the function and the leaf path with both shapes and 
     shape cannot be stored, gathered or checkpointed);
   * a server state that differs from `init`'s after `server_update` (it could not be resumed);
   * metrics that are not a dict of scalars holding 'loss' and 'num_steps';
-  * a message (down or up) holding anything but arrays and priced leaves (`core.messages`).
+  * a message (down or up) holding anything but arrays and priced leaves (`core.messages`);
+  * an evaluation function (`evaluation_state`, `global_variables`, `global_variants`,
+    `evaluation_clients`, `client_variables`, `client_diagnostics`) that fails on init's states:
+    evaluation runs after round 1, and such a failure would lose the round.
 """
 
 from __future__ import annotations
@@ -148,3 +151,21 @@ def check_contract(algorithm: FederatedAlgorithm, variables: Any, num_clients: i
     new_server = _abstractly(name, "server_update", lambda s, u, w: algorithm.server_update(s, u, w, info), server,
                              stacked, weights)
     same_tree(name, "server_update", new_server, server, "server state")
+    check_evaluation(algorithm, server, clients)
+
+
+def check_evaluation(algorithm: FederatedAlgorithm, server: Any, clients: Any) -> None:
+    """Evaluates every function the evaluations call, on the shapes of `server` and `clients` ([N, ...])."""
+    name = algorithm.name
+    if algorithm.evaluation_state is not None:
+        server = _abstractly(name, "evaluation_state", algorithm.evaluation_state, server)
+    if algorithm.global_variables is not None:
+        _abstractly(name, "global_variables", algorithm.global_variables, server)
+    if algorithm.global_variants is not None:
+        _abstractly(name, "global_variants", algorithm.global_variants, server)
+    if algorithm.client_diagnostics is not None:
+        _abstractly(name, "client_diagnostics", algorithm.client_diagnostics, server, clients)
+    if algorithm.evaluation_clients is not None:
+        clients = _abstractly(name, "evaluation_clients", algorithm.evaluation_clients, server, clients)
+    one = tree_map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), clients)
+    _abstractly(name, "client_variables", algorithm.client_variables, server, one)

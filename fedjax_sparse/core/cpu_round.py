@@ -12,8 +12,10 @@ Each device runs the same single-device program as one device would over its cli
 the same size), and the server reduces all K uploads in client order, so a run's figures do not
 depend on the number of devices (tests/test_cpu_round.py). Not one SPMD program over the devices:
 XLA:CPU's collectives synchronize devices slowly enough to cost more than the second core brings,
-and its partitioner compiles a client's arithmetic otherwise than one device does (FedNova's update
-differed in the last bits). The price is one compilation of the clients' program per device.
+and a partitioned program compiles a client's arithmetic otherwise than one device does (a division by
+one value per client stays a division there, where one device multiplies by its reciprocal: FedPM's
+Adam moments differ in the last bits, docs/scale.md). The price is one compilation of the clients'
+program per device.
 `benchmarks.round_throughput` measures what it brings.
 
 Large buffers. glibc returns a freed block larger than its mmap threshold (dynamic, at most

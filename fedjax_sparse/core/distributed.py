@@ -191,15 +191,28 @@ def initialize(coordinator: str | None = None, num_processes: int | None = None,
                               f"({first}); give --coordinator, --num-processes and --process-id instead") from None
         raise LaunchError(f"jax.distributed could not start {where}: {first}") from None
     watchdog.cancel()
+    check_devices_per_process(jax.devices())  # before any process loads data: every one sees the same devices
     return current_process()
 
 
 def process_mesh(devices=None) -> Mesh:
-    """Every device of the run as a `processes` x `clients` grid (one row per process)."""
-    devices = jax.devices() if devices is None else devices
-    devices = sorted(devices, key=lambda d: (d.process_index, d.id))
-    count = len({d.process_index for d in devices})
-    return Mesh(np.array(devices, dtype=object).reshape(count, -1), (PROCESSES_AXIS, CLIENTS_AXIS))
+    """Every device of the run as a `processes` x `clients` grid (one row per process); one line where the
+    processes hold different numbers of devices (the grid has a row per process, of one length)."""
+    devices = sorted(jax.devices() if devices is None else devices, key=lambda d: (d.process_index, d.id))
+    processes = check_devices_per_process(devices)
+    return Mesh(np.array(devices, dtype=object).reshape(processes, -1), (PROCESSES_AXIS, CLIENTS_AXIS))
+
+
+def check_devices_per_process(devices) -> int:
+    """The number of processes holding `devices`; one line where they hold different numbers of them."""
+    per_process: dict[int, int] = {}
+    for d in devices:
+        per_process[d.process_index] = per_process.get(d.process_index, 0) + 1
+    if len(set(per_process.values())) > 1:
+        counts = ", ".join(f"process {p} has {n}" for p, n in sorted(per_process.items()))
+        raise ValueError(f"each process of a run needs the same number of devices ({counts}): give every process the "
+                         f"same JAX_NUM_CPU_DEVICES, or the same number of GPUs (CUDA_VISIBLE_DEVICES)")
+    return len(per_process)
 
 
 def _block_spec(mesh: Mesh) -> PartitionSpec:

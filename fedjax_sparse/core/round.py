@@ -10,7 +10,7 @@ host and disk stores feed it gathered rows and data windows (`core.store_round`)
 
 Clients are sampled by a pure function of (seed, round), so a resumed run
 samples the same clients. With a mesh, the sampled-clients axis is sharded over
-its `clients` axis and XLA turns the aggregation into a cross-device reduction.
+its `clients` axis; the server's update runs on every device over all the uploads (`round_step`).
 """
 
 from __future__ import annotations
@@ -173,9 +173,11 @@ def round_step(algorithm: FederatedAlgorithm, clients_per_round: int, *, seed: i
     (see `default_client_chunk` and benchmarks/results). A mesh shards the full
     vmap over all its axes (`clients`, or `processes` x `clients` across
     processes), so it takes no chunk. With a mesh, `ordered_reduction` gathers the K uploads onto
-    every device before the server's update, so its sums run over all of them in client order and a
-    run's figures do not depend on the number of devices or processes (False: XLA reduces each
-    device's share, then across devices; `benchmarks/ordered_reduction.py` measures the cost).
+    every device and runs the server's update there as each device's own program (`jax.shard_map` of
+    replicated inputs: the partitioner may not split its sums again), so its sums run over all of them
+    in client order and a run's figures do not depend on the number of devices or processes (but for
+    the divisions docs/scale.md names; False: XLA reduces each device's share, then across devices;
+    `benchmarks/ordered_reduction.py` measures the cost).
     Several CPU devices of one process take another layout: `core.cpu_round`.
     """
     _check_layout(clients_per_round, mesh, client_chunk)
@@ -194,6 +196,14 @@ def round_step(algorithm: FederatedAlgorithm, clients_per_round: int, *, seed: i
         # cross-device reduction would sum per-device partial sums, in an order set by the sharding
         return constrain(tree, PartitionSpec()) if ordered_reduction else tree
 
+    def server_on_every_device(server_state, ups, weights, info):
+        # a program of its own on each device (a manual region): given replicated uploads, the partitioner
+        # would still be free to split the server's sums over the devices (partial sums, then an all-reduce;
+        # FedSpa's masked mean was split so) unless no partitioning of it is left to choose
+        replicate = PartitionSpec()
+        return jax.shard_map(server, mesh=mesh, in_specs=replicate, out_specs=replicate, check_vma=False)(
+            server_state, ups, weights, info)
+
     def step(server_state, sampled_states, data, positions, ids, round_index):
         round_index = jnp.asarray(round_index, jnp.int32)
         ids = jnp.asarray(ids, jnp.int32)
@@ -206,7 +216,10 @@ def round_step(algorithm: FederatedAlgorithm, clients_per_round: int, *, seed: i
         # XLA may not simplify the server's arithmetic into the clients' (or back): the server's update then
         # compiles as it does alone, in `core.cpu_round`'s layout, whatever this round's layout is
         ups, weights = jax.lax.optimization_barrier((ups, weights))
-        server_state, up_bytes = server(server_state, ups, weights, info)
+        if mesh is not None and ordered_reduction:
+            server_state, up_bytes = server_on_every_device(server_state, ups, weights, info)
+        else:
+            server_state, up_bytes = server(server_state, ups, weights, info)
         return server_state, new_states, RoundOutput(ids, up_bytes, down_bytes, metrics)
 
     return step

@@ -85,6 +85,10 @@ def build_experiment(config: RunConfig, progress: bool = True, *, process: Proce
     loaded data set (default: loaded here)."""
     config.validate()
     process = process or current_process()
+    if process.count > 1 and config.cpu_devices is not None:
+        raise ValueError(f"--cpu-devices {config.cpu_devices} shares one process's clients among its CPU devices; a "
+                         f"run of {process.count} processes shards them over every process's devices instead (one "
+                         f"CPU device each, or JAX_NUM_CPU_DEVICES, the same in every process): leave it unset")
     if process.count > 1 and config.client_chunk:
         raise ValueError(f"--client-chunk {config.client_chunk} and {process.count} processes do not combine: the "
                          f"round shards all sampled clients over every process's devices; leave it unset")
@@ -103,7 +107,7 @@ def build_experiment(config: RunConfig, progress: bool = True, *, process: Proce
                           labels_per_client=config.labels_per_client, min_examples=config.min_examples,
                           local_test_ratio=config.local_test_ratio)
     local = LocalSGD(model, config.lr, config.local_epochs, config.batch_size, config.momentum,
-                     config.weight_decay, config.lr_decay)
+                     config.weight_decay, config.lr_decay, config.grad_clip_norm)
     context = BuildContext(local=local, num_clients=config.num_clients, clients_per_round=config.clients_per_round,
                            train=None, num_classes=dataset.num_classes, seed=config.seed,
                            labels_per_client=config.labels_per_client if split_by == "labels" else None)
