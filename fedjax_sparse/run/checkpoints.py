@@ -27,6 +27,12 @@ orbax reads it: orbax restores a flipped byte of an array's data silently, and
 its reads failing on a damaged index spill tracebacks from their threads. A
 checkpoint without `checksums.json` (written before it, or killed in the moment
 between orbax's commit and the file) restores unchecked.
+
+A save that fails (a full disk, a file-size limit) is one `CheckpointError`; its
+unfinished files are deleted, so that the run's summary may still fit on a full
+disk; and what orbax's threads print as they fail after it (tensorstore's
+writes completing into orbax's closed event loop) is dropped for the rest of
+the process, as after a failed read (`_orbax_io`).
 """
 
 from __future__ import annotations
@@ -135,12 +141,12 @@ def _quiet_orbax():
 
 
 @contextlib.contextmanager
-def _orbax_reading():
-    """Orbax's reads, quiet (`_quiet_orbax`). When one fails, tensorstore's reads still in flight
-    complete into the event loop orbax has closed, each printing 'RuntimeError: Event loop is
-    closed' as unraisable: up to a hundred lines around the run's one-line error, while orbax
-    unwinds and after. Those are dropped from the start of the reads, and for good after a failure;
-    anything else still reaches the hook before."""
+def _orbax_io():
+    """Orbax's reads or saves, quiet (`_quiet_orbax`). When one fails, tensorstore's reads or writes
+    still in flight complete into the event loop orbax has closed, each printing 'RuntimeError: Event
+    loop is closed' as unraisable: up to a hundred lines around the run's one-line error, while orbax
+    unwinds and after (when they are done is tensorstore's: a race). Those are dropped from the start
+    of the reads or saves, and for good after a failure; anything else still reaches the hook before."""
     previous = sys.unraisablehook
 
     def hook(unraisable):
@@ -150,7 +156,18 @@ def _orbax_reading():
     sys.unraisablehook = hook
     with _quiet_orbax():
         yield
-    sys.unraisablehook = previous  # not reached when the reads failed
+    sys.unraisablehook = previous  # not reached when they failed
+
+
+def _orbax_reason(err: Exception) -> str:
+    """The cause in an orbax read's error, for one line: tensorstore wraps it in one "Error opening/reading
+    ..." per layer of its stack (cast, zarr, OCDBT) and appends its whole spec, 400 characters of which
+    named no file; the status code, the innermost layer (the file) and its reason are what a user can act on."""
+    text = " ".join(str(err).split()).split(" [tensorstore_spec", 1)[0]
+    layers = text.split(": Error ")
+    if len(layers) > 3:
+        text = f"{layers[0]}: Error {layers[-2]}: Error {layers[-1]}"
+    return text if len(text) <= 300 else text[:297] + "..."
 
 
 class RunCheckpointer:
@@ -196,15 +213,18 @@ class RunCheckpointer:
         """Writes the checkpoint of `rounds_done` rounds, waits for it and reads its meta back."""
         latest = self.latest_round()
         self._probe(rounds_done)
+        waited = False  # for orbax's background save: it has ended (or hangs) once its wait raised
         try:
-            with _quiet_orbax():
+            with _orbax_io():
                 saved = self._manager.save(rounds_done, args=ocp.args.Composite(
                     state=ocp.args.StandardSave({"server_state": server_state}), meta=ocp.args.JsonSave(meta),
                     **{CLIENT_STATES: ClientStatesSave(store)}))
                 if saved:
                     fault_point("checkpoint_write")
+                    waited = True
                     self._manager.wait_until_finished()
         except Exception as err:  # noqa: BLE001 - orbax raises many kinds from its threads
+            self._discard_unfinished(rounds_done, wait=not waited)
             raise self._unsaved(rounds_done, err) from err
         if not saved:
             raise CheckpointError(f"cannot save the checkpoint of round {rounds_done} in {self.directory}: it "
@@ -221,6 +241,16 @@ class RunCheckpointer:
                                   f"written; check the disk (space, permissions) and resume from the one "
                                   f"before with --resume {self.run_dir}")
         return path
+
+    def _discard_unfinished(self, rounds_done: int, wait: bool) -> None:
+        """Deletes what a failed save of `rounds_done` left (orbax's temporary folder, never committed): on a
+        full disk, the space the run's summary needs. `wait`: for orbax's background save to end first (the
+        failure came before its wait; deleting under it would make it fail with tracebacks of its own)."""
+        if wait:
+            with contextlib.suppress(Exception), _quiet_orbax():
+                self._manager.wait_until_finished()
+        for unfinished in self.directory.glob(f"{rounds_done}{ocp.utils.TMP_DIR_SUFFIX}*"):
+            shutil.rmtree(unfinished, ignore_errors=True)
 
     def _write_checksums(self, step: Path) -> None:
         text = json.dumps({str(f.relative_to(step)): file_crc32(f) for f in _orbax_files(step)}, indent=0)
@@ -269,7 +299,7 @@ class RunCheckpointer:
         if isinstance(err, SnapshotError):  # it names its file and what to do itself
             return CheckpointError(str(err))
         return CheckpointError(f"the checkpoint {self.directory / str(rounds_done)} cannot be read "
-                               f"({' '.join(str(err).split())[:400]}); delete that folder to resume from "
+                               f"({_orbax_reason(err)}); delete that folder to resume from "
                                f"the one before, or start again with --overwrite")
 
     def restore(self, server_like: Any, store: ClientStore) -> tuple[int, Any, dict]:
@@ -290,7 +320,7 @@ class RunCheckpointer:
             like["client_states"], items = store.states, {}
         abstract = jax.tree_util.tree_map(ocp.utils.to_shape_dtype_struct, like)
         try:
-            with _orbax_reading():
+            with _orbax_io():
                 restored = self._manager.restore(rounds_done, args=ocp.args.Composite(
                     state=ocp.args.StandardRestore(abstract), meta=ocp.args.JsonRestore(), **items))
         except Exception as err:  # orbax raises many kinds; each means this folder cannot be used
@@ -310,7 +340,7 @@ class RunCheckpointer:
             return None
         self._verify(rounds_done)
         try:
-            with _orbax_reading():
+            with _orbax_io():
                 meta = self._manager.restore(rounds_done, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
         except Exception as err:
             raise self._unreadable(rounds_done, err) from err

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
+import re
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -258,8 +261,61 @@ def compilation_cache_dir() -> Path:
     return base / "fedjax_sparse" / "jax"
 
 
+class CompilationCacheGuard:
+    """Keeps JAX's persistent compilation cache free of entries cut short, and its failures out of the run's output.
+
+    JAX writes an entry in place (no temporary file) and never replaces one that exists: a write stopped by a
+    file-size limit or a full disk left a cut entry, which every later run failed to read, warning in two lines
+    ("Error reading persistent compilation cache entry", then compiling anew), for good. JAX has no option to
+    write atomically or drop what it cannot read, and reports both failures only as warnings naming the
+    function (not its entry), so the guard sees JAX's warnings (`warnings.showwarning`, always shown to it):
+
+    * a write that failed: the function's entries this process made (not in the folder when the cache was
+      set up) are deleted; the warning is dropped (the run's own files, under the same limit or disk, say what
+      failed in its one line; the cache costs only a compilation);
+    * a read that failed (an entry cut short by a kill or before this guard): the function's entries are
+      deleted, so that JAX writes the one it compiles next instead, whole (the function's entries of other
+      shapes are compiled again once: which entry failed, JAX does not say); the warning is dropped.
+
+    Other warnings go on to the `showwarning` there was.
+    """
+
+    FAILURE = re.compile(r"Error (reading|writing) persistent compilation cache entry for '([^']+)'")
+
+    def __init__(self):
+        self.path: Path | None = None
+        self.present: set[str] = set()  # the entries in the folder when the cache was set up
+        self.previous = warnings.showwarning
+
+    def watch(self, path: Path | None) -> None:
+        """Guards the cache in `path` (None: none) from now on."""
+        self.path, self.present = path, set(os.listdir(path)) if path is not None else set()
+        if path is None:
+            return
+        if warnings.showwarning != self.showwarning:  # (again after a test's catch_warnings restored it)
+            self.previous, warnings.showwarning = warnings.showwarning, self.showwarning
+        # every failure, not only a function's first: each may leave its own entry
+        warnings.filterwarnings("always", message=self.FAILURE.pattern, category=UserWarning)
+
+    def showwarning(self, message, category, filename, lineno, file=None, line=None) -> None:
+        failure = self.FAILURE.match(str(message)) if self.path is not None else None
+        if failure is None:
+            self.previous(message, category, filename, lineno, file, line)
+            return
+        kind, function = failure.groups()
+        entry = re.compile(re.escape(function) + r"-[0-9a-f]+-cache")
+        with contextlib.suppress(OSError):
+            for name in os.listdir(self.path):
+                if entry.fullmatch(name) and (kind == "reading" or name not in self.present):
+                    (self.path / name).unlink(missing_ok=True)
+
+
+_cache_guard = CompilationCacheGuard()
+
+
 def use_compilation_cache(enabled: bool) -> None:
-    """Turns JAX's persistent compilation cache on (in `compilation_cache_dir()`) or off.
+    """Turns JAX's persistent compilation cache on (in `compilation_cache_dir()`, guarded by
+    `CompilationCacheGuard`) or off.
 
     A run's first round spends seconds compiling; with the cache, a repeated
     run (same model, algorithm and shapes) loads the compiled round instead.
@@ -267,7 +323,9 @@ def use_compilation_cache(enabled: bool) -> None:
     if enabled:
         path = compilation_cache_dir()
         path.mkdir(parents=True, exist_ok=True)
+        _cache_guard.watch(path)
         jax.config.update("jax_compilation_cache_dir", str(path))
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
     else:
+        _cache_guard.watch(None)
         jax.config.update("jax_compilation_cache_dir", None)

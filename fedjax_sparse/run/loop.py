@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import logging
 import math
+import os
 import signal
 import time
 import uuid
@@ -30,7 +32,7 @@ from fedjax_sparse.run.config import RunConfig
 from fedjax_sparse.run.experiment import Experiment, build_experiment, load_run_dataset, use_compilation_cache
 from fedjax_sparse.run.faults import fault_point
 from fedjax_sparse.run.folder import (SHARED_CHECK, RunFolderError, RunManifest, claim_run_folder, hold_run_folder,
-                                      shared_folder_problem)
+                                      recorded_files, shared_folder_problem)
 from fedjax_sparse.run.outputs import RunWriteError, RunWriter, device_description, progress_bar
 from fedjax_sparse.run.resume import check_resume, restore
 from fedjax_sparse.run.signals import StopAfterRound
@@ -142,7 +144,8 @@ def run_experiment(config: RunConfig, *, progress: bool = True, resume: bool = F
     writing summary.json with status "failed" where it still can (the metrics file, the TensorBoard
     events and the summary are written apart, so either's failure still reaches the summary); earlier
     checkpoints stay intact. A refusal, or data that cannot be loaded, leave a new run's folder holding
-    its lock alone (no summary), so the same command may simply be run again.
+    its lock alone (no summary), so the same command may simply be run again; a resumed run's summary
+    says "failed" then, keeping what the run had measured (`FailedResume`).
 
     Several processes (`core.distributed.initialize` first): every process calls this with the
     same config. Process 0 alone holds the lock, claims the folder and writes the run's files;
@@ -157,7 +160,7 @@ def run_experiment(config: RunConfig, *, progress: bool = True, resume: bool = F
     use_compilation_cache(config.compilation_cache)
     process = current_process()
     lead = process.index == 0
-    with hold_run_folder(out) if lead else contextlib.nullcontext(out):
+    with hold_run_folder(out) if lead else contextlib.nullcontext(out), FailedResume(out, resume and lead) as refused:
         failure, snapshot, dataset, counters, manifest = None, None, None, Counters(), None
         try:  # the folder made this run's (by process 0) before any process writes into it
             if lead and not resume:
@@ -191,10 +194,51 @@ def run_experiment(config: RunConfig, *, progress: bool = True, resume: bool = F
                 server_state, meta, records = restore(exp, out, lead, allow_data_change)
                 counters = Counters(**meta["counters"])
             with StopAfterRound(first_round=counters.rounds_done + 1, last_round=config.rounds) as stop:
+                refused.recording = False  # the rounds write the run's summary, whatever happens in them
                 return _run_rounds(exp, config, out, counters, records, server_state, stop,
                                    progress and lead, start, manifest)
         finally:
             exp.close()
+
+
+class FailedResume:
+    """Where a resume stops before its rounds (refused: a flag that would change the results, a damaged
+    checkpoint; or failing to start: data that cannot be loaded), makes the run's summary.json say so,
+    "status": "failed" with the one line, instead of the status of the attempt before ("completed", ...),
+    which a reader (a script polling the folder) would take for this attempt's.
+
+    Nothing the summary held is lost: the run's rounds are still done and its figures still true (a
+    refused resume changes none of the run's files), so the summary keeps them, and keeps the status
+    of the run's last attempt that ran as `status_before_resume`. Only a summary this library provably
+    wrote is replaced (the folder's manifest records it, `run.folder.RunManifest`), or one added where a
+    run's folder has none (a run killed before it); a summary that cannot be written leaves the one line.
+    `recording` (set False once the rounds begin, which write the summary themselves) turns it off."""
+
+    def __init__(self, out: Path, recording: bool):
+        self.out, self.recording = out, recording
+
+    def __enter__(self) -> "FailedResume":
+        return self
+
+    def __exit__(self, kind, err, traceback) -> None:
+        if self.recording and isinstance(err, Exception):
+            self._record(err)
+
+    def _record(self, err: Exception) -> None:
+        path = self.out / "summary.json"
+        recorded, _ = recorded_files(self.out)
+        if not recorded or (os.path.lexists(path) and path.name not in recorded):
+            return  # not provably the run's summary: the user's, or a run's from before the manifest
+        try:
+            before = json.loads(path.read_text()) if path.exists() else {}
+        except (OSError, ValueError):  # json.JSONDecodeError and UnicodeDecodeError are ValueErrors
+            before = {}
+        before = before if isinstance(before, dict) else {}
+        status = before.get("status_before_resume", before.get("status"))
+        line = io_reason(err) if isinstance(err, OSError) and err.errno else " ".join(str(err).split())
+        with contextlib.suppress(RunWriteError, OSError):
+            RunWriter(self.out, RunManifest(self.out)).write_summary(
+                {**before, "status": "failed", "error": line, **({"status_before_resume": status} if status else {})})
 
 
 def check_shared_folder(out: Path, process) -> None:
