@@ -21,7 +21,11 @@ from fedjax_sparse.building_blocks import AlgorithmSpec, option
 from fedjax_sparse.run.cli import main
 from fedjax_sparse.run.config import RunConfig
 from fedjax_sparse.run.signals import StopAfterRound
-from test_faults import TINY, one_line
+from test_faults import ROOT, TINY, one_line
+
+if ROOT not in sys.path:  # `benchmarks` is a top-level folder of the repository, not installed
+    sys.path.insert(0, ROOT)
+from benchmarks.plugin_dists import install_plugins  # noqa: E402 - the fault sweep installs them the same way
 
 
 @pytest.fixture
@@ -165,15 +169,7 @@ def spec(name, options=None):
 @pytest.fixture
 def installed(tmp_path, monkeypatch, clean_registry):
     """PLUGINS installed: each package's module and its dist-info (METADATA, entry_points.txt)."""
-    site = tmp_path / "site"
-    for dist, (files, entries) in PLUGINS.items():
-        info = site / f"{dist.replace('-', '_')}-1.0.dist-info"
-        info.mkdir(parents=True)
-        (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {dist}\nVersion: 1.0\n")
-        (info / "entry_points.txt").write_text(f"[{registry.ENTRY_POINT_GROUP}]\n" + "".join(
-            f"{name} = {value}\n" for name, value in entries.items()))
-        for file, text in files.items():
-            (site / file).write_text(text)
+    site = install_plugins(tmp_path / "site", PLUGINS)
     monkeypatch.syspath_prepend(str(site))
     monkeypatch.setattr(registry.metadata, "entry_points", lambda group: [
         entry for d in metadata.distributions(path=[str(site)]) for entry in d.entry_points if entry.group == group])
