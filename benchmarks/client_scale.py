@@ -149,7 +149,8 @@ def workload(algorithm: str, num_clients: int):
 
 def run_setting(setting: Setting, data_dir: Path, work_dir: Path, process=None, mesh=None) -> dict:
     from fedjax_sparse.core.client_store import choose_store, initial_server_state, make_store
-    from fedjax_sparse.core.round import default_client_chunk, sample_clients_host
+    from fedjax_sparse.core.participation import sample_clients_host
+    from fedjax_sparse.core.round import default_client_chunk
     from fedjax_sparse.core.store_round import StoreRound
     from fedjax_sparse.data.federated import FederatedSplit
     from fedjax_sparse.data.windows import host_data, open_host_data

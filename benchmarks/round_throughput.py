@@ -84,7 +84,8 @@ from fedjax_sparse.core.algorithm import FederatedAlgorithm
 from fedjax_sparse.core.compilation import jit
 from fedjax_sparse.core.cpu_round import CpuRound, keep_freed_memory, round_devices, use_cpu_cores
 from fedjax_sparse.core.local_training import LocalSGD, masked_cross_entropy
-from fedjax_sparse.core.round import build_round, client_keys, default_client_chunk, round_info, sample_clients
+from fedjax_sparse.core.participation import sample_clients
+from fedjax_sparse.core.round import build_round, client_keys, default_client_chunk, round_info
 from fedjax_sparse.data import load_dataset
 from fedjax_sparse.data.federated import (Batch, ClientData, FederatedSplit, client_batch,
                                           epoch_permutations, federated_split, padded_step_fraction)

@@ -12,7 +12,8 @@ Local objectives (`core.local_training`)
     LocalSGD.train with a LocalObjective (a forward pass of its own, an extra loss, a gradient
     correction, an update mask, a projection after each step, another optimizer); proximal_term.
 Aggregation and the server's step (`core.aggregation`, `core.server_optimizer`)
-    weighted_mean, masked_mean, mean_of_sent; ServerOptimizer (init_state, step_toward, apply: the
+    weighted_mean, masked_mean, mean_of_sent, uniform_mean, present_sum, present_only (the reductions over
+    the clients taking part, `RoundInfo.participating`); ServerOptimizer (init_state, step_toward, apply: the
     FedOpt step on the mean delta, over held entries only), STATE_KEY, without_optimizer_state.
 Unit masks and sub-models (`core.unit_masks`, `core.unit_selection`)
     full_unit_masks, variable_masks, keep_top_units, prefix_scores: structured sparsity on any model
@@ -32,7 +33,8 @@ The tutorial "Write your own algorithm" (docs/) builds top-k FedAvg with error f
 FedPer from these pieces.
 """
 
-from fedjax_sparse.core.aggregation import masked_mean, mean_of_sent, weighted_mean
+from fedjax_sparse.core.aggregation import (masked_mean, mean_of_sent, present_only, present_sum, uniform_mean,
+                                           weighted_mean)
 from fedjax_sparse.core.algorithm import AlgorithmSpec, BuildContext, FederatedAlgorithm, NoOptions, RoundInfo, replicate
 from fedjax_sparse.core.compression import decompressed, error_feedback, random_k, stochastic_quantization, top_k
 from fedjax_sparse.core.local_training import LocalObjective, LocalSGD, proximal_term
@@ -50,6 +52,7 @@ __all__ = [
     "LocalSGD", "NoOptions", "QuantizedArray", "RoundInfo", "STATE_KEY", "ServerOptimizer", "ServerOptimizerOptions",
     "SparseArray", "decompressed", "error_feedback", "from_options", "full_unit_masks", "keep_top_units",
     "masked_mean", "mean_of_sent", "merge", "message_bytes", "option", "overlay", "part_labels", "prefix_scores",
-    "proximal_term", "random_k", "replicate", "server_optimizer", "stochastic_quantization", "take_part", "top_k",
-    "variable_masks", "weighted_mean", "without_optimizer_state",
+    "present_only", "present_sum", "proximal_term", "random_k", "replicate", "server_optimizer",
+    "stochastic_quantization", "take_part", "top_k", "uniform_mean", "variable_masks", "weighted_mean",
+    "without_optimizer_state",
 ]

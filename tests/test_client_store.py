@@ -13,7 +13,7 @@ from fedjax_sparse.core.algorithm import BuildContext
 from fedjax_sparse.core.client_rows import RowLayout, SlotMap
 from fedjax_sparse.core.client_store import choose_store, initial_server_state, make_store, server_init
 from fedjax_sparse.core.local_training import LocalSGD
-from fedjax_sparse.core.round import sample_clients, sample_clients_host
+from fedjax_sparse.core.participation import sample_clients, sample_clients_host
 from fedjax_sparse.core.store_round import StoreRound
 from fedjax_sparse.data.federated import federated_split
 from fedjax_sparse.data.windows import host_data, open_host_data, save_host_data

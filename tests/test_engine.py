@@ -10,7 +10,8 @@ from fedjax_sparse.algorithms import fedavg, fednova, fedprox, local_only, scaff
 from fedjax_sparse.core.aggregation import weighted_mean
 from fedjax_sparse.core.evaluation import personalized_evaluator
 from fedjax_sparse.core.local_training import LocalSGD, masked_cross_entropy, run_local_steps
-from fedjax_sparse.core.round import build_round, client_keys, default_client_chunk, round_info, sample_clients
+from fedjax_sparse.core.participation import sample_clients
+from fedjax_sparse.core.round import build_round, client_keys, default_client_chunk, round_info
 from fedjax_sparse.core.server_optimizer import server_optimizer
 from fedjax_sparse.data.federated import (client_batch, epoch_permutations, federated_split, normalize,
                                           steps_per_epoch)

@@ -116,8 +116,8 @@ def fedadp(context: BuildContext, options: FedADPOptions) -> FederatedAlgorithm:
         return up, client_state, {**stats, "upload_ratio": upload_ratio(structure, masks)}
 
     def server_update(server_state, ups, weights, info):
-        del info
-        params, held = mean_of_sent({"params": ups["params"]}, weights, {"params": server_state["variables"]["params"]})
+        params, held = mean_of_sent({"params": ups["params"]}, weights, {"params": server_state["variables"]["params"]},
+                                    info.participating)
         return server.step_toward(server_state, {**params, "batch_stats": weighted_mean(ups["batch_stats"], weights)},
                                   held)
 

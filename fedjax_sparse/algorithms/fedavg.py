@@ -3,8 +3,8 @@
 The message both ways is the model's variables: weights and, for models with
 BatchNorm, its running statistics, without which the aggregate cannot predict.
 The mean is weighted by the clients' numbers of examples (`data`, McMahan et
-al.) or uniform over the sampled clients (`uniform`, as SpaFL's appendix A.1.1
-runs its FedAvg baseline). The server steps toward it with its optimizer
+al.) or uniform over the sampled clients that take part (`uniform`, as SpaFL's
+appendix A.1.1 runs its FedAvg baseline). The server steps toward it with its optimizer
 (`core.server_optimizer`; default sgd at lr 1: the mean replaces the global
 model, McMahan et al.'s rule; adam: FedAdam).
 """
@@ -44,9 +44,9 @@ def fedavg(local: LocalSGD, aggregation_weights: str = "data",
         return variables, client_state, stats
 
     def server_update(server_state, ups, weights, info):
-        del info
-        mean = weighted_mean(ups, weights if aggregation_weights == "data" else jnp.ones_like(weights))
-        return server.step_toward(server_state, mean)
+        if aggregation_weights == "uniform":  # equal weights for the clients taking part, none for the absent
+            weights = jnp.ones_like(weights) if info.participating is None else info.participating.astype(weights.dtype)
+        return server.step_toward(server_state, weighted_mean(ups, weights))
 
     return FederatedAlgorithm(
         name="fedavg",

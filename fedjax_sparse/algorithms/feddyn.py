@@ -4,7 +4,7 @@ the clients' optima line up with the global one.
 Client k keeps the gradient state g_k (zeros at first) and, from the server's model theta, minimizes
     L_k(w) - <g_k, w> + (alpha / 2) ||w - theta||^2
 by the run's local SGD; then g_k <- g_k - alpha (w_k - theta). It uploads w_k.
-Server (the paper's Algorithm 1, m = all clients, P = the round's):
+Server (the paper's Algorithm 1, m = all clients, P = the round's that take part):
     h <- h - alpha (1/m) sum_{k in P} (w_k - theta)
     theta <- (1/|P|) sum_{k in P} w_k - h / alpha.
 Only trainable weights carry the dynamic terms; BatchNorm statistics are averaged as FedAvg's.
@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 
 from fedjax_sparse.building_blocks import (AlgorithmSpec, BuildContext, FederatedAlgorithm, LocalObjective, option,
-                                           proximal_term, replicate, weighted_mean)
+                                           present_sum, proximal_term, replicate, uniform_mean, weighted_mean)
 
 tree_map = jax.tree_util.tree_map
 
@@ -55,9 +55,10 @@ def feddyn(context: BuildContext, options: FedDynOptions) -> FederatedAlgorithm:
 
     def server_update(server_state, ups, weights, info):
         theta = server_state["variables"]["params"]
-        drift = tree_map(lambda w, t: jnp.sum(w - t, axis=0), ups["params"], theta)
+        # P = the clients taking part: an absent slot is in neither the drift's sum nor the mean's count
+        drift = present_sum(tree_map(lambda w, t: w - t, ups["params"], theta), info.participating)
         h = tree_map(lambda h, d: h - alpha / num_clients * d, server_state["h"], drift)
-        mean = tree_map(lambda w: jnp.mean(w, axis=0), ups["params"])
+        mean = uniform_mean(ups["params"], info.participating)
         params = tree_map(lambda m, h: m - h / alpha, mean, h)
         stats = weighted_mean(ups["batch_stats"], weights)
         return {"variables": {"params": params, "batch_stats": stats}, "h": h}

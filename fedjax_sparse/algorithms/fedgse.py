@@ -168,8 +168,14 @@ def fedgse(context: BuildContext, options: FedGSEOptions) -> FederatedAlgorithm:
         accuracy = jax.vmap(lambda p, m: class_accuracy(
             model, {"params": p, "batch_stats": stats, "unit_masks": m}, public, num_classes))(
             params, ups["unit_masks"].value)
-        return {"class_accuracy": memory["class_accuracy"].at[info.client_ids].set(accuracy),
-                "seen": memory["seen"].at[info.client_ids].set(True)}
+        ids, present = info.client_ids, info.participating
+        if present is None:
+            return {"class_accuracy": memory["class_accuracy"].at[ids].set(accuracy),
+                    "seen": memory["seen"].at[ids].set(True)}
+        # an absent client sent no sub-model: what the server knows of it stays
+        return {"class_accuracy": memory["class_accuracy"].at[ids].set(
+                    jnp.where(present[:, None], accuracy, memory["class_accuracy"][ids])),
+                "seen": memory["seen"].at[ids].set(present | memory["seen"][ids])}
 
     if options.similar_labels == "csl":
         return submodel_algorithm("fedgse", context, options, scores,

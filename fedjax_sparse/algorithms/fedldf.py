@@ -38,6 +38,13 @@ n = K is FedAvg (every client uploads every layer; the mean is the same
 data-size-weighted mean, up to float rounding of a different summation).
 The server steps toward the per-layer means with its optimizer
 (`core.server_optimizer`; sgd at lr 1 by default: the means replace the layers).
+
+Where participation varies (`RoundInfo.participating`), every choice is made among the clients
+taking part: an absent client never uploads a layer, and a layer goes to min(n, present) clients.
+FedLDF's ranking then is exactly the ranking of a round without the absent clients. The random
+baselines draw among the present too, each n-subset of them equally likely, as in such a round; but
+their draw is over the round's K slots, so it is not the same draw as a round of the present alone
+(the same only where n >= the clients present, when every one of them uploads).
 """
 
 from __future__ import annotations
@@ -84,14 +91,27 @@ def top_n_per_layer(scores: jax.Array, n: int) -> jax.Array:
     return ranks < n
 
 
-def random_n_per_layer(key: jax.Array, num_clients: int, num_layers: int, n: int) -> jax.Array:
-    """[K, L] bool with exactly n True per column, each n-subset equally likely."""
-    return top_n_per_layer(jax.random.uniform(key, (num_clients, num_layers)), n)
+def top_n_present(scores: jax.Array, n: int, participating: jax.Array | None) -> jax.Array:
+    """`top_n_per_layer` over the clients taking part ([K] bool, `RoundInfo`; None: all): an absent client
+    ranks below every present one and is never chosen, so the present are ranked as in a round without it
+    (fewer than n present: all of them)."""
+    if participating is None:
+        return top_n_per_layer(scores, n)
+    present = participating.reshape((-1,) + (1,) * (scores.ndim - 1))
+    return top_n_per_layer(jnp.where(present, scores, -jnp.inf), n) & present
 
 
-def random_n_clients(key: jax.Array, num_clients: int, n: int) -> jax.Array:
-    """[K] bool with exactly n True, each n-subset equally likely."""
-    return top_n_per_layer(jax.random.uniform(key, (num_clients, 1)), n)[:, 0]
+def random_n_per_layer(key: jax.Array, num_clients: int, num_layers: int, n: int,
+                       participating: jax.Array | None = None) -> jax.Array:
+    """[K, L] bool with exactly n True per column (min(n, present) among the clients taking part), each
+    n-subset equally likely."""
+    return top_n_present(jax.random.uniform(key, (num_clients, num_layers)), n, participating)
+
+
+def random_n_clients(key: jax.Array, num_clients: int, n: int, participating: jax.Array | None = None) -> jax.Array:
+    """[K] bool with exactly n True (min(n, present) among the clients taking part), each n-subset equally
+    likely."""
+    return top_n_present(jax.random.uniform(key, (num_clients, 1)), n, participating)[:, 0]
 
 
 def _sparsify(variables, masks):
@@ -111,9 +131,10 @@ def _masked_aggregate(server: ServerOptimizer, server_state, sparse_variables, w
 
 
 def _layer_upload_algorithm(name: str, local: LocalSGD, groups: LayerGroups,
-                            choose: Callable[[jax.Array, jax.Array], jax.Array],
+                            choose: Callable[[jax.Array, jax.Array, jax.Array | None], jax.Array],
                             server: ServerOptimizer | None) -> FederatedAlgorithm:
-    """FedLDF's round with a pluggable per-layer choice `choose(divergences [K, L], key) -> [K, L] bool`.
+    """FedLDF's round with a pluggable per-layer choice `choose(divergences [K, L], key, participating)
+    -> [K, L] bool`, which never chooses a client absent from the round (`RoundInfo.participating`).
 
     FedAvg's round with the divergence feedback added to the upload, the
     server's per-layer choice of what is really sent, and the masked mean.
@@ -128,7 +149,7 @@ def _layer_upload_algorithm(name: str, local: LocalSGD, groups: LayerGroups,
 
     def select_uploads(ups, weights, info):
         del weights  # eq. 4 ranks by divergence only; the data sizes enter the mean (eq. 5)
-        selection = choose(ups["divergence"], info.server_key)
+        selection = choose(ups["divergence"], info.server_key, info.participating)
         masks = groups.expand(selection, ups["variables"])
         return {"divergence": ups["divergence"], "variables": _sparsify(ups["variables"], masks)}
 
@@ -146,33 +167,40 @@ def fedldf(local: LocalSGD, clients_per_layer: int, clients_per_round: int,
     groups = model_layer_groups(local.model)
     n = clients_per_layer
     return _layer_upload_algorithm("fedldf", local, groups,
-                                   lambda divergence, key: top_n_per_layer(divergence, n), server)
+                                   lambda divergence, key, participating: top_n_present(divergence, n, participating),
+                                   server)
 
 
 def fedldf_random(local: LocalSGD, clients_per_layer: int, clients_per_round: int,
                   server: ServerOptimizer | None = None) -> FederatedAlgorithm:
-    """The paper's "random" baseline: per layer, n clients drawn at random upload it (FedLDF's bytes)."""
+    """The paper's "random" baseline: per layer, n clients drawn at random upload it (FedLDF's bytes).
+
+    Drawn among the clients taking part, over the round's K slots: with a slot absent, not the draw of a
+    round of the others alone (the same where n >= the clients present; the module docstring)."""
     check_clients_per_layer(clients_per_layer, clients_per_round, "fedldf_random")
     groups = model_layer_groups(local.model)
     n = clients_per_layer
 
-    def choose(divergence, key):
+    def choose(divergence, key, participating):
         k, num_layers = divergence.shape
-        return random_n_per_layer(key, k, num_layers, n)
+        return random_n_per_layer(key, k, num_layers, n, participating)
 
     return _layer_upload_algorithm("fedldf_random", local, groups, choose, server)
 
 
 def hdfl(local: LocalSGD, clients_per_layer: int, clients_per_round: int,
          server: ServerOptimizer | None = None) -> FederatedAlgorithm:
-    """HDFL-style client dropping: a random n of the K clients upload the whole model; no feedback."""
+    """HDFL-style client dropping: a random n of the K clients upload the whole model; no feedback.
+
+    Drawn among the clients taking part, over the round's K slots: with a slot absent, not the draw of a
+    round of the others alone (the same where n >= the clients present; the module docstring)."""
     check_clients_per_layer(clients_per_layer, clients_per_round, "hdfl")
     n = clients_per_layer
 
     def select_uploads(ups, weights, info):
         del weights
         k = jax.tree_util.tree_leaves(ups)[0].shape[0]
-        chosen = random_n_clients(info.server_key, k, n)
+        chosen = random_n_clients(info.server_key, k, n, info.participating)
         masks = tree_map(lambda x: jnp.broadcast_to(chosen.reshape((k,) + (1,) * (x.ndim - 1)), x.shape), ups)
         return _sparsify(ups, masks)
 

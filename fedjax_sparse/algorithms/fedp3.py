@@ -226,8 +226,7 @@ def fedp3(context: BuildContext, options: FedP3Options) -> FederatedAlgorithm:
         return tree_map(up_leaf, trained, up_entries), trained, metrics
 
     def server_update(server_state, ups, weights, info):
-        del info
-        mean, held = mean_of_sent(ups, weights, server_state["variables"])
+        mean, held = mean_of_sent(ups, weights, server_state["variables"], info.participating)
         return server.step_toward(server_state, mean, held)
 
     return FederatedAlgorithm(

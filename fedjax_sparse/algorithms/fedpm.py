@@ -31,7 +31,8 @@ Server (Bayesian aggregation, the code's `sample_mask_aggregation`). A Beta(alph
 per entry: the prior is reset to Beta(1, 1) every `prior_reset` rounds (1: every round, the
 code's choice; 0: never, the posterior accumulates over the whole run), then
 alpha += sum_k m_k, beta += sum_k (1 - m_k), and theta = (alpha - 1) / (alpha + beta - 2), the
-posterior mode (with the prior reset every round, the mean of the K samples). theta is clipped to
+posterior mode (with the prior reset every round, the mean of the K samples); the sums run over the
+clients that take part. theta is clipped to
 [0.01, 0.99] so that the next round's scores are finite (the code maps the sampled bits to
 0.01/0.99 before counting, which keeps the same range). BatchNorm statistics: the data-weighted
 mean of the clients'.
@@ -56,7 +57,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from fedjax_sparse.core.aggregation import weighted_mean
+from fedjax_sparse.core.aggregation import present_only, weighted_mean
 from fedjax_sparse.core.algorithm import AlgorithmSpec, BuildContext, FederatedAlgorithm, replicate
 from fedjax_sparse.core.flops import layer_forward_flops
 from fedjax_sparse.core.local_training import LocalObjective
@@ -132,13 +133,16 @@ def masked_params(weights: dict, paths: dict, masks: dict) -> dict:
     return weights
 
 
-def beta_posterior(alpha: dict, beta: dict, bits: dict, reset: jax.Array) -> tuple[dict, dict, dict]:
+def beta_posterior(alpha: dict, beta: dict, bits: dict, reset: jax.Array,
+                   participating: jax.Array | None = None) -> tuple[dict, dict, dict]:
     """(alpha, beta, theta) after the K samples `bits` ({name: [K, ...]}); the prior is Beta(1, 1)
-    first where `reset`. theta: the posterior mode (alpha - 1) / (alpha + beta - 2), clipped."""
+    first where `reset`. theta: the posterior mode (alpha - 1) / (alpha + beta - 2), clipped.
+    `participating` (`RoundInfo`): the samples of the clients taking part alone are counted."""
     def update(a, b, m):
-        ones = jnp.sum(m.astype(jnp.float32), axis=0)
+        samples = m.shape[0] if participating is None else jnp.sum(participating.astype(jnp.float32))
+        ones = jnp.sum(present_only(m, participating).astype(jnp.float32), axis=0)
         a = jnp.where(reset, PRIOR, a) + ones
-        b = jnp.where(reset, PRIOR, b) + (m.shape[0] - ones)
+        b = jnp.where(reset, PRIOR, b) + (samples - ones)
         theta = jnp.clip((a - 1.0) / jnp.maximum(a + b - 2.0, 1e-12), *THETA_RANGE)
         return a, b, theta
 
@@ -216,7 +220,8 @@ def fedpm(context: BuildContext, options: FedPMOptions) -> FederatedAlgorithm:
     def server_update(server_state, ups, weights, info):
         bits = {name: coded.bits for name, coded in ups["mask"].items()}
         reset = (options.prior_reset > 0) & (info.index % max(options.prior_reset, 1) == 0)
-        alpha, beta, theta = beta_posterior(server_state["alpha"], server_state["beta"], bits, reset)
+        alpha, beta, theta = beta_posterior(server_state["alpha"], server_state["beta"], bits, reset,
+                                            info.participating)
         return {**server_state, "theta": theta, "alpha": alpha, "beta": beta,
                 "batch_stats": weighted_mean(ups["batch_stats"], weights), "round": server_state["round"] + 1}
 

@@ -27,7 +27,8 @@ RigL-type prune-and-grow the paper's setting implies:
     server learns the mask), and the dense leaves.
   * Server: per entry, the data-weighted mean over the clients whose mask holds it (an entry no
     client holds keeps its value), the server optimizer's step toward it (sgd at lr 1 by
-    default), and each sampled client's new mask into its memory.
+    default), and each sampled client's new mask into its memory (of the clients taking part:
+    an absent one's memory stays).
   * Personal model: each client's last trained sparse model (a client never sampled: the initial
     model at its initial mask); FedSpa has no global model to evaluate.
 
@@ -177,10 +178,13 @@ def fedspa(context: BuildContext, options: FedSpaOptions) -> FederatedAlgorithm:
         return up, trained, metrics
 
     def server_update(server_state, ups, weights, info):
-        mean, held = mean_of_sent(ups, weights, server_state["variables"])
+        mean, held = mean_of_sent(ups, weights, server_state["variables"], info.participating)
         state = server.step_toward(server_state, mean, held)
         ids = info.client_ids
         new = {l.name: get_path(ups["params"], l.kernel).mask for l in structure.layers}
+        if info.participating is not None:  # an absent client's mask did not change: the server keeps its own
+            new = tree_map(lambda memory, m: jnp.where(info.participating.reshape((-1,) + (1,) * (m.ndim - 1)),
+                                                       m, memory[ids]), server_state["memory"], new)
         state["memory"] = tree_map(lambda memory, m: memory.at[ids].set(m), server_state["memory"], new)
         return state
 

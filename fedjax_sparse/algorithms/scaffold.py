@@ -8,10 +8,11 @@ SGD steps per unit gradient. Under momentum rho the same K_i steps move the weig
 c_i an estimate of the client's mean gradient whatever the momentum (`core.control_variates`).
 The server moves x by lr_g times the mean model delta (its optimizer's step,
 `core.server_optimizer`: sgd at --server-lr lr_g by default) and c by (1/N) times the sum of
-control deltas. Both directions carry a model-sized tensor twice (model and control
-variate), which is why its bytes per round are double FedAvg's. As in the paper, the
-sampled clients are averaged uniformly. Control variates cover the trainable weights;
-BatchNorm statistics travel with the model and are averaged like it.
+control deltas, both over the round's clients that take part. Both directions carry a
+model-sized tensor twice (model and control variate), which is why its bytes per round are
+double FedAvg's. As in the paper, the sampled clients are averaged uniformly. Control
+variates cover the trainable weights; BatchNorm statistics travel with the model and are
+averaged like it.
 """
 
 from __future__ import annotations
@@ -59,11 +60,12 @@ def scaffold(local: LocalSGD, num_clients: int, server: ServerOptimizer | None =
         return up, new_control, stats
 
     def server_update(server_state, ups, weights, info):
-        del weights, info
-        mean = uniform_mean(ups)
+        del weights
+        mean = uniform_mean(ups, info.participating)
         params, optimizer_state = server.apply(server_state["variables"]["params"], mean["delta"],
                                                server_state[STATE_KEY])
-        control = server_control_update(server_state["control"], ups["control_delta"], num_clients)
+        control = server_control_update(server_state["control"], ups["control_delta"], num_clients,
+                                        info.participating)
         return {"variables": {"params": params, "batch_stats": mean["batch_stats"]}, "control": control,
                 STATE_KEY: optimizer_state}
 

@@ -411,8 +411,8 @@ def _builder(local: LocalSGD, sparsity_coef: float, weight_bounds: bool, thresho
     def server_update(server_state, ups, weights, info):
         if not communicate:
             return server_state
-        del weights, info  # eq. 7: uniform mean over the K sampled clients
-        return {"thresholds": uniform_mean(ups)}
+        del weights  # eq. 7: uniform mean over the K sampled clients (those taking part)
+        return {"thresholds": uniform_mean(ups, info.participating)}
 
     return FederatedAlgorithm(
         name="spafl" if communicate else "spafl_local",

@@ -97,7 +97,7 @@ import numpy as np
 
 from fedjax_sparse.agent import (AgentConfig, AgentState, GraphTemplate, PruningEnv, init_agent, load_agent,
                                  search, unit_norm_statistics)
-from fedjax_sparse.core.aggregation import masked_mean, weighted_mean
+from fedjax_sparse.core.aggregation import masked_mean, present_only, uniform_mean, weighted_mean
 from fedjax_sparse.core.algorithm import AlgorithmSpec, BuildContext, FederatedAlgorithm, replicate
 from fedjax_sparse.core.control_variates import control_update, corrected_gradients, server_control_update
 from fedjax_sparse.core.flops import layer_forward_flops
@@ -438,8 +438,11 @@ def spatl(context: BuildContext, options: SPATLOptions, policy: SalientPolicy | 
         return up, new_state, {**stats, **policy_metrics}
 
     def server_update(server_state, ups, weights, info):
+        # |K| and every sum: the clients taking part (`RoundInfo.participating`); an absent one sent nothing
+        participating = info.participating
         values = tree_map(lambda s: s.values, ups["encoder"], is_leaf=is_sparse)
-        masks = tree_map(lambda s: s.mask.astype(jnp.float32), ups["encoder"], is_leaf=is_sparse)
+        masks = present_only(tree_map(lambda s: s.mask.astype(jnp.float32), ups["encoder"], is_leaf=is_sparse),
+                             participating)
         old = server_state["encoder"]
         held = None
         if options.spatl_aggregation == "fedavg":
@@ -447,12 +450,14 @@ def spatl(context: BuildContext, options: SPATLOptions, policy: SalientPolicy | 
         else:  # the rule's result at eta_g = 1; the server optimizer takes the step (eta_g = --server-lr)
             held = tree_map(lambda m: jnp.any(m > 0, axis=0), masks)
             if options.spatl_aggregation == "eq12":
-                target = tree_map(lambda w, v, m: w + jnp.mean(m * (v - w), axis=0), old, values, masks)
+                target = tree_map(lambda w, mean: w + mean, old,
+                                  uniform_mean(tree_map(lambda w, v, m: m * (v - w), old, values, masks),
+                                               participating))
             else:  # masked_mean: toward each entry's mean over the clients that sent it
                 target = masked_mean(values, masks, jnp.ones_like(weights), old)
         state = server.step_toward(server_state, target, held, key="encoder")
         return {**state, "control": server_control_update(server_state["control"], ups["control_delta"],
-                                                          num_clients),
+                                                          num_clients, participating),
                 "round": info.index}
 
     def client_variables(server_state, state):

@@ -112,7 +112,7 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 
-from fedjax_sparse.core.aggregation import masked_mean
+from fedjax_sparse.core.aggregation import masked_mean, present_only
 from fedjax_sparse.core.algorithm import AlgorithmSpec, BuildContext, FederatedAlgorithm, RoundInfo
 from fedjax_sparse.core.compilation import jit
 from fedjax_sparse.core.evaluation import population_batch_stats
@@ -210,7 +210,8 @@ def client_capacity(options: SubmodelOptions, seed: int, round_index: jax.Array,
 
 @dataclasses.dataclass(frozen=True)
 class ServerMemory:
-    """What a rule's server remembers per client: init(num_clients) and update(memory, ups, info)."""
+    """What a rule's server remembers per client: init(num_clients) and update(memory, ups, info), which
+    leaves the memory of a client absent from the round (`RoundInfo.participating`) as it was."""
 
     init: Callable[[int], Any]
     update: Callable[[Any, Any, RoundInfo], Any]
@@ -325,7 +326,9 @@ def submodel_algorithm(name: str, context: BuildContext, options: SubmodelOption
     def server_update(server_state, ups, weights, info):
         is_known = lambda x: isinstance(x, KnownMaskArray)  # noqa: E731
         values = tree_map(lambda leaf: leaf.values, ups["variables"], is_leaf=is_known)
-        masks = tree_map(lambda leaf: leaf.mask, ups["variables"], is_leaf=is_known)
+        # an absent client (`RoundInfo.participating`) holds nothing: not in a mean, an update count or `held`
+        masks = present_only(tree_map(lambda leaf: leaf.mask, ups["variables"], is_leaf=is_known),
+                             info.participating)
         if options.submodel_aggregation != "masked_mean":
             weights = jnp.ones_like(weights)
             held = ups["labels_held"].value  # [K, classes]

@@ -28,12 +28,19 @@ class RoundInfo:
     """What the engine tells an algorithm about the round it is in (the same for all its clients).
 
     index: the round (int32 scalar, from 0); client_ids: the sampled clients, sorted ([K]);
-    server_key: the server's randomness for the round (its own stream, see `core.round`).
+    server_key: the server's randomness for the round (its own stream, see `core.round`);
+    participating: None where every slot takes part (the uniform sampler, no stragglers: known when the
+    round is built); else [K] bool, False for a slot whose client is absent from what is being computed
+    (not sampled this round, failed, or late: `core.round.RoundConditions`). Such a slot's weight is 0.
+    `select_uploads` and `server_update` must then compute what they compute without its slot at all
+    (tests/test_participation_algorithms.py checks every shipped algorithm); `aggregation.uniform_mean`,
+    `present_sum` and `present_only` do the reductions over the present.
     """
 
     index: jax.Array
     client_ids: jax.Array
     server_key: jax.Array
+    participating: jax.Array | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,7 +63,8 @@ class FederatedAlgorithm:
         metrics: a dict of scalars, at least 'loss' and 'num_steps'.
     server_update(server_state, up_messages, weights, info) -> server_state
         up_messages stacked on a leading [K] axis in the order of info.client_ids;
-        weights: the sampled clients' numbers of training examples.
+        weights: the sampled clients' numbers of training examples, 0 for a slot absent from the
+        aggregate (`RoundInfo.participating`): the result must equal the round without that slot.
     client_variables(server_state, client_state) -> the variables a client predicts with
         (may hold 'unit_masks': the client's sub-model).
     global_variables(server_state) -> variables, or None when there is no global model.

@@ -17,8 +17,8 @@ from typing import Any
 
 import chex
 import jax
-import jax.numpy as jnp
 
+from fedjax_sparse.core.aggregation import present_sum
 from fedjax_sparse.core.local_training import LocalSGD
 
 tree_map = jax.tree_util.tree_map
@@ -38,7 +38,9 @@ def control_update(local: LocalSGD, client_control: Any, server_control: Any, st
     return tree_map(lambda ci, c, w0, w1: ci - c + (w0 - w1) * scale, client_control, server_control, start, end)
 
 
-def server_control_update(server_control: Any, control_deltas: Any, num_clients: int) -> Any:
-    """c <- c + (1/N) sum over the round's clients of their control deltas (leading client axis)."""
+def server_control_update(server_control: Any, control_deltas: Any, num_clients: int,
+                          participating: jax.Array | None = None) -> Any:
+    """c <- c + (1/N) sum over the round's clients of their control deltas (leading client axis); given
+    `participating` (`RoundInfo`), over the clients taking part alone (an absent one's c_i did not change)."""
     chex.assert_trees_all_equal_shapes(server_control, tree_map(lambda d: d[0], control_deltas))
-    return tree_map(lambda c, d: c + jnp.sum(d, axis=0) / num_clients, server_control, control_deltas)
+    return tree_map(lambda c, d: c + d / num_clients, server_control, present_sum(control_deltas, participating))

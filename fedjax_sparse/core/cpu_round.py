@@ -38,8 +38,9 @@ import numpy as np
 
 from fedjax_sparse.core.algorithm import FederatedAlgorithm
 from fedjax_sparse.core.compilation import jit
-from fedjax_sparse.core.round import (RoundOutput, check_clients_per_round, client_keys, client_phase,
-                                      round_info, sample_clients, server_phase)
+from fedjax_sparse.core.round import (RoundConditions, RoundOutput, client_flops, check_clients_per_round,
+                                      client_keys, client_phase, default_conditions, keep_absent, round_info,
+                                      server_phase)
 from fedjax_sparse.data.federated import FederatedSplit
 
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
@@ -126,30 +127,41 @@ class CpuRound:
     device once. Each device trains whole chunks (`client_shares`)."""
 
     def __init__(self, algorithm: FederatedAlgorithm, train: FederatedSplit, clients_per_round: int, *, seed: int,
-                 client_chunk: int, devices: Sequence[Any]):
+                 client_chunk: int, devices: Sequence[Any], conditions: RoundConditions | None = None):
         check_clients_per_round(clients_per_round, train.num_clients)
-        shares = client_shares(clients_per_round, client_chunk, len(devices))
-        k, num_clients = clients_per_round, train.num_clients
+        conditions = conditions or default_conditions(train.num_clients, clients_per_round)
+        k = conditions.sampler.slots
+        shares = client_shares(k, client_chunk, len(devices))
         self.devices = list(devices)
         self._data = [jax.device_put(train, device) for device in self.devices]
         self._train = jit(client_phase(algorithm, client_chunk))
-        server = server_phase(algorithm, k)
+        server = server_phase(algorithm, k, seed, conditions)
 
         def prepare(client_states, round_index):
-            ids = sample_clients(seed, round_index, num_clients, k)
+            drawn = conditions.sampler(seed, round_index)
+            ids = drawn.ids
             sampled = jax.tree_util.tree_map(lambda a: a[ids], client_states)
             clients = (sampled, ids, client_keys(seed, round_index, ids))
-            return ids, round_info(seed, round_index, ids), [jax.tree_util.tree_map(lambda a: a[start:stop], clients)
-                                                             for start, stop in shares]
+            return drawn, round_info(seed, round_index, ids), [jax.tree_util.tree_map(lambda a: a[start:stop], clients)
+                                                               for start, stop in shares]
 
-        def finish(server_state, client_states, counts, ids, info, shares):
+        def finish(server_state, client_states, counts, drawn, info, shares):
+            ids = drawn.ids
             ups, new_states, metrics, down_bytes = jax.tree_util.tree_map(lambda *x: jnp.concatenate(x), *shares)
             # as in core.round.round_step: the server's update compiles apart from what feeds it (a sum
             # over a concatenation would otherwise become a sum of the shares' sums)
-            ups, weights = jax.lax.optimization_barrier((ups, counts[ids].astype(jnp.float32)))
-            server_state, up_bytes = server(server_state, ups, weights, info)
+            weights = counts[ids].astype(jnp.float32)
+            clocked = (client_flops(metrics, weights, conditions), down_bytes) if conditions.timed else (None, None)
+            ups, weights = jax.lax.optimization_barrier((ups, weights))
+            server_state, up_bytes, seconds, returns = server(server_state, ups, weights, info, drawn.dispatched,
+                                                              *clocked)
+            if conditions.varies:
+                new_states = keep_absent(new_states, jax.tree_util.tree_map(lambda a: a[ids], client_states),
+                                         returns.returned)
+                down_bytes = jnp.where(drawn.dispatched, down_bytes, 0)
             client_states = jax.tree_util.tree_map(lambda a, new: a.at[ids].set(new), client_states, new_states)
-            return server_state, client_states, RoundOutput(ids, up_bytes, down_bytes, metrics)
+            return server_state, client_states, RoundOutput(ids, up_bytes, down_bytes, metrics, drawn.dispatched,
+                                                            seconds, returns, drawn.drawn)
 
         self._prepare: Callable = jit(prepare)
         self._finish: Callable = jit(finish, donate_argnums=(1,))
@@ -158,11 +170,11 @@ class CpuRound:
         # committed to the first device from the first round on, as the rounds return them (else the
         # second round would compile again)
         server_state, client_states = jax.device_put((server_state, client_states), self.devices[0])
-        ids, info, shares = self._prepare(client_states, jnp.asarray(round_index, jnp.int32))
+        drawn, info, shares = self._prepare(client_states, jnp.asarray(round_index, jnp.int32))
         outputs = []
         for device, data, share in zip(self.devices, self._data, shares):
             # dispatched without waiting: the devices train their shares at once
             server_copy, (sampled, share_ids, keys), info_copy = jax.device_put((server_state, share, info), device)
             outputs.append(self._train(server_copy, sampled, share_ids, share_ids, keys, data, info_copy))
         shares = jax.device_put(outputs, self.devices[0])
-        return self._finish(server_state, client_states, self._data[0].counts, ids, info, shares)
+        return self._finish(server_state, client_states, self._data[0].counts, drawn, info, shares)

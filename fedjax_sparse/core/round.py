@@ -15,18 +15,19 @@ its `clients` axis; the server's update runs on every device over all the upload
 
 from __future__ import annotations
 
-import functools
+import dataclasses
 from typing import Any, Callable
 
 import flax.struct
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from fedjax_sparse.core.algorithm import FederatedAlgorithm, RoundInfo
+from fedjax_sparse.core.clock import DeviceProfile, Returns, Stragglers, client_seconds, failed_clients, round_returns
 from fedjax_sparse.core.compilation import jit
 from fedjax_sparse.core.messages import message_bytes
+from fedjax_sparse.core.participation import Sampler, check_slots, uniform_sampler
 from fedjax_sparse.core.streams import stream_key
 from fedjax_sparse.data.federated import FederatedSplit
 
@@ -35,47 +36,60 @@ CLIENTS_AXIS = "clients"
 
 @flax.struct.dataclass
 class RoundOutput:
-    """Per sampled client: ids, bytes both ways and local-training metrics ([K] each)."""
+    """Per slot: ids, bytes both ways and local-training metrics ([K] each).
+
+    dispatched: [K] bool, the slots holding a client sent the model this round (all, unless the sampler
+    varies participation); a slot that was not costs no bytes. Where the round has a clock or stragglers
+    (`RoundConditions`): client_seconds [K] (0 for slots not dispatched) and `returns` (`core.clock.Returns`:
+    who was aggregated, late, failed or surplus, and the round's simulated seconds); else None."""
 
     client_ids: jax.Array
     uplink_bytes: jax.Array
     downlink_bytes: jax.Array
     metrics: dict
+    dispatched: jax.Array
+    client_seconds: jax.Array | None = None
+    returns: Returns | None = None
+    clients_drawn: jax.Array | None = None  # how many the sampler drew (more than K: an overflow, an error)
 
 
-def sample_clients(seed: int, round_index: jax.Array, num_clients: int, clients_per_round: int) -> jax.Array:
-    """The clients of a round: a pure function of the seed and the round index."""
-    key = jax.random.fold_in(stream_key(seed, "sampling"), round_index)
-    return jnp.sort(jax.random.choice(key, num_clients, (clients_per_round,), replace=False))
+@dataclasses.dataclass(frozen=True)
+class RoundConditions:
+    """The federation a round simulates: who is sampled, how long each client takes, who returns.
+
+    sampler: fills the round's slots (`core.participation`); profile: the devices and links that turn each
+    client's counted FLOPs and bytes into seconds (`core.clock`; None: no clock); stragglers: deadline,
+    over-selection target, dropout; dense_flops_per_example: a client's training FLOPs per example where
+    its algorithm reports none (`train_flops`): 3 x the model's forward FLOPs x the local epochs.
+
+    `varies`: some slot may be absent from the aggregate. Only then does `server_update` see
+    `RoundInfo.participating` (else None) and zero weights; with fixed participation the round computes
+    exactly what it computed before participation could vary, bit for bit."""
+
+    sampler: Sampler
+    profile: DeviceProfile | None = None
+    stragglers: Stragglers = Stragglers()
+    dense_flops_per_example: float = 0.0
+
+    @property
+    def varies(self) -> bool:
+        return not self.sampler.fixed or self.stragglers.active
+
+    @property
+    def timed(self) -> bool:
+        return self.profile is not None or self.stragglers.active
+
+    def __post_init__(self):
+        if (self.stragglers.deadline is not None or self.stragglers.target is not None) and self.profile is None:
+            raise ValueError("--round-deadline and --over-selection need a clock: give --device-profile")
+        if self.stragglers.target is not None and self.stragglers.target > self.sampler.slots:
+            raise ValueError(f"over-selection aggregates {self.stragglers.target} clients of the "
+                             f"{self.sampler.slots} dispatched: it needs at least as many dispatched")
 
 
-@functools.partial(jax.jit, static_argnums=1)
-def _sort_keys(key: jax.Array, num_clients: int) -> jax.Array:
-    return jax.random.bits(key, (num_clients,), jnp.uint32)
-
-
-def sample_clients_host(seed: int, round_index: int, num_clients: int, clients_per_round: int) -> np.ndarray:
-    """`sample_clients` computed on the host's CPU: the same ids, as int32 numpy.
-
-    The stores that gather on the host need the ids before the round. `jax.random.choice`
-    without replacement is the first K of `jax.random.permutation`: rounds of stable sorts of
-    the population by fresh 32-bit keys. XLA:CPU sorts 10^6 keys in ~0.4 s, numpy in ~0.03 s
-    (a stable sort by key equals an unstable sort of key << 32 | position), and nothing of
-    size N touches the accelerator. tests/test_client_store.py checks both agree.
-    """
-    check_clients_per_round(clients_per_round, num_clients)
-    cpu = jax.local_devices(backend="cpu")[0]
-    with jax.default_device(cpu):
-        key = jax.random.fold_in(stream_key(seed, "sampling"), round_index)
-        order = np.arange(num_clients)
-        position = np.arange(num_clients, dtype=np.uint64)
-        rounds = int(np.ceil(3 * np.log(max(1, num_clients)) / np.log(np.iinfo(np.uint32).max)))
-        for _ in range(rounds):
-            key, subkey = jax.random.split(key)
-            bits = np.asarray(_sort_keys(subkey, num_clients)).astype(np.uint64)
-            by_bits = np.sort((bits << np.uint64(32)) | position) & np.uint64(0xFFFFFFFF)
-            order = order[by_bits.astype(np.int64)]
-    return np.sort(order[:clients_per_round]).astype(np.int32)
+def default_conditions(num_clients: int, clients_per_round: int) -> RoundConditions:
+    """Today's federation: K of N uniformly, every client returns, no clock."""
+    return RoundConditions(uniform_sampler(num_clients, clients_per_round))
 
 
 def client_keys(seed: int, round_index: jax.Array, client_ids: jax.Array) -> jax.Array:
@@ -89,11 +103,12 @@ def server_key(seed: int, round_index: jax.Array) -> jax.Array:
     return jax.random.fold_in(stream_key(seed, "server"), round_index)
 
 
-def round_info(seed: int, round_index: jax.Array, client_ids: jax.Array) -> RoundInfo:
+def round_info(seed: int, round_index: jax.Array, client_ids: jax.Array,
+               participating: jax.Array | None = None) -> RoundInfo:
     """What the algorithm is told about round `round_index` with these sampled clients."""
     round_index = jnp.asarray(round_index, jnp.int32)
     return RoundInfo(index=round_index, client_ids=jnp.asarray(client_ids, jnp.int32),
-                     server_key=server_key(seed, round_index))
+                     server_key=server_key(seed, round_index), participating=participating)
 
 
 def clients_mesh(devices=None) -> Mesh:
@@ -101,9 +116,7 @@ def clients_mesh(devices=None) -> Mesh:
     return Mesh(devices, (CLIENTS_AXIS,))
 
 
-def check_clients_per_round(clients_per_round: int, num_clients: int) -> None:
-    if not 1 <= clients_per_round <= num_clients:
-        raise ValueError(f"clients per round must be in [1, {num_clients}], got {clients_per_round}")
+check_clients_per_round = check_slots
 
 
 def _check_layout(clients_per_round: int, mesh: Mesh | None, client_chunk: int | None) -> None:
@@ -141,25 +154,81 @@ def client_phase(algorithm: FederatedAlgorithm, client_chunk: int | None = None)
     return train
 
 
-def server_phase(algorithm: FederatedAlgorithm, clients_per_round: int) -> Callable:
-    """`server(server_state, ups, weights, info) -> (server_state, up_bytes)` over all K uploads in client
-    order (traceable): the algorithm's upload selection, the uplink's bytes, the server's update."""
+def server_phase(algorithm: FederatedAlgorithm, clients_per_round: int, seed: int = 0,
+                 conditions: RoundConditions | None = None) -> Callable:
+    """`server(server_state, ups, weights, info, dispatched, flops, down_bytes) -> (server_state, up_bytes,
+    client_seconds, returns)` over all K uploads in client order (traceable): the algorithm's upload
+    selection, the uplink's bytes, who returns (`conditions`: dropout, the clock, a deadline,
+    over-selection), the server's update over the returned. `flops`: each client's training FLOPs.
 
-    def server(server_state, ups, weights, info):
+    Where participation varies (`RoundConditions.varies`) the selection sees the clients that did not fail,
+    the update those that returned, each as `info.participating` with the others' weights zero; a round in
+    which none returned leaves the server's state as it was. Uplink bytes count every client that uploaded
+    (returned, or surplus to over-selection), not one that failed or was cut off by the deadline."""
+    varies = conditions is not None and conditions.varies
+    timed = conditions is not None and conditions.timed
+
+    def select(ups, weights, info):
         if algorithm.select_uploads is not None:
             ups = algorithm.select_uploads(ups, weights, info)
-        up_bytes = jax.vmap(message_bytes, axis_size=clients_per_round)(ups)
-        return algorithm.server_update(server_state, ups, weights, info), up_bytes
+        return ups, jax.vmap(message_bytes, axis_size=clients_per_round)(ups)
+
+    def server(server_state, ups, weights, info, dispatched, flops, down_bytes):
+        if not timed and not varies:
+            ups, up_bytes = select(ups, weights, info)
+            return algorithm.server_update(server_state, ups, weights, info), up_bytes, None, None
+        stragglers = conditions.stragglers
+        failed = (failed_clients(seed, info.index, info.client_ids, stragglers.dropout) & dispatched
+                  if stragglers.dropout > 0 else jnp.zeros_like(dispatched))
+        reporting = dispatched & ~failed
+        if varies:
+            ups, up_bytes = select(ups, weights * reporting, info.replace(participating=reporting))
+        else:
+            ups, up_bytes = select(ups, weights, info)
+        if conditions.profile is not None:
+            seconds = client_seconds(conditions.profile.profiles(seed, info.client_ids), flops, down_bytes, up_bytes)
+            seconds = jnp.where(dispatched, seconds, 0.0)
+        else:
+            seconds = jnp.zeros(dispatched.shape, jnp.float32)
+        returns = round_returns(reporting, failed, seconds, stragglers)
+        up_bytes = jnp.where(returns.returned | returns.surplus, up_bytes, 0)
+        if not varies:
+            return algorithm.server_update(server_state, ups, weights, info), up_bytes, seconds, returns
+        present = returns.returned
+        new_state = algorithm.server_update(server_state, ups, weights * present, info.replace(participating=present))
+        anyone = jnp.any(present)
+        new_state = jax.tree_util.tree_map(lambda new, old: jnp.where(anyone, new, old), new_state, server_state)
+        return new_state, up_bytes, seconds, returns
 
     return server
 
 
+def client_flops(metrics: dict, weights: jax.Array, conditions: RoundConditions | None) -> jax.Array:
+    """Each client's training FLOPs: its own count where its algorithm reports one, else the dense model's."""
+    if "train_flops" in metrics:
+        return metrics["train_flops"].astype(jnp.float32)
+    per_example = conditions.dense_flops_per_example if conditions is not None else 0.0
+    return weights * jnp.float32(per_example)
+
+
+def keep_absent(new_states: Any, old_states: Any, present: jax.Array) -> Any:
+    """The clients' states after the round: the new ones of the present, the old ones of the rest."""
+    def keep(new, old):
+        return jnp.where(present.reshape((-1,) + (1,) * (new.ndim - 1)), new, old)
+
+    return jax.tree_util.tree_map(keep, new_states, old_states)
+
+
 def round_step(algorithm: FederatedAlgorithm, clients_per_round: int, *, seed: int, mesh: Mesh | None = None,
-               client_chunk: int | None = None, ordered_reduction: bool = True) -> Callable:
+               client_chunk: int | None = None, ordered_reduction: bool = True,
+               conditions: RoundConditions | None = None) -> Callable:
     """The round over gathered inputs, for every client store (traceable, not jitted):
 
-        step(server_state, sampled_states, data, positions, ids, round_index)
+        step(server_state, sampled_states, data, positions, ids, round_index, dispatched)
             -> (server_state, new_sampled_states, RoundOutput)
+
+    `dispatched` ([K] bool): the slots whose client takes part (`core.participation`); `conditions`:
+    the clock and stragglers (`server_phase`); a client absent from the aggregate keeps its old state.
 
     `sampled_states` are the K sampled clients' states ([K, ...], in the order of `ids`);
     client k trains on `data.client(positions[k])`: the whole population's split with
@@ -181,7 +250,10 @@ def round_step(algorithm: FederatedAlgorithm, clients_per_round: int, *, seed: i
     Several CPU devices of one process take another layout: `core.cpu_round`.
     """
     _check_layout(clients_per_round, mesh, client_chunk)
-    train, server = client_phase(algorithm, client_chunk), server_phase(algorithm, clients_per_round)
+    train = client_phase(algorithm, client_chunk)
+    server = server_phase(algorithm, clients_per_round, seed, conditions)
+    varies = conditions is not None and conditions.varies
+    timed = conditions is not None and conditions.timed
 
     def constrain(tree, spec):
         if mesh is None:
@@ -196,47 +268,59 @@ def round_step(algorithm: FederatedAlgorithm, clients_per_round: int, *, seed: i
         # cross-device reduction would sum per-device partial sums, in an order set by the sharding
         return constrain(tree, PartitionSpec()) if ordered_reduction else tree
 
-    def server_on_every_device(server_state, ups, weights, info):
+    def server_on_every_device(*args):
         # a program of its own on each device (a manual region): given replicated uploads, the partitioner
         # would still be free to split the server's sums over the devices (partial sums, then an all-reduce;
         # FedSpa's masked mean was split so) unless no partitioning of it is left to choose
         replicate = PartitionSpec()
-        return jax.shard_map(server, mesh=mesh, in_specs=replicate, out_specs=replicate, check_vma=False)(
-            server_state, ups, weights, info)
+        return jax.shard_map(server, mesh=mesh, in_specs=replicate, out_specs=replicate, check_vma=False)(*args)
 
-    def step(server_state, sampled_states, data, positions, ids, round_index):
+    def step(server_state, sampled_states, data, positions, ids, round_index, dispatched=None):
         round_index = jnp.asarray(round_index, jnp.int32)
         ids = jnp.asarray(ids, jnp.int32)
+        dispatched = jnp.ones(ids.shape, bool) if dispatched is None else jnp.asarray(dispatched, bool)
         keys = client_keys(seed, round_index, ids)
         info = round_info(seed, round_index, ids)
         ids_sharded, positions, keys, sampled = shard((ids, jnp.asarray(positions, jnp.int32), keys, sampled_states))
         ups, new_states, metrics, down_bytes = train(server_state, sampled, ids_sharded, positions, keys, data, info)
         weights = data.counts[positions].astype(jnp.float32)
+        # what the clock reads of the clients (None where the round has none: nothing more is moved)
+        clocked = gathered((client_flops(metrics, weights, conditions), down_bytes)) if timed else (None, None)
         ups, weights = gathered((ups, weights))
         # XLA may not simplify the server's arithmetic into the clients' (or back): the server's update then
         # compiles as it does alone, in `core.cpu_round`'s layout, whatever this round's layout is
         ups, weights = jax.lax.optimization_barrier((ups, weights))
+        args = (server_state, ups, weights, info, dispatched, *clocked)
         if mesh is not None and ordered_reduction:
-            server_state, up_bytes = server_on_every_device(server_state, ups, weights, info)
+            server_state, up_bytes, seconds, returns = server_on_every_device(*args)
         else:
-            server_state, up_bytes = server(server_state, ups, weights, info)
-        return server_state, new_states, RoundOutput(ids, up_bytes, down_bytes, metrics)
+            server_state, up_bytes, seconds, returns = server(*args)
+        if varies:
+            new_states = keep_absent(new_states, sampled, shard(returns.returned))
+            down_bytes = jnp.where(dispatched, down_bytes, 0)
+        return server_state, new_states, RoundOutput(ids, up_bytes, down_bytes, metrics, dispatched, seconds, returns)
 
     return step
 
 
 def device_round(algorithm: FederatedAlgorithm, clients_per_round: int, *, seed: int, mesh: Mesh | None = None,
-                 client_chunk: int | None = None, ordered_reduction: bool = True) -> Callable:
+                 client_chunk: int | None = None, ordered_reduction: bool = True,
+                 conditions: RoundConditions | None = None) -> Callable:
     """`round(server_state, client_states, train, round_index)` of the device store (traceable):
-    samples K of train's clients, gathers their states ([N, ...]), runs `round_step` and
-    scatters their new states."""
-    step = round_step(algorithm, clients_per_round, seed=seed, mesh=mesh, client_chunk=client_chunk,
-                      ordered_reduction=ordered_reduction)
+    samples train's clients (`conditions.sampler`; default K uniformly), gathers their states ([N, ...]),
+    runs `round_step` and scatters their new states."""
+    slots = conditions.sampler.slots if conditions is not None else clients_per_round
+    step = round_step(algorithm, slots, seed=seed, mesh=mesh, client_chunk=client_chunk,
+                      ordered_reduction=ordered_reduction, conditions=conditions)
 
     def round_fn(server_state, client_states, train, round_index):
-        ids = sample_clients(seed, round_index, train.num_clients, clients_per_round)
+        sampler = conditions.sampler if conditions is not None else uniform_sampler(train.num_clients,
+                                                                                    clients_per_round)
+        drawn = sampler(seed, round_index)
+        ids = drawn.ids
         sampled = jax.tree_util.tree_map(lambda a: a[ids], client_states)
-        server_state, new_states, out = step(server_state, sampled, train, ids, ids, round_index)
+        server_state, new_states, out = step(server_state, sampled, train, ids, ids, round_index, drawn.dispatched)
+        out = out.replace(clients_drawn=drawn.drawn)
         client_states = jax.tree_util.tree_map(lambda a, new: a.at[ids].set(new), client_states, new_states)
         return server_state, client_states, out
 
@@ -245,7 +329,9 @@ def device_round(algorithm: FederatedAlgorithm, clients_per_round: int, *, seed:
 
 def build_round(algorithm: FederatedAlgorithm, train: FederatedSplit, clients_per_round: int, *,
                 seed: int, mesh: Mesh | None = None, client_chunk: int | None = None,
-                ordered_reduction: bool = True) -> Callable[[Any, Any, jax.Array], tuple[Any, Any, RoundOutput]]:
+                ordered_reduction: bool = True,
+                conditions: RoundConditions | None = None) -> Callable[[Any, Any, jax.Array],
+                                                                       tuple[Any, Any, RoundOutput]]:
     """Returns jitted `round(server_state, client_states, round_index)`: the device store's round.
 
     Every client's state ([N, ...]) and data (`train`) lie on the device; one jit samples,
@@ -254,7 +340,7 @@ def build_round(algorithm: FederatedAlgorithm, train: FederatedSplit, clients_pe
     """
     check_clients_per_round(clients_per_round, train.num_clients)
     round_fn = device_round(algorithm, clients_per_round, seed=seed, mesh=mesh, client_chunk=client_chunk,
-                            ordered_reduction=ordered_reduction)
+                            ordered_reduction=ordered_reduction, conditions=conditions)
     return jit(lambda server_state, client_states, round_index: round_fn(server_state, client_states, train,
                                                                              round_index), donate_argnums=(1,))
 

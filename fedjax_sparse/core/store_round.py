@@ -30,8 +30,8 @@ from fedjax_sparse.core.client_store import ClientStore, DeviceStore, RowStore, 
 from fedjax_sparse.core.compilation import jit
 from fedjax_sparse.core.cpu_round import CpuRound
 from fedjax_sparse.core.distributed import combine_blocks, process_blocks, replicated, replicated_sharding
-from fedjax_sparse.core.round import (RoundOutput, check_clients_per_round, device_round, round_step,
-                                      sample_clients_host)
+from fedjax_sparse.core.round import (RoundConditions, RoundOutput, check_clients_per_round, default_conditions,
+                                      device_round, round_step)
 from fedjax_sparse.data.federated import FederatedSplit
 from fedjax_sparse.data.windows import ClientWindows, window_split
 
@@ -43,6 +43,7 @@ class _Inputs:
     round_index: int
     generation: int
     ids: np.ndarray
+    dispatched: np.ndarray
     rows: np.ndarray
     held: np.ndarray
     x: np.ndarray
@@ -52,25 +53,26 @@ class _Inputs:
 
 @functools.lru_cache(maxsize=32)
 def _device_round(algorithm: FederatedAlgorithm, clients_per_round: int, seed: int, mesh: Mesh | None,
-                  client_chunk: int | None):
+                  client_chunk: int | None, conditions: RoundConditions):
     """The device store's jitted round, the data an argument (one per configuration)."""
-    return jit(device_round(algorithm, clients_per_round, seed=seed, mesh=mesh, client_chunk=client_chunk),
-               donate_argnums=(1,))
+    return jit(device_round(algorithm, clients_per_round, seed=seed, mesh=mesh, client_chunk=client_chunk,
+                            conditions=conditions), donate_argnums=(1,))
 
 
 @functools.lru_cache(maxsize=32)
 def _row_round(algorithm: FederatedAlgorithm, layout: RowLayout, key_impl: str, clients_per_round: int,
-               max_count: int, augment: bool, seed: int, mesh: Mesh | None, client_chunk: int | None):
+               max_count: int, augment: bool, seed: int, mesh: Mesh | None, client_chunk: int | None,
+               conditions: RoundConditions):
     """The jitted round of the row stores; one per configuration, shared by the host and disk stores."""
-    step = round_step(algorithm, clients_per_round, seed=seed, mesh=mesh, client_chunk=client_chunk)
-    k, m = clients_per_round, max_count
+    k, m = conditions.sampler.slots, max_count
+    step = round_step(algorithm, k, seed=seed, mesh=mesh, client_chunk=client_chunk, conditions=conditions)
 
-    def row_round(server_state, key_data, variables, blocks, mean, std, ids, round_index):
+    def row_round(server_state, key_data, variables, blocks, mean, std, ids, dispatched, round_index):
         rows, held, x, y, counts = combine_blocks(blocks)
         key = jax.random.wrap_key_data(key_data, impl=key_impl)
         sampled = materialize(algorithm, layout, rows, held, ids, key, variables)
         view = window_split(x, y, counts, mean, std, m, augment)
-        server_state, new_states, out = step(server_state, sampled, view, jnp.arange(k), ids, round_index)
+        server_state, new_states, out = step(server_state, sampled, view, jnp.arange(k), ids, round_index, dispatched)
         return server_state, layout.pack(new_states, k), out
 
     if mesh is None:
@@ -87,12 +89,17 @@ class StoreRound:
       several processes). prefetch: read round r+1's inputs while round r computes.
     cpu_devices: with the device store, several CPU devices sharing the sampled clients
       (`core.cpu_round`; `round_devices` chooses them).
+    conditions: who is sampled, the clock and stragglers (`core.round.RoundConditions`; default: K of
+      the clients uniformly, all returning); its sampler's slots are the round's K.
     """
 
     def __init__(self, algorithm: FederatedAlgorithm, store: ClientStore, data: FederatedSplit | ClientWindows,
                  clients_per_round: int, *, seed: int, mesh: Mesh | None = None, client_chunk: int | None = None,
-                 prefetch: bool = True, cpu_devices: Sequence[Any] = ()):
+                 prefetch: bool = True, cpu_devices: Sequence[Any] = (), conditions: RoundConditions | None = None):
         check_clients_per_round(clients_per_round, store.num_clients)
+        conditions = conditions or default_conditions(store.num_clients, clients_per_round)
+        self.conditions = conditions
+        clients_per_round = conditions.sampler.slots
         if data.num_clients != store.num_clients:
             raise ValueError(f"the data hold {data.num_clients} clients but the store {store.num_clients}")
         if jax.process_count() > 1 and mesh is None:
@@ -109,11 +116,11 @@ class StoreRound:
             self.cpu_devices = list(cpu_devices) if len(cpu_devices) > 1 else []
             if self.cpu_devices:
                 cpu_round = CpuRound(algorithm, data, clients_per_round, seed=seed, client_chunk=client_chunk,
-                                     devices=self.cpu_devices)
+                                     devices=self.cpu_devices, conditions=conditions)
                 self._device_round = lambda server_state, states, _, round_index: cpu_round(server_state, states,
                                                                                            round_index)
             else:
-                self._device_round = _device_round(algorithm, clients_per_round, seed, mesh, client_chunk)
+                self._device_round = _device_round(algorithm, clients_per_round, seed, mesh, client_chunk, conditions)
             return
         if len(cpu_devices) > 1:
             raise ValueError("several CPU devices train the clients of the device store only")
@@ -121,7 +128,7 @@ class StoreRound:
         if not isinstance(store, RowStore) or not isinstance(data, ClientWindows):
             raise ValueError("the host and disk stores train on this process's ClientWindows (data.windows)")
         self._row_round = _row_round(algorithm, store.layout, store.key_impl, clients_per_round, data.max_count,
-                                     data.augment, seed, mesh, client_chunk)
+                                     data.augment, seed, mesh, client_chunk, conditions)
         self._constants = replicated((jax.random.key_data(store.init_key), store.init_variables, data.mean,
                                       data.std), mesh)
         if prefetch:
@@ -140,7 +147,8 @@ class StoreRound:
         key_data, variables, mean, std = self._constants
         blocks = process_blocks((inputs.rows, inputs.held, inputs.x, inputs.y, inputs.counts), self.mesh)
         server_state, new_rows, out = self._row_round(replicated(server_state, self.mesh), key_data, variables,
-                                                      blocks, mean, std, inputs.ids, np.int32(round_index))
+                                                      blocks, mean, std, inputs.ids, inputs.dispatched,
+                                                      np.int32(round_index))
         if self._pool is not None and prefetch_next:
             self._next_generation = self.store.generation
             self._next = self._pool.submit(self._prepare, round_index + 1)
@@ -149,7 +157,8 @@ class StoreRound:
         self.store.write(inputs.ids, rows)
         if upcoming is not None:
             self._take_new_rows(upcoming, inputs.ids, rows)
-        return server_state, out
+        # as the device store's round reports it (the host's draw was checked against the slots already)
+        return server_state, out.replace(clients_drawn=np.int32(inputs.dispatched.sum()))
 
     def close(self) -> None:
         if self._pool is not None:
@@ -157,10 +166,11 @@ class StoreRound:
             self._pool = None
 
     def _prepare(self, round_index: int) -> _Inputs:
-        ids = sample_clients_host(self.seed, round_index, self.store.num_clients, self.clients_per_round)
+        ids, dispatched = self.conditions.sampler.host(self.seed, round_index)
         rows, held = self.store.read(ids, out=self._buffers[round_index % 2])
         windows = self.data.windows(ids)
-        return _Inputs(round_index, self.store.generation, ids, rows, held, windows.x, windows.y, windows.counts)
+        return _Inputs(round_index, self.store.generation, ids, dispatched, rows, held, windows.x, windows.y,
+                       windows.counts)
 
     def _prefetched(self, round_index: int) -> _Inputs | None:
         """The prefetched inputs if they are this round's and the store was not restored since."""

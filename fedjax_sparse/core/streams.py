@@ -14,7 +14,8 @@ import zlib
 import jax
 
 STREAMS = ("partition", "local_test", "public_data", "model_init", "algorithm_init", "sampling", "clients",
-           "server", "capacities", "agent_validation", "predictor_fit", "evaluation", "population")
+           "server", "capacities", "agent_validation", "predictor_fit", "evaluation", "population",
+           "availability", "devices", "dropout")
 
 
 def _tag(name: str) -> int:
