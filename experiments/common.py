@@ -52,6 +52,9 @@ class Setting:
     arm_columns: columns computed from each arm's config (e.g. the aggregation it ran with).
     run_columns: columns computed from each run (config, metrics history, summary), e.g. a paper's
       own accounting of its bytes and FLOPs.
+    relative_target: (arm label, share): a second target, the share of that arm's final accuracy (its
+      mean over the seeds), with its rounds and simulated seconds to it for every arm (time to 90 % of
+      FedAvg's accuracy: ("fedavg", 0.9)).
     """
 
     name: str
@@ -64,6 +67,7 @@ class Setting:
     extra_columns: tuple[str, ...] = ()
     arm_columns: Callable[[RunConfig], dict] | None = None
     run_columns: Callable[[RunConfig, list, dict], dict] | None = None
+    relative_target: tuple[str, float] | None = None
 
     def arm_config(self, arm: Arm, out: Path, quick: bool) -> RunConfig:
         fields = {**(self.quick if quick else {}), **arm.overrides, "out": str(out / arm.label)}
@@ -77,7 +81,18 @@ def rounds_to_target(history: list[dict], metric: str, target: float) -> int | N
     return None
 
 
-def arm_row(setting: Setting, arm: Arm, config: RunConfig, history: list[dict], summary: dict) -> dict:
+def seconds_to_target(history: list[dict], metric: str, target: float) -> float | None:
+    """The simulated seconds (`--device-profile`'s clock) at the end of the first evaluated round whose
+    `metric` reached `target`; None where none did or the run had no clock."""
+    for record in history:
+        if record.get(metric) is not None and record[metric] >= target:
+            return record.get("cumulative_simulated_seconds")
+    return None
+
+
+def arm_row(setting: Setting, arm: Arm, config: RunConfig, history: list[dict], summary: dict,
+            relative: float | None = None) -> dict:
+    """One run's row; `relative`: the value of `setting.relative_target` (an accuracy), where it has one."""
     metric = setting.metric
     values = [h[metric] for h in history if h.get(metric) is not None]
     per_client_round = summary["cumulative_bytes"] / (config.rounds * config.clients_per_round)
@@ -89,6 +104,12 @@ def arm_row(setting: Setting, arm: Arm, config: RunConfig, history: list[dict], 
         "total_gbit": summary["cumulative_bytes"] * 8 / 1e9,
         "uplink_gbit": summary["total_uplink_bytes"] * 8 / 1e9,
         "mb_per_client_round": per_client_round / 1e6,
+        # with a clock (`--device-profile`): time to the target, the run's simulated time and its lost updates
+        **({f"seconds_to_{setting.target_accuracy:g}": seconds_to_target(history, metric, setting.target_accuracy),
+            "simulated_seconds": summary["simulated_seconds_total"],
+            "updates_lost_share": summary.get("updates_lost_share")}
+           if summary.get("simulated_seconds_total") is not None else {}),
+        **(_relative_columns(setting, history, relative) if relative is not None else {}),
         **(setting.arm_columns(config) if setting.arm_columns is not None else {}),
         **(setting.run_columns(config, history, summary) if setting.run_columns is not None else {}),
     }
@@ -98,6 +119,13 @@ def arm_row(setting: Setting, arm: Arm, config: RunConfig, history: list[dict], 
     for key, value in arm.paper.items():
         row[f"paper: {key}"] = value
     return row
+
+
+def _relative_columns(setting: Setting, history: list[dict], target: float) -> dict:
+    label, share = setting.relative_target
+    name = f"{share:g}x_{label}"
+    return {f"target_{name}": target, f"rounds_to_{name}": rounds_to_target(history, setting.metric, target),
+            f"seconds_to_{name}": seconds_to_target(history, setting.metric, target)}
 
 
 def combine_seeds(rows: list[dict]) -> dict:
@@ -144,7 +172,7 @@ def run_setting(setting: Setting, out_root: Path, quick: bool, progress: bool = 
     """
     out = out_root / setting.name
     out.mkdir(parents=True, exist_ok=True)
-    rows, histories = [], {}
+    runs, histories = [], {}
     for arm in setting.arms:
         per_seed = []
         for seed in seeds or [None]:
@@ -161,8 +189,18 @@ def run_setting(setting: Setting, out_root: Path, quick: bool, progress: bool = 
                 print(f"  kept the finished run in {config.out}", flush=True)
             history = [json.loads(line) for line in (Path(config.out) / "metrics.jsonl").read_text().splitlines()]
             histories.setdefault(arm.label, history)
-            per_seed.append(arm_row(setting, arm, config, history, summary))
-        rows.append(combine_seeds(per_seed))
+            per_seed.append((config, history, summary))
+        runs.append((arm, per_seed))
+    relative = None
+    if setting.relative_target is not None:
+        label, share = setting.relative_target
+        finals = [next(h[setting.metric] for h in reversed(history) if h.get(setting.metric) is not None)
+                  for arm, per_seed in runs if arm.label == label for _, history, _ in per_seed]
+        if not finals:
+            raise ValueError(f"the setting {setting.name}'s relative target names the arm {label!r}, which it lacks")
+        relative = share * sum(finals) / len(finals)
+    rows = [combine_seeds([arm_row(setting, arm, *run, relative=relative) for run in per_seed])
+            for arm, per_seed in runs]
     write_table(rows, out, setting, quick, command)
     plot_accuracy(histories, out / "comparison.png", f"{setting.name}{' (quick)' if quick else ''}",
                   metrics=(setting.metric,))

@@ -179,6 +179,23 @@ def split_evaluator(model: Model, client_variables: Callable, batch_size: int = 
     return jit(evaluate)
 
 
+PERCENTILES = (10, 25, 50, 75, 90)
+
+
+def client_accuracy_figures(accuracies: np.ndarray) -> dict:
+    """The distribution of the clients' accuracies (each client's model on its own test split, one value
+    per client, unweighted: fairness asks how the clients fare, not the examples): mean, standard
+    deviation, min, max, the mean of the worst and of the best 10 % of clients (at least one each), and
+    percentiles (numpy's linear interpolation), as `client_accuracy_<figure>`."""
+    a = np.sort(np.asarray(accuracies, np.float64))
+    if a.ndim != 1 or a.size == 0:
+        raise ValueError(f"client accuracies must be a non-empty vector, got shape {a.shape}")
+    tenth = max(1, int(np.ceil(0.1 * a.size)))
+    out = {"mean": a.mean(), "std": a.std(), "min": a[0], "max": a[-1], "worst10": a[:tenth].mean(),
+           "best10": a[-tenth:].mean(), **{f"p{q}": np.percentile(a, q) for q in PERCENTILES}}
+    return {f"client_accuracy_{name}": float(value) for name, value in out.items()}
+
+
 @jax.jit
 def all_finite(tree) -> jax.Array:
     """Whether every float in `tree` is finite (a diverged run's are not)."""

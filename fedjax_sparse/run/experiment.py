@@ -25,6 +25,7 @@ from fedjax_sparse.core.client_store import (available_host_memory, choose_store
                                              initial_server_state, make_store)
 from fedjax_sparse.core.distributed import ProcessLayout, current_process, process_mesh
 from fedjax_sparse.core.evaluation import AUTO, default_evaluation_chunk, global_evaluator, split_evaluator
+from fedjax_sparse.core.flops import forward_flops
 from fedjax_sparse.core.local_training import LocalSGD
 from fedjax_sparse.core.round import clients_mesh, default_client_chunk
 from fedjax_sparse.core.store_round import StoreRound
@@ -34,6 +35,7 @@ from fedjax_sparse.data.clients import federate
 from fedjax_sparse.models import get_model
 from fedjax_sparse.run.checkpoints import KEEP
 from fedjax_sparse.run.config import RunConfig
+from fedjax_sparse.run.federation import round_conditions
 from fedjax_sparse.run.fingerprint import data_fingerprint
 from fedjax_sparse.run.outputs import say
 
@@ -111,7 +113,11 @@ def build_experiment(config: RunConfig, progress: bool = True, *, process: Proce
                           local_test_ratio=config.local_test_ratio)
     local = LocalSGD(model, config.lr, config.local_epochs, config.batch_size, config.momentum,
                      config.weight_decay, config.lr_decay, config.grad_clip_norm)
-    context = BuildContext(local=local, num_clients=config.num_clients, clients_per_round=config.clients_per_round,
+    # the round's slots: K, or what the sampler and over-selection dispatch (the round's static shapes)
+    conditions = round_conditions(config, federation.train_counts,
+                                  3.0 * forward_flops(model.structure) * config.local_epochs)
+    slots = conditions.sampler.slots
+    context = BuildContext(local=local, num_clients=config.num_clients, clients_per_round=slots,
                            train=None, num_classes=dataset.num_classes, seed=config.seed,
                            labels_per_client=config.labels_per_client if split_by == "labels" else None)
     try:  # built without the clients' data first: most algorithms never read them
@@ -130,7 +136,7 @@ def build_experiment(config: RunConfig, progress: bool = True, *, process: Proce
         algorithm = with_patterns(make_algorithm(config.algorithm, context, config.algorithm_options), context, config)
     if config.algorithm not in BUILT_IN:  # an algorithm from outside the library: its contract, on shapes, first
         check_contract(algorithm, jax.eval_shape(model.init, stream_key(config.seed, "model_init")), config.num_clients,
-                       config.clients_per_round, federation.first_client(), config.seed)
+                       slots, federation.first_client(), config.seed)
     store = make_store(backend, algorithm, key, variables, config.num_clients,
                        directory=Path(config.out) / "client_store", process=process, keep=KEEP)
     mesh = None
@@ -138,11 +144,12 @@ def build_experiment(config: RunConfig, progress: bool = True, *, process: Proce
         mesh = process_mesh()
     elif config.shard_clients:
         mesh = clients_mesh()
-    chunk = None if mesh is not None else resolve_client_chunk(config, variables)
+    chunk = None if mesh is not None else resolve_client_chunk(config, variables, slots)
     check_local_sizes(config, int(federation.train_counts.max()), dataset.input_shape,
-                      chunk or config.clients_per_round)
+                      chunk or slots)
     round_fn = StoreRound(algorithm, store, train, config.clients_per_round, seed=config.seed, mesh=mesh,
-                          client_chunk=chunk, cpu_devices=round_cpu_devices(config, backend, mesh, chunk))
+                          client_chunk=chunk, cpu_devices=round_cpu_devices(config, backend, mesh, chunk, slots),
+                          conditions=conditions)
     evaluate_global = (global_evaluator(model, *federation.global_test, dataset.mean, dataset.std)
                        if algorithm.global_variables is not None else None)
     evaluate_personalized = split_evaluator(model, algorithm.client_variables, client_chunk=evaluation_chunk(config))
@@ -215,14 +222,14 @@ def usable_cpu_devices(config: RunConfig, backend: str, mesh) -> list:
     return jax.local_devices(backend="cpu")[:config.cpu_devices]
 
 
-def round_cpu_devices(config: RunConfig, backend: str, mesh, chunk: int | None) -> list:
+def round_cpu_devices(config: RunConfig, backend: str, mesh, chunk: int | None, slots: int) -> list:
     """The CPU devices that share a round's clients (`core.cpu_round`): the usable ones where they pay
     (`round_devices`), all of them with `--cpu-devices`."""
     devices = usable_cpu_devices(config, backend, mesh)
     if not devices:
         return []
     keep_freed_memory()
-    return round_devices(config.clients_per_round, chunk, devices, chosen=config.cpu_devices is not None)
+    return round_devices(slots, chunk, devices, chosen=config.cpu_devices is not None)
 
 
 def evaluation_cpu_devices(config: RunConfig, backend: str, mesh, local_test) -> list:
@@ -235,13 +242,14 @@ def evaluation_cpu_devices(config: RunConfig, backend: str, mesh, local_test) ->
                               chosen=config.cpu_devices is not None)
 
 
-def resolve_client_chunk(config: RunConfig, variables) -> int | None:
-    """The chunk the round trains clients in: the flag (0 = all at once), else the platform's default."""
+def resolve_client_chunk(config: RunConfig, variables, slots: int) -> int | None:
+    """The chunk the round trains clients in: the flag (0 = all at once), else the platform's default
+    for the round's `slots`."""
     if config.shard_clients or config.client_chunk == 0:
         return None
     if config.client_chunk is not None:
         return config.client_chunk
-    return default_client_chunk(variables, config.clients_per_round)
+    return default_client_chunk(variables, slots)
 
 
 def evaluation_chunk(config: RunConfig) -> int | None | str:

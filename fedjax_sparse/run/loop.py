@@ -23,14 +23,16 @@ from fedjax_sparse.core.client_store import DeviceStore
 from fedjax_sparse.core.compilation import release_compiler_memory
 from fedjax_sparse.core.distributed import (agree, broadcast_text, current_process, gather_texts, max_over_processes,
                                            process_local)
-from fedjax_sparse.core.evaluation import all_finite, population_diagnostics
+from fedjax_sparse.core.evaluation import all_finite, client_accuracy_figures, population_diagnostics
 from fedjax_sparse.core.flops import forward_flops
+from fedjax_sparse.core.participation import check_drawn
 from fedjax_sparse.core.store_evaluation import evaluate_store
 from fedjax_sparse.data.federated import padded_step_fraction
 from fedjax_sparse.run.checkpoints import CheckpointError, RunCheckpointer, io_reason
 from fedjax_sparse.run.config import RunConfig
 from fedjax_sparse.run.experiment import Experiment, build_experiment, load_run_dataset, use_compilation_cache
 from fedjax_sparse.run.faults import fault_point
+from fedjax_sparse.run.federation import federation_record, federation_totals
 from fedjax_sparse.run.folder import (SHARED_CHECK, RunFolderError, RunManifest, claim_run_folder, hold_run_folder,
                                       recorded_files, shared_folder_problem)
 from fedjax_sparse.run.outputs import RunWriteError, RunWriter, device_description, progress_bar
@@ -62,6 +64,9 @@ class Counters:
     dense_train_flops_total: int = 0
     train_flops_total: float = 0.0  # the clients' reported `train_flops` over all rounds (the dense count where none)
     padded_step_fractions: list = dataclasses.field(default_factory=list)
+    clients_dispatched_total: int = 0  # the federation's (`run.federation`), where it is not today's
+    updates_lost_total: int = 0
+    simulated_seconds_total: float = 0.0
 
 
 def evaluate(exp: Experiment, server_state) -> tuple[dict, bool]:
@@ -97,15 +102,16 @@ def evaluate(exp: Experiment, server_state) -> tuple[dict, bool]:
         diagnostics = None if exp.algorithm.diagnostics is None else exp.algorithm.diagnostics(
             server_state, population.diagnostics)
     out["personalized_accuracy"] = float(accuracies.mean())
+    out.update(client_accuracy_figures(accuracies))
     if diagnostics is not None:
         out.update(jax.tree_util.tree_map(_to_python, diagnostics))
     return out, finite
 
 
-def client_metrics(metrics: dict) -> dict:
+def client_metrics(metrics: dict, dispatched: np.ndarray) -> dict:
     """The round's per-client figures beyond loss and steps (an agent's reward, a sub-model's
-    capacity, ...), each as `client_<name>`: the mean over the sampled clients."""
-    return {f"client_{name}": float(np.mean(np.asarray(value, np.float64)))
+    capacity, ...), each as `client_<name>`: the mean over the dispatched clients."""
+    return {f"client_{name}": float(np.mean(np.asarray(value, np.float64)[dispatched]))
             for name, value in metrics.items() if name not in ("loss", "num_steps")}
 
 
@@ -353,7 +359,8 @@ def _run_rounds(exp: Experiment, config: RunConfig, out: Path, counters: Counter
             closing.close()
         stopped = {"last_checkpoint": max(saved)} if saved and status != "completed" else {}  # where to resume
         first_round_seconds = round_seconds[0] if round_seconds else None
-        summary = {**_summary(exp, history, _totals(counters), first_round_seconds, time.perf_counter() - start),
+        totals = {**_totals(counters), **federation_totals(exp.round_fn.conditions, counters)}
+        summary = {**_summary(exp, history, totals, first_round_seconds, time.perf_counter() - start),
                    "median_round_seconds": float(np.median(round_seconds[1:])) if len(round_seconds) > 1 else None,
                    "status": status, **stopped, **extra}
         if lead and writer is not None:
@@ -401,8 +408,10 @@ def _run_rounds(exp: Experiment, config: RunConfig, out: Path, counters: Counter
             except OSError as err:
                 _name_store_file(err, exp)
                 raise
-            ids = np.asarray(round_out.client_ids)
-            train_loss = float(np.average(np.asarray(round_out.metrics["loss"]), weights=counts[ids]))
+            ids, dispatched = np.asarray(round_out.client_ids), np.asarray(round_out.dispatched, bool)
+            check_drawn(exp.round_fn.conditions.sampler, r, int(round_out.clients_drawn))
+            ids = ids[dispatched]  # the clients that trained (a slot not dispatched holds no client this round)
+            train_loss = float(np.average(np.asarray(round_out.metrics["loss"])[dispatched], weights=counts[ids]))
             round_seconds.append(time.perf_counter() - t0)
             if not math.isfinite(train_loss):
                 raise diverged(f"round {r + 1}: the training loss is {train_loss}; the run diverged "
@@ -419,10 +428,12 @@ def _run_rounds(exp: Experiment, config: RunConfig, out: Path, counters: Counter
             dense_flops = 3 * dense_forward * config.local_epochs * int(counts[ids].sum())
             counters.dense_train_flops_total += dense_flops
             if "train_flops" in round_out.metrics:  # what the clients' sparse computation cost
-                counters.train_flops_total += float(np.asarray(round_out.metrics["train_flops"], np.float64).sum())
+                counters.train_flops_total += float(np.asarray(round_out.metrics["train_flops"],
+                                                               np.float64)[dispatched].sum())
             else:  # clients that report no figure of their own trained the dense model
                 counters.train_flops_total += float(dense_flops)
             counters.padded_step_fractions.append(padded_step_fraction(counts[ids], config.batch_size, together))
+            federation = federation_record(round_out, exp.round_fn.conditions, counters)
             if (r + 1) % config.eval_every == 0 or r + 1 == config.rounds:
                 figures, finite = evaluate(exp, server_state)
                 if not finite:
@@ -434,7 +445,7 @@ def _run_rounds(exp: Experiment, config: RunConfig, out: Path, counters: Counter
                           "dense_train_flops": counters.dense_train_flops_total / config.num_clients,
                           "padded_step_fraction": counters.padded_step_fractions[-1],
                           "train_flops": counters.train_flops_total / config.num_clients,
-                          **client_metrics(round_out.metrics), **figures}
+                          **federation, **client_metrics(round_out.metrics, dispatched), **figures}
                 history.append(record)
                 if lead:
                     writer.append_metrics(record)

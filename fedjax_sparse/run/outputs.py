@@ -136,25 +136,41 @@ class RunWriter:
 
 def plot_accuracy(histories: dict[str, list[dict]], path: Path, title: str,
                   metrics: tuple[str, ...] = ("test_accuracy", "personalized_accuracy")) -> None:
-    """Accuracy against rounds and against cumulative bytes, one line per named run and metric."""
+    """Accuracy against rounds, against cumulative bytes and against simulated time (runs with a clock,
+    `--device-profile`), one line per named run and metric; where a run records its clients' accuracy
+    distribution, the band between the 10th and 90th percentile client is shaded on the rounds panel."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (by_round, by_bytes) = plt.subplots(1, 2, figsize=(11, 4))
-    sent = []
+    fig, (by_round, by_bytes, by_time) = plt.subplots(1, 3, figsize=(16, 4))
+    sent, timed = [], False
+    longest = max((h.get("cumulative_simulated_seconds") or 0.0 for run in histories.values() for h in run),
+                  default=0.0)
+    unit, per_unit = next((u, s) for u, s in (("hours", 3600.0), ("minutes", 60.0), ("seconds", 1.0))
+                          if longest >= 2 * s or s == 1.0)
     for i, (name, history) in enumerate(histories.items()):
-        color = f"C{i % 10}"  # one color per run in both panels, also when a run skips the bytes panel
+        color = f"C{i % 10}"  # one color per run in every panel, also when a run skips one
         for key, style in zip(metrics, ("-", "--", ":")):
-            points = [(h["round"], h["cumulative_bytes"], h[key]) for h in history if h.get(key) is not None]
+            points = [(h["round"], h["cumulative_bytes"], h.get("cumulative_simulated_seconds"), h[key])
+                      for h in history if h.get(key) is not None]
             if not points:
                 continue
-            rounds, nbytes, acc = zip(*points)
+            rounds, nbytes, seconds, acc = zip(*points)
             label = f"{name} {key.replace('_accuracy', '')}" if len(metrics) > 1 else name
             by_round.plot(rounds, acc, style, color=color, label=label)
             if max(nbytes) > 0:  # a run that sends nothing has no place on the bytes axis
                 by_bytes.plot([b / 1e6 for b in nbytes], acc, style, color=color, label=label)
                 sent += [b for b in nbytes if b > 0]
+            if all(t is not None for t in seconds):
+                by_time.plot([t / per_unit for t in seconds], acc, style, color=color, label=label)
+                timed = True
+        band = [(h["round"], h["client_accuracy_p10"], h["client_accuracy_p90"]) for h in history
+                if h.get("client_accuracy_p10") is not None]
+        if band:
+            rounds, low, high = zip(*band)
+            by_round.fill_between(rounds, low, high, color=color, alpha=0.15,
+                                  label=f"{name} clients p10-p90" if len(histories) > 1 else "clients p10-p90")
     by_round.set_xlabel("round")
     # sparse methods send orders of magnitude less than dense ones: a log axis shows both
     log_bytes = bool(sent) and max(sent) > 100 * min(sent)
@@ -163,7 +179,11 @@ def plot_accuracy(histories: dict[str, list[dict]], path: Path, title: str,
     by_bytes.set_xlabel(f"cumulative bytes (MB, up + down{', log scale' if log_bytes else ''})")
     if not sent:
         by_bytes.text(0.5, 0.5, "no bytes sent", ha="center", va="center", transform=by_bytes.transAxes)
-    for ax in (by_round, by_bytes):
+    by_time.set_xlabel(f"simulated time ({unit})")
+    if not timed:
+        by_time.text(0.5, 0.5, "no clock: run with --device-profile", ha="center", va="center",
+                     transform=by_time.transAxes)
+    for ax in (by_round, by_bytes, by_time):
         ax.set_ylabel("accuracy")
         ax.grid(alpha=0.3)
         if ax.get_lines():

@@ -1,0 +1,114 @@
+"""The run's federation options: who is sampled, the clients' devices and links, stragglers.
+
+Everything here off (the defaults) is the federation the library always simulated: K of N clients
+uniformly each round, all returning, no clock; the round then computes what it always computed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import numpy as np
+
+from fedjax_sparse.core.clock import Stragglers, device_profile
+from fedjax_sparse.core.options import option
+from fedjax_sparse.core.participation import SamplerContext, build_sampler
+from fedjax_sparse.core.round import RoundConditions
+
+
+@dataclasses.dataclass(frozen=True)
+class FederationOptions:
+    """The run's federation (docs/federation.md)."""
+
+    sampler: str = option("uniform", "who takes part each round: uniform (K of N, the default), poisson (each client "
+                                     "with probability K/N), data_size (K of N in proportion to their examples), "
+                                     "availability (K of those online: a diurnal pattern or --availability-trace), "
+                                     "or an installed sampler (entry point group fedjax_sparse.samplers)")
+    hours_per_round: float = option(1.0, "availability: the simulated hours between rounds' starts (round r is at "
+                                         "hour r x this)", low=0.0, low_open=True)
+    online_fraction: float = option(0.5, "availability, diurnal pattern: the share of each day a client is online, "
+                                         "around its own phase", low=0.0, low_open=True, high=1.0)
+    availability_trace: str | None = option(None, "availability: a CSV file of client,start,end rows (hours; online "
+                                                  "in [start, end)) instead of the diurnal pattern")
+    device_profile: str | None = option(None, "the clients' devices and links, which give every round a simulated "
+                                              "duration: phone, iot, edge (log-normal populations) or a profile "
+                                              "file (JSON distribution or per-client CSV); default: no clock")
+    round_deadline: float | None = option(None, "simulated seconds after which the server closes a round; clients "
+                                                "over it are dropped and their update lost (needs "
+                                                "--device-profile)", low=0.0, low_open=True)
+    over_selection: float = option(0.0, "dispatch ceil((1 + f) K) clients and aggregate the first K to return "
+                                        "(needs --device-profile)", low=0.0)
+    dropout: float = option(0.0, "the probability that a dispatched client fails before returning", low=0.0,
+                            high=1.0, high_open=True)
+
+    def ignored(self) -> dict[str, str]:
+        out = {}
+        if self.sampler != "availability":
+            out.update({name: "is read only with --sampler availability"
+                        for name in ("hours_per_round", "online_fraction", "availability_trace")})
+        elif self.availability_trace is not None:
+            out["online_fraction"] = "is read by the diurnal pattern, not with --availability-trace"
+        return out
+
+
+def dispatched_per_round(config) -> int:
+    """The clients a round asks the sampler for: K, or ceil((1 + f) K) with over-selection."""
+    if not config.over_selection:
+        return config.clients_per_round
+    return min(config.num_clients, math.ceil((1 + config.over_selection) * config.clients_per_round))
+
+
+def round_conditions(config, counts: np.ndarray, dense_flops_per_example: float) -> RoundConditions:
+    """The `RoundConditions` of the run's federation options (`config`: a RunConfig)."""
+    slots = dispatched_per_round(config)
+    if config.over_selection and slots == config.clients_per_round:
+        raise ValueError(f"--over-selection {config.over_selection} dispatches no more than K = "
+                         f"{config.clients_per_round} clients of {config.num_clients}: lower --clients-per-round")
+    sampler = build_sampler(config.sampler, SamplerContext(
+        num_clients=config.num_clients, clients_per_round=slots, seed=config.seed, counts=counts,
+        hours_per_round=config.hours_per_round, online_fraction=config.online_fraction,
+        availability_trace=config.availability_trace))
+    profile = device_profile(config.device_profile, config.num_clients) if config.device_profile else None
+    stragglers = Stragglers(deadline=config.round_deadline,
+                            target=config.clients_per_round if config.over_selection else None,
+                            dropout=config.dropout)
+    return RoundConditions(sampler, profile, stragglers, dense_flops_per_example)
+
+
+def federation_record(out, conditions: RoundConditions, counters) -> dict:
+    """A round's federation figures for metrics.jsonl (none where the federation is today's: uniform, all
+    returning, no clock), and `counters` (a run's `Counters`) advanced.
+
+    clients_dispatched: slots whose client was sent the model; clients_returned: those aggregated;
+    updates_late / updates_failed / updates_surplus: lost to the deadline, to dropout, and discarded by
+    over-selection; simulated_seconds: the round's length (`core.clock`), cumulative beside it."""
+    if not conditions.varies and not conditions.timed:
+        return {}
+    dispatched = np.asarray(out.dispatched, bool)
+    record = {"clients_dispatched": int(dispatched.sum())}
+    counters.clients_dispatched_total += record["clients_dispatched"]
+    if out.returns is not None:
+        returns = {name: np.asarray(getattr(out.returns, name), bool) for name in ("returned", "late", "failed",
+                                                                                  "surplus")}
+        record.update({"clients_returned": int(returns["returned"].sum()), "updates_late": int(returns["late"].sum()),
+                       "updates_failed": int(returns["failed"].sum()),
+                       "updates_surplus": int(returns["surplus"].sum())})
+        counters.updates_lost_total += record["updates_late"] + record["updates_failed"]
+    if conditions.profile is not None:
+        seconds = float(np.asarray(out.returns.seconds))
+        counters.simulated_seconds_total += seconds
+        record.update({"simulated_seconds": seconds,
+                       "cumulative_simulated_seconds": counters.simulated_seconds_total})
+    return record
+
+
+def federation_totals(conditions: RoundConditions, counters) -> dict:
+    """The run's federation figures for summary.json (none where the federation is today's)."""
+    if not conditions.varies and not conditions.timed:
+        return {}
+    dispatched = counters.clients_dispatched_total
+    return {"clients_dispatched_total": dispatched, "updates_lost_total": counters.updates_lost_total,
+            "updates_lost_share": counters.updates_lost_total / dispatched if dispatched else None,
+            **({"simulated_seconds_total": counters.simulated_seconds_total}
+               if conditions.profile is not None else {})}
