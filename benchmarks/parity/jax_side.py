@@ -66,6 +66,18 @@ def put(tree: dict, path: tuple[str, ...], value: Any) -> dict:
     return {**tree, path[0]: put(tree[path[0]], path[1:], value)}
 
 
+def layer_mapping(layers: tuple[str, ...], flat_layer: str, flat_shape: str) -> dict:
+    """The weights and biases of a network of convolutions (names starting 'conv') then dense layers, each
+    torch `NAME.weight` / `NAME.bias` onto Flax's params/NAME/kernel and bias; `flat_layer`, the first dense
+    layer, reads the flattened `flat_shape` map ('C,H,W', torch's order)."""
+    out = {}
+    for layer in layers:
+        kind = "conv" if layer.startswith("conv") else (f"flat:{flat_shape}" if layer == flat_layer else "dense")
+        out[f"{layer}.weight"] = ("params", (layer, "kernel"), kind)
+        out[f"{layer}.bias"] = ("params", (layer, "bias"), "vector")
+    return out
+
+
 def load_torch(variables: dict, mapping: Mapping, arrays: dict[str, np.ndarray]) -> dict:
     """`variables` ({'params', 'batch_stats'}) with every mapped leaf replaced by the torch array's
     conversion; a ValueError names a leaf of the model no torch key fills."""

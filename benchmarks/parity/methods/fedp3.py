@@ -203,12 +203,9 @@ def _model():
 
 def mapping() -> dict:
     """Their conv1/conv2/fc1-3 onto the Flax copy's (fc1 reads the flattened 64 x 5 x 5 map)."""
-    out = {}
-    for layer in LAYERS:
-        kind = "conv" if layer.startswith("conv") else ("flat:64,5,5" if layer == "fc1" else "dense")
-        out[f"{layer}.weight"] = ("params", (layer, "kernel"), kind)
-        out[f"{layer}.bias"] = ("params", (layer, "bias"), "vector")
-    return out
+    from benchmarks.parity import jax_side as J
+
+    return J.layer_mapping(LAYERS, "fc1", "64,5,5")
 
 
 def library(setup: dict) -> dict[str, np.ndarray]:

@@ -201,12 +201,9 @@ def _model():
 
 def mapping() -> dict:
     """Their weights and biases onto the Flax copy (dense1 reads the flattened 128 x 7 x 7 map)."""
-    out = {}
-    for layer in LAYERS:
-        kind = "conv" if layer.startswith("conv") else ("flat:128,7,7" if layer == "dense1" else "dense")
-        out[f"{layer}.weight"] = ("params", (layer, "kernel"), kind)
-        out[f"{layer}.bias"] = ("params", (layer, "bias"), "vector")
-    return out
+    from benchmarks.parity import jax_side as J
+
+    return J.layer_mapping(LAYERS, "dense1", "128,7,7")
 
 
 def library(setup: dict) -> dict[str, np.ndarray]:
