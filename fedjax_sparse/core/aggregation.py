@@ -45,16 +45,7 @@ def uniform_mean(stacked: Any, participating: jax.Array | None = None) -> Any:
 
 def present_sum(stacked: Any, participating: jax.Array | None = None) -> Any:
     """The sum over the leading (client) axis, of the participating clients alone where given."""
-    if participating is None:
-        return jax.tree_util.tree_map(lambda leaf: jnp.sum(leaf, axis=0), stacked)
-    return jax.tree_util.tree_map(
-        lambda leaf: jnp.sum(jnp.where(participating.reshape((-1,) + (1,) * (leaf.ndim - 1)), leaf, 0), axis=0),
-        stacked)
-
-
-def present(weights: jax.Array, participating: jax.Array | None) -> jax.Array:
-    """[K] bool: the clients taking part (all where `participating` is None)."""
-    return jnp.ones(weights.shape, bool) if participating is None else participating
+    return jax.tree_util.tree_map(lambda leaf: jnp.sum(leaf, axis=0), present_only(stacked, participating))
 
 
 def present_only(stacked: Any, participating: jax.Array | None) -> Any:
