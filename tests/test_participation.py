@@ -300,3 +300,14 @@ def test_an_installed_sampler_is_found_through_its_entry_point_and_a_broken_one_
     assert messages[0].startswith("skipped the installed sampler 'broken' (pkg:broken): no module named pkg")
     assert "skipped the installed sampler 'uniform'" in messages[1]
     assert build_sampler("every_other", context()).slots == 6
+
+
+def test_a_round_that_samples_nobody_trains_nothing_and_the_run_goes_on(tmp_path, capsys):
+    """Poisson sampling can draw no client (here q = 1/6 over 6 clients: (5/6)^6 = 0.33 a round)."""
+    run = tmp_path / "run"
+    assert main(["run", *TINY, "--num-clients", "6", "--clients-per-round", "1", "--sampler", "poisson",
+                 "--rounds", "4", "--out", str(run)]) == 0
+    empty = [r for r in records(run) if r["clients_dispatched"] == 0]
+    assert empty and all(r["train_loss"] is None and r["uplink_bytes"] == 0 for r in empty)
+    assert summary(run)["status"] == "completed"
+    capsys.readouterr()

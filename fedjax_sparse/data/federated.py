@@ -117,6 +117,8 @@ def padded_step_fraction(counts: np.ndarray, batch_size: int, chunk: int | None 
     as the round's `lax.map` does: consecutive groups of c, the remainder last.
     """
     steps = np.ceil(np.asarray(counts) / batch_size)
+    if not steps.size:  # no client trained (an empty Poisson draw)
+        return 0.0
     chunk = len(steps) if chunk is None else chunk
     run = sum(len(group) * group.max() for group in np.split(steps, range(chunk, len(steps), chunk)))
     return float(1.0 - steps.sum() / run)

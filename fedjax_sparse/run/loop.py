@@ -111,7 +111,7 @@ def evaluate(exp: Experiment, server_state) -> tuple[dict, bool]:
 def client_metrics(metrics: dict, dispatched: np.ndarray) -> dict:
     """The round's per-client figures beyond loss and steps (an agent's reward, a sub-model's
     capacity, ...), each as `client_<name>`: the mean over the dispatched clients."""
-    return {f"client_{name}": float(np.mean(np.asarray(value, np.float64)[dispatched]))
+    return {f"client_{name}": float(np.mean(np.asarray(value, np.float64)[dispatched])) if dispatched.any() else None
             for name, value in metrics.items() if name not in ("loss", "num_steps")}
 
 
@@ -411,9 +411,11 @@ def _run_rounds(exp: Experiment, config: RunConfig, out: Path, counters: Counter
             ids, dispatched = np.asarray(round_out.client_ids), np.asarray(round_out.dispatched, bool)
             check_drawn(exp.round_fn.conditions.sampler, r, int(round_out.clients_drawn))
             ids = ids[dispatched]  # the clients that trained (a slot not dispatched holds no client this round)
-            train_loss = float(np.average(np.asarray(round_out.metrics["loss"])[dispatched], weights=counts[ids]))
+            # None: no client was sampled (a Poisson draw can be empty), so nothing trained
+            train_loss = (float(np.average(np.asarray(round_out.metrics["loss"])[dispatched], weights=counts[ids]))
+                          if ids.size else None)
             round_seconds.append(time.perf_counter() - t0)
-            if not math.isfinite(train_loss):
+            if train_loss is not None and not math.isfinite(train_loss):
                 raise diverged(f"round {r + 1}: the training loss is {train_loss}; the run diverged "
                                f"({likely_culprit(config)})")
             if not bool(all_finite(process_local(server_state))):
@@ -455,7 +457,7 @@ def _run_rounds(exp: Experiment, config: RunConfig, out: Path, counters: Counter
                     raise diverged(f"round {r + 1}: the test loss is {record['test_loss']}; the run diverged "
                                    f"({likely_culprit(config)})")
                 bar.set_postfix(acc=_fmt(record["test_accuracy"]), pacc=_fmt(record["personalized_accuracy"]),
-                                loss=f"{train_loss:.3f}", MB=f"{counters.cumulative_bytes / 1e6:.1f}")
+                                loss=_fmt(train_loss), MB=f"{counters.cumulative_bytes / 1e6:.1f}")
             bar.update(1)
             if r == start_round:
                 release_compiler_memory()  # the round (and, evaluating every round, the evaluators) compiled
