@@ -91,3 +91,20 @@ def test_each_mistake_is_one_line_naming_the_function_and_the_leaf(setting, mist
 
 class Marker:
     """An object that is no array: it cannot travel in a message."""
+
+
+def test_a_server_update_that_cannot_take_a_participation_mask_is_refused_where_participation_varies(setting):
+    model, split, local, context, variables = setting
+    base = fedavg(local)
+
+    def server_update(server_state, ups, weights, info):  # written for fixed participation only
+        assert info.participating is None, "no mask expected"
+        return base.server_update(server_state, ups, weights, info)
+
+    fixed_only = dataclasses.replace(base, server_update=server_update)
+    check_contract(fixed_only, variables, 4, 2, split)
+    with pytest.raises(ContractError, match="server_update with RoundInfo.participating a \\[K\\] bool mask"):
+        check_contract(fixed_only, variables, 4, 2, split, varies=True)
+    for name in sorted(BUILT_IN):  # every shipped algorithm takes the mask
+        check_contract(make_algorithm(name, context, make_options(name, {"clients_per_layer": 1})), variables, 4, 2,
+                       split, varies=True)

@@ -302,6 +302,19 @@ def test_an_installed_sampler_is_found_through_its_entry_point_and_a_broken_one_
     assert build_sampler("every_other", context()).slots == 6
 
 
+def test_poisson_slots_split_evenly_over_a_sharded_rounds_devices(monkeypatch):
+    from fedjax_sparse.core.participation import poisson_slots
+    from fedjax_sparse.run import federation
+    from fedjax_sparse.run.config import RunConfig
+
+    monkeypatch.setattr(federation.jax, "device_count", lambda: 3)
+    config = RunConfig.create(num_clients=200, clients_per_round=10, sampler="poisson", shard_clients=True)
+    sharded = federation.round_conditions(config, np.ones(200), 0.0).sampler.slots
+    assert sharded % 24 == 0 and sharded >= poisson_slots(200, 0.05)
+    alone = federation.round_conditions(config.replace(shard_clients=False), np.ones(200), 0.0).sampler.slots
+    assert alone % 8 == 0 and alone % 3 != 0 and alone < sharded
+
+
 def test_a_round_that_samples_nobody_trains_nothing_and_the_run_goes_on(tmp_path, capsys):
     """Poisson sampling can draw no client (here q = 1/6 over 6 clients: (5/6)^6 = 0.33 a round)."""
     run = tmp_path / "run"

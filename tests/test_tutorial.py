@@ -35,8 +35,10 @@ def test_the_tutorials_code_runs_and_its_algorithms_equal_the_librarys(clean_reg
         exec(compile(block, str(TUTORIAL), "exec"), namespace)
     assert records(tmp_path / "topk")[-1]["uplink_bytes"] < 0.1 * 2 * 85002 * 4
     for mine, library in (({"algorithm": "feddyn_tutorial"}, {"algorithm": "feddyn"}),
+                          ({"algorithm": "feddyn_tutorial", "sampler": "poisson", "num_clients": 6},
+                           {"algorithm": "feddyn", "sampler": "poisson", "num_clients": 6}),
                           ({"algorithm": "fedper_tutorial"}, {"algorithm": "fedavg", "personal": "predictor"})):
-        runs = [tmp_path / f"{name}_{mine['algorithm']}" for name in ("mine", "library")]
+        runs = [tmp_path / f"{name}_{mine['algorithm']}_{len(mine)}" for name in ("mine", "library")]
         for run, values in zip(runs, (mine, library)):
-            run_experiment(RunConfig.create(**TINY, **values, out=str(run)), progress=False)
+            run_experiment(RunConfig.create(**{**TINY, **values}, out=str(run)), progress=False)
         assert records(runs[0]) == records(runs[1]), mine

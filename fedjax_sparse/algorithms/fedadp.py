@@ -121,7 +121,8 @@ def fedadp(context: BuildContext, options: FedADPOptions) -> FederatedAlgorithm:
         return server.step_toward(server_state, {**params, "batch_stats": weighted_mean(ups["batch_stats"], weights)},
                                   held)
 
-    return dataclasses.replace(base, name="fedadp", client_update=client_update, server_update=server_update)
+    return dataclasses.replace(base, name="fedadp", client_update=client_update, server_update=server_update,
+                               stale_upload=None)
 
 
 SPEC = AlgorithmSpec("fedadp", FedADPOptions, fedadp,

@@ -16,7 +16,7 @@ import dataclasses
 import jax.numpy as jnp
 
 from fedjax_sparse.core.aggregation import weighted_mean
-from fedjax_sparse.core.algorithm import AlgorithmSpec, FederatedAlgorithm
+from fedjax_sparse.core.algorithm import MODEL_UPLOAD, AlgorithmSpec, FederatedAlgorithm
 from fedjax_sparse.core.local_training import LocalSGD
 from fedjax_sparse.core.options import option
 from fedjax_sparse.core.server_optimizer import ServerOptimizer, ServerOptimizerOptions, from_options, server_optimizer
@@ -56,6 +56,7 @@ def fedavg(local: LocalSGD, aggregation_weights: str = "data",
         server_update=server_update,
         client_variables=lambda server_state, client_state: server_state["variables"],
         global_variables=lambda server_state: server_state["variables"],
+        stale_upload=MODEL_UPLOAD,
     )
 
 

@@ -107,6 +107,6 @@ def personalize(algorithm: FederatedAlgorithm, context: BuildContext, options: P
         return overlay(algorithm.client_variables(server_state, state["inner"]), state["personal"])
 
     return dataclasses.replace(
-        algorithm, init=init, init_clients=init_clients, client_update=client_update, server_update=server_update,
+        algorithm, init=init, init_clients=init_clients, client_update=client_update, server_update=server_update, stale_upload=None,
         broadcast=lambda server_state, client_id, info: shared(algorithm.broadcast(server_state, client_id, info)),
         **{**reading_inner_state(algorithm), "client_variables": client_variables})

@@ -158,7 +158,8 @@ def compress_uplink(algorithm: FederatedAlgorithm, context: BuildContext,
         return algorithm.server_update(server_state, stacked, weights, info)
 
     return dataclasses.replace(algorithm, init=init, init_clients=init_clients, client_update=client_update,
-                               server_update=server_update, select_uploads=None, **reading_inner_state(algorithm))
+                               server_update=server_update, select_uploads=None, stale_upload=None,
+                               **reading_inner_state(algorithm))
 
 
 def reading_inner_state(algorithm: FederatedAlgorithm) -> dict:

@@ -91,6 +91,8 @@ class FederatedAlgorithm:
         client states (SPATL under partial participation: every client with the
         current global encoder, a predictor fitted for those that never trained);
         called once per evaluation, never inside a round, and never written back.
+    stale_upload: `StaleUpload`, optional: the algorithm's server takes an upload trained from an
+        older broadcast (asynchronous rounds, `core.buffered_round`); None: it runs synchronously only.
     """
 
     name: str
@@ -108,6 +110,33 @@ class FederatedAlgorithm:
     diagnostics: Callable[[ServerState, dict], dict] | None = None
     evaluation_state: Callable[[ServerState], ServerState] | None = None
     evaluation_clients: Callable[[ServerState, ClientState], ClientState] | None = None
+    stale_upload: "StaleUpload | None" = None
+
+
+@dataclasses.dataclass(frozen=True)
+class StaleUpload:
+    """How an upload trained from an older broadcast joins a later aggregate (`core.buffered_round`).
+
+    increment(up, down) -> what the client's training added to what it received (a pytree of floats);
+    rebase(increment, down_now) -> the upload the client would have sent, had its training added
+    `increment` to `down_now`. The server then aggregates rebased uploads as it aggregates fresh ones;
+    an algorithm whose server cannot read an upload so (its uploads are not increments of what it sent:
+    a client-chosen layer or mask, a count) leaves `stale_upload` None and is refused asynchronous rounds."""
+
+    increment: Callable[[Message, Message], Any]
+    rebase: Callable[[Any, Message], Message]
+
+
+def _subtract(up, down):
+    return jax.tree_util.tree_map(lambda u, d: u.astype(jnp.float32) - d.astype(jnp.float32), up, down)
+
+
+def _add(increment, down):
+    return jax.tree_util.tree_map(lambda i, d: (d.astype(jnp.float32) + i).astype(d.dtype), increment, down)
+
+
+# the upload is the client's trained copy of the model it received (FedAvg, FedProx)
+MODEL_UPLOAD = StaleUpload(_subtract, _add)
 
 
 class NeedsDeviceData(ValueError):

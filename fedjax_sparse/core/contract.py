@@ -11,7 +11,11 @@ refuses, in one line naming the function and the leaf path with both shapes and 
   * a message (down or up) holding anything but arrays and priced leaves (`core.messages`);
   * an evaluation function (`evaluation_state`, `global_variables`, `global_variants`,
     `evaluation_clients`, `client_variables`, `client_diagnostics`) that fails on init's states:
-    evaluation runs after round 1, and such a failure would lose the round.
+    evaluation runs after round 1, and such a failure would lose the round;
+  * where the run's participation varies, a `select_uploads` or `server_update` that fails when
+    `RoundInfo.participating` is a [K] bool mask rather than None. That an absent slot changes nothing
+    is a matter of values, which shapes cannot show: tests/test_participation_algorithms.py checks it for
+    the shipped algorithms, and an outside algorithm's author checks it the same way.
 """
 
 from __future__ import annotations
@@ -111,11 +115,12 @@ def _abstractly(name: str, functions: str, fn, *args):
 
 
 def check_contract(algorithm: FederatedAlgorithm, variables: Any, num_clients: int, clients_per_round: int,
-                   data: Any, seed: int = 0) -> None:
+                   data: Any, seed: int = 0, varies: bool = False) -> None:
     """Evaluates one round of `algorithm` on shapes and raises `ContractError` at its first breach.
 
     `variables`: the model's initial variables (or their shapes); `data`: a `FederatedSplit` (or its
-    shapes) whose client 0 stands for every client.
+    shapes) whose client 0 stands for every client; `varies`: the run's participation varies, so the
+    server's functions see `RoundInfo.participating` (`core.round.RoundConditions.varies`).
     """
     name = algorithm.name
     key = jax.random.key(seed)
@@ -144,12 +149,14 @@ def check_contract(algorithm: FederatedAlgorithm, variables: Any, num_clients: i
     check_metrics(name, metrics)
     stacked = tree_map(lambda x: jax.ShapeDtypeStruct((clients_per_round, *x.shape), x.dtype), up)
     weights = jax.ShapeDtypeStruct((clients_per_round,), jnp.float32)
+    present = jax.ShapeDtypeStruct((clients_per_round,), jnp.bool_) if varies else None
+    masked = " with RoundInfo.participating a [K] bool mask (the run's participation varies)" if varies else ""
     if algorithm.select_uploads is not None:
-        stacked = _abstractly(name, "select_uploads", lambda u, w: algorithm.select_uploads(u, w, info), stacked,
-                              weights)
+        stacked = _abstractly(name, "select_uploads" + masked, lambda u, w, p: algorithm.select_uploads(
+            u, w, info.replace(participating=p)), stacked, weights, present)
         message_leaves(name, "select_uploads", stacked)
-    new_server = _abstractly(name, "server_update", lambda s, u, w: algorithm.server_update(s, u, w, info), server,
-                             stacked, weights)
+    new_server = _abstractly(name, "server_update" + masked, lambda s, u, w, p: algorithm.server_update(
+        s, u, w, info.replace(participating=p)), server, stacked, weights, present)
     same_tree(name, "server_update", new_server, server, "server state")
     check_evaluation(algorithm, server, clients)
 

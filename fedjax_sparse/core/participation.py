@@ -116,15 +116,25 @@ def sample_clients_host(seed: int, round_index: int, num_clients: int, clients_p
     """`sample_clients` computed on the host's CPU: the same ids, as int32 numpy.
 
     The stores that gather on the host need the ids before the round. `jax.random.choice`
-    without replacement is the first K of `jax.random.permutation`: rounds of stable sorts of
-    the population by fresh 32-bit keys. XLA:CPU sorts 10^6 keys in ~0.4 s, numpy in ~0.03 s
-    (a stable sort by key equals an unstable sort of key << 32 | position), and nothing of
-    size N touches the accelerator. tests/test_client_store.py checks both agree.
+    without replacement is the first K of `jax.random.permutation` (`sampling_order`).
+    tests/test_client_store.py checks both agree.
     """
     check_slots(clients_per_round, num_clients)
+    return np.sort(sampling_order(seed, round_index, num_clients)[:clients_per_round]).astype(np.int32)
+
+
+def sampling_order(seed: int, round_index: int, num_clients: int, event: int = 0) -> np.ndarray:
+    """Round `round_index`'s random order of all clients, on the host: `sample_clients` takes its first K.
+
+    `event` > 0: another order for the round, one per later draw within it (asynchronous rounds draw
+    at every arrival). `jax.random.permutation` is rounds of stable sorts of the population by fresh
+    32-bit keys; XLA:CPU sorts 10^6 keys in ~0.4 s, numpy in ~0.03 s (a stable sort by key equals an
+    unstable sort of key << 32 | position), and nothing of size N touches the accelerator."""
     cpu = jax.local_devices(backend="cpu")[0]
     with jax.default_device(cpu):
         key = jax.random.fold_in(stream_key(seed, "sampling"), round_index)
+        if event:
+            key = jax.random.fold_in(key, event)
         order = np.arange(num_clients)
         position = np.arange(num_clients, dtype=np.uint64)
         rounds = int(np.ceil(3 * np.log(max(1, num_clients)) / np.log(np.iinfo(np.uint32).max)))
@@ -133,7 +143,7 @@ def sample_clients_host(seed: int, round_index: int, num_clients: int, clients_p
             bits = np.asarray(_sort_keys(subkey, num_clients)).astype(np.uint64)
             by_bits = np.sort((bits << np.uint64(32)) | position) & np.uint64(0xFFFFFFFF)
             order = order[by_bits.astype(np.int64)]
-    return np.sort(order[:clients_per_round]).astype(np.int32)
+    return order
 
 
 def _round_key(key, round_index):
@@ -169,14 +179,18 @@ def _first_slots(chosen: jax.Array, scores: jax.Array, slots: int) -> Participan
     return Participants(ids[by_id], dispatched[by_id], jnp.sum(chosen).astype(jnp.int32))
 
 
-def poisson_sampler(num_clients: int, clients_per_round: int) -> Sampler:
-    """Each client independently with probability q = K / N."""
+def poisson_sampler(num_clients: int, clients_per_round: int, multiple: int = 8) -> Sampler:
+    """Each client independently with probability q = K / N.
+
+    The slots are rounded up to a `multiple` (at most N): a CPU round trains clients in chunks that divide
+    the slots, and a bound such as 155 (prime factors 5 and 31) leaves chunks of 1 on one device, 2x slower
+    (benchmarks/results/participation_cost_*); a sharded round splits them evenly over its devices (the run
+    asks for a multiple of 8 and of the devices). The extra slots only lower the chance of an overflow."""
     check_slots(clients_per_round, num_clients)
+    if multiple < 1:
+        raise ValueError(f"the slots' multiple must be at least 1, got {multiple}")
     rate = clients_per_round / num_clients
-    # rounded up to a multiple of 8: a CPU round trains clients in chunks that divide the slots, and a bound
-    # such as 155 (prime factors 5 and 31) leaves chunks of 1 on one device, 2x slower (benchmarks/results/
-    # participation_cost_*); the extra slots only lower the chance of an overflow further
-    slots = min(num_clients, -(-poisson_slots(num_clients, rate) // 8) * 8)
+    slots = min(num_clients, -(-poisson_slots(num_clients, rate) // multiple) * multiple)
 
     def draw(key, round_index):
         chosen = jax.random.uniform(_round_key(key, round_index), (num_clients,)) < rate
@@ -278,7 +292,8 @@ def check_slots(clients_per_round: int, num_clients: int) -> None:
 @dataclasses.dataclass(frozen=True)
 class SamplerContext:
     """What a sampler's builder is given: the population, the run's K and seed, the clients' example
-    counts, and the run's participation options (`hours_per_round`, `online_fraction`, `availability_trace`)."""
+    counts, the run's participation options (`hours_per_round`, `online_fraction`, `availability_trace`),
+    and what a slot count it chooses must be a multiple of (8, and the devices of a sharded round)."""
 
     num_clients: int
     clients_per_round: int
@@ -287,6 +302,7 @@ class SamplerContext:
     hours_per_round: float = 1.0
     online_fraction: float = 0.5
     availability_trace: str | None = None
+    slot_multiple: int = 8  # a sampler that chooses its slot count rounds it up to a multiple of this
 
 
 @dataclasses.dataclass(frozen=True)
@@ -308,7 +324,7 @@ def _availability(ctx: SamplerContext) -> Sampler:
 SAMPLERS: dict[str, SamplerSpec] = {spec.name: spec for spec in (
     SamplerSpec("uniform", lambda c: uniform_sampler(c.num_clients, c.clients_per_round),
                 "K of N without replacement (the default)"),
-    SamplerSpec("poisson", lambda c: poisson_sampler(c.num_clients, c.clients_per_round),
+    SamplerSpec("poisson", lambda c: poisson_sampler(c.num_clients, c.clients_per_round, c.slot_multiple),
                 "each client with probability K/N"),
     SamplerSpec("data_size", lambda c: data_size_sampler(c.num_clients, c.clients_per_round, c.counts),
                 "K of N, probability proportional to examples"),

@@ -160,6 +160,19 @@ class StoreRound:
         # as the device store's round reports it (the host's draw was checked against the slots already)
         return server_state, out.replace(clients_drawn=np.int32(inputs.dispatched.sum()))
 
+    # what a checkpoint keeps: the server state alone (every client's lies in the store); an asynchronous
+    # round (`core.buffered_round`) keeps its updates in flight too
+    def saved_state(self, server_state):
+        return server_state
+
+    def saved_meta(self) -> dict:
+        return {}
+
+    def resumed(self, state, meta: dict):
+        if "buffered" in meta:
+            raise ValueError("the checkpoint was written by asynchronous rounds; resume it with its --async-buffer")
+        return state
+
     def close(self) -> None:
         if self._pool is not None:
             self._pool.shutdown(wait=True)

@@ -222,8 +222,10 @@ def _main(argv: list[str] | None) -> int:
         accuracy = f"test accuracy {summary['final_test_accuracy']:.4f}"
     else:
         accuracy = "no global model"
+    simulated = summary.get("simulated_seconds_total")
+    clock = f" ({simulated:,.1f} simulated s)" if simulated is not None else ""
     print(f"done: {accuracy}, personalized accuracy {summary['final_personalized_accuracy']:.4f}, "
-          f"{summary['cumulative_bytes']:,} bytes in {summary['wall_seconds']:.1f} s; results in {config.out}")
+          f"{summary['cumulative_bytes']:,} bytes in {summary['wall_seconds']:.1f} s{clock}; results in {config.out}")
     return 0
 
 

@@ -17,6 +17,7 @@ from fedjax_sparse.algorithms import BUILT_IN, make_algorithm
 from fedjax_sparse.algorithms.personalization import personalize
 from fedjax_sparse.algorithms.uplink_compression import compress_uplink
 from fedjax_sparse.core.algorithm import BuildContext, NeedsDeviceData
+from fedjax_sparse.core.buffered_round import BufferedRound
 from fedjax_sparse.core.contract import check_contract
 from fedjax_sparse.core.cpu_evaluation import CpuEvaluator, evaluation_devices
 from fedjax_sparse.core.cpu_round import keep_freed_memory, round_devices
@@ -35,7 +36,7 @@ from fedjax_sparse.data.clients import federate
 from fedjax_sparse.models import get_model
 from fedjax_sparse.run.checkpoints import KEEP
 from fedjax_sparse.run.config import RunConfig
-from fedjax_sparse.run.federation import round_conditions
+from fedjax_sparse.run.federation import buffering, round_conditions
 from fedjax_sparse.run.fingerprint import data_fingerprint
 from fedjax_sparse.run.outputs import say
 
@@ -136,7 +137,7 @@ def build_experiment(config: RunConfig, progress: bool = True, *, process: Proce
         algorithm = with_patterns(make_algorithm(config.algorithm, context, config.algorithm_options), context, config)
     if config.algorithm not in BUILT_IN:  # an algorithm from outside the library: its contract, on shapes, first
         check_contract(algorithm, jax.eval_shape(model.init, stream_key(config.seed, "model_init")), config.num_clients,
-                       slots, federation.first_client(), config.seed)
+                       slots, federation.first_client(), config.seed, varies=conditions.varies)
     store = make_store(backend, algorithm, key, variables, config.num_clients,
                        directory=Path(config.out) / "client_store", process=process, keep=KEEP)
     mesh = None
@@ -147,9 +148,17 @@ def build_experiment(config: RunConfig, progress: bool = True, *, process: Proce
     chunk = None if mesh is not None else resolve_client_chunk(config, variables, slots)
     check_local_sizes(config, int(federation.train_counts.max()), dataset.input_shape,
                       chunk or slots)
-    round_fn = StoreRound(algorithm, store, train, config.clients_per_round, seed=config.seed, mesh=mesh,
-                          client_chunk=chunk, cpu_devices=round_cpu_devices(config, backend, mesh, chunk, slots),
-                          conditions=conditions)
+    asynchronous = buffering(config)
+    if asynchronous is not None:
+        if backend != "device" or mesh is not None or (config.cpu_devices or 1) > 1:
+            raise ValueError("--async-buffer runs on the device client store in one process: give --client-store "
+                             "device and no --shard-clients or --cpu-devices above 1")
+        round_fn = BufferedRound(algorithm, store, train, asynchronous, seed=config.seed, conditions=conditions,
+                                 client_chunk=chunk)
+    else:
+        round_fn = StoreRound(algorithm, store, train, config.clients_per_round, seed=config.seed, mesh=mesh,
+                              client_chunk=chunk, cpu_devices=round_cpu_devices(config, backend, mesh, chunk, slots),
+                              conditions=conditions)
     evaluate_global = (global_evaluator(model, *federation.global_test, dataset.mean, dataset.std)
                        if algorithm.global_variables is not None else None)
     evaluate_personalized = split_evaluator(model, algorithm.client_variables, client_chunk=evaluation_chunk(config))

@@ -9,8 +9,10 @@ from __future__ import annotations
 import dataclasses
 import math
 
+import jax
 import numpy as np
 
+from fedjax_sparse.core.buffered_round import Buffering
 from fedjax_sparse.core.clock import Stragglers, device_profile
 from fedjax_sparse.core.options import option
 from fedjax_sparse.core.participation import SamplerContext, build_sampler
@@ -41,6 +43,14 @@ class FederationOptions:
                                         "(needs --device-profile)", low=0.0)
     dropout: float = option(0.0, "the probability that a dispatched client fails before returning", low=0.0,
                             high=1.0, high_open=True)
+    async_buffer: int | None = option(None, "asynchronous rounds (FedBuff): --clients-per-round clients train at "
+                                            "once, each from the model current when it was sent, and the server "
+                                            "steps each time this many updates have arrived by the simulated clock "
+                                            "(needs --device-profile; a round is one step); default: synchronous",
+                                      low=1)
+    staleness_exponent: float = option(0.5, "asynchronous rounds: an update s server steps old is weighted by "
+                                            "(1 + s)^-a (0.5: FedBuff's 1/sqrt(1 + s); 0: not down-weighted)",
+                                       low=0.0)
 
     def ignored(self) -> dict[str, str]:
         out = {}
@@ -49,7 +59,17 @@ class FederationOptions:
                         for name in ("hours_per_round", "online_fraction", "availability_trace")})
         elif self.availability_trace is not None:
             out["online_fraction"] = "is read by the diurnal pattern, not with --availability-trace"
+        if self.async_buffer is None:
+            out["staleness_exponent"] = "is read only with --async-buffer"
         return out
+
+
+def buffering(config) -> Buffering | None:
+    """The asynchronous rounds' buffer, concurrency (the clients per round) and staleness weighting; None:
+    synchronous rounds."""
+    if config.async_buffer is None:
+        return None
+    return Buffering(config.async_buffer, config.clients_per_round, config.staleness_exponent)
 
 
 def dispatched_per_round(config) -> int:
@@ -57,6 +77,14 @@ def dispatched_per_round(config) -> int:
     if not config.over_selection:
         return config.clients_per_round
     return min(config.num_clients, math.ceil((1 + config.over_selection) * config.clients_per_round))
+
+
+def slot_multiple(config) -> int:
+    """What a sampler's own slot count is rounded to: 8 (CPU chunks), and the devices where the round is sharded
+    over them (--shard-clients, several processes), so that each device gets as many."""
+    if config.shard_clients or jax.process_count() > 1:
+        return math.lcm(8, jax.device_count())
+    return 8
 
 
 def round_conditions(config, counts: np.ndarray, dense_flops_per_example: float) -> RoundConditions:
@@ -68,7 +96,7 @@ def round_conditions(config, counts: np.ndarray, dense_flops_per_example: float)
     sampler = build_sampler(config.sampler, SamplerContext(
         num_clients=config.num_clients, clients_per_round=slots, seed=config.seed, counts=counts,
         hours_per_round=config.hours_per_round, online_fraction=config.online_fraction,
-        availability_trace=config.availability_trace))
+        availability_trace=config.availability_trace, slot_multiple=slot_multiple(config)))
     profile = device_profile(config.device_profile, config.num_clients) if config.device_profile else None
     stragglers = Stragglers(deadline=config.round_deadline,
                             target=config.clients_per_round if config.over_selection else None,

@@ -344,10 +344,11 @@ def _run_rounds(exp: Experiment, config: RunConfig, out: Path, counters: Counter
         nonlocal checkpointer
         checkpointer = checkpointer or RunCheckpointer(out)
         before, stop.waiting_for = stop.waiting_for, f"the checkpoint of round {counters.rounds_done} to be saved"
-        saved[counters.rounds_done] = checkpointer.save(counters.rounds_done, server_state, exp.store, {
-            "config": config.to_dict(), "counters": dataclasses.asdict(counters), "processes": exp.process.count,
-            "history": history, "data": exp.data_fingerprint,
-            **({"sharded_devices": jax.device_count()} if config.shard_clients else {})})
+        meta = {"config": config.to_dict(), "counters": dataclasses.asdict(counters), "processes": exp.process.count,
+                "history": history, "data": exp.data_fingerprint, **exp.round_fn.saved_meta(),
+                **({"sharded_devices": jax.device_count()} if config.shard_clients else {})}
+        saved[counters.rounds_done] = checkpointer.save(counters.rounds_done, exp.round_fn.saved_state(server_state),
+                                                        exp.store, meta)
         stop.waiting_for = before
         return saved[counters.rounds_done]
 

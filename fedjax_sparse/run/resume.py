@@ -104,7 +104,8 @@ def restore(exp: Experiment, out: Path, lead: bool, allow_data_change: bool) -> 
         server_like = replicated(exp.server_state, exp.round_fn.mesh) if exp.process.count > 1 else exp.server_state
         if exp.round_fn.mesh is not None and exp.process.count == 1:  # a sharded device store: as its rounds hold it
             server_like = replicated(exp.server_state, exp.round_fn.mesh)
-        _, server_state, meta = RunCheckpointer(out).restore(server_like, exp.store)
+        _, saved, meta = RunCheckpointer(out).restore(exp.round_fn.saved_state(server_like), exp.store)
+        server_state = exp.round_fn.resumed(saved, meta)
         changes = data_changes(meta.get("data"), exp.data_fingerprint)
         if changes and not allow_data_change:
             raise ValueError(f"--resume {out}: the data differ from the run's ({changes}); resume with "
