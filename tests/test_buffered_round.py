@@ -49,7 +49,7 @@ def test_buffer_k_without_staleness_is_synchronous_fedavg(server):
     conditions = RoundConditions(uniform_sampler(10, k), same)
     sync_round, states = build_round(algorithm, train, k, seed=3), DeviceStore(algorithm, key, variables, 10).states
     buffered = BufferedRound(algorithm, DeviceStore(algorithm, key, variables, 10), train, Buffering(k, k), seed=3,
-                             conditions=conditions)
+                             conditions=conditions, counts=COUNTS)
     sync = asyn = initial_server_state(algorithm, key, variables, 10)
     for r in range(3):
         sync, states, sync_out = sync_round(sync, states, r)
@@ -85,7 +85,7 @@ def test_a_timeline_worked_out_by_hand(tmp_path):
     conditions = RoundConditions(uniform_sampler(6, 2), _latency_profile(tmp_path, latencies))
     algorithm, key = fedavg(local), jax.random.key(1)
     buffered = BufferedRound(algorithm, DeviceStore(algorithm, key, variables, 6), train, Buffering(1, 2), seed=seed,
-                             conditions=conditions)
+                             conditions=conditions, counts=COUNTS[:6])
     x0 = initial_server_state(algorithm, key, variables, 6)
     x1, first = buffered(x0, 0)
     x2, second = buffered(x1, 1)
@@ -101,12 +101,14 @@ def test_a_timeline_worked_out_by_hand(tmp_path):
                            x2["variables"], expected)
 
 
-def test_an_asynchronous_run_resumes_exactly_and_records_staleness(tmp_path, capsys):
+def test_an_asynchronous_run_resumes_exactly_on_every_client_store(tmp_path, capsys):
+    """4 rounds on the device store; 2 on the disk store resumed to 4: the same records (the clients' states
+    and data read from rows and windows, the updates in flight and the clock kept by the checkpoint)."""
     flags = [*TINY, "--num-clients", "8", "--clients-per-round", "4", "--async-buffer", "2", "--device-profile",
-             "phone", "--checkpoint-every", "2"]
+             "phone", "--checkpoint-every", "2", "--algorithm", "fedavg", "--personal", "predictor"]
     whole, half = tmp_path / "whole", tmp_path / "half"
-    assert main(["run", *flags, "--rounds", "4", "--out", str(whole)]) == 0
-    assert main(["run", *flags, "--rounds", "2", "--out", str(half)]) == 0
+    assert main(["run", *flags, "--rounds", "4", "--client-store", "device", "--out", str(whole)]) == 0
+    assert main(["run", *flags, "--rounds", "2", "--client-store", "disk", "--out", str(half)]) == 0
     assert main(["run", "--resume", str(half), "--rounds", "4", "--no-progress"]) == 0
     assert records(half) == records(whole)
     assert all(r["clients_returned"] == 2 and r["simulated_seconds"] >= 0 for r in records(whole))
@@ -137,7 +139,8 @@ def test_what_asynchronous_rounds_refuse(tmp_path):
 
 @pytest.mark.parametrize("flags,words", [
     (["--async-buffer", "2"], "need a clock"),
-    (["--async-buffer", "2", "--device-profile", "iot", "--client-store", "host"], "device client store"),
+    (["--async-buffer", "2", "--device-profile", "iot", "--shard-clients"], "one process on one device"),
+    (["--async-buffer", "2", "--device-profile", "iot", "--cpu-devices", "2"], "no --cpu-devices above 1"),
     (["--staleness-exponent", "1"], "--staleness-exponent is read only with --async-buffer"),
 ])
 def test_asynchronous_flags_that_cannot_apply_are_one_line(tmp_path, capsys, flags, words):

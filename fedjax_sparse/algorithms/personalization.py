@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 
 from fedjax_sparse.algorithms.uplink_compression import broadcast_shapes, reading_inner_state, upload_shapes
-from fedjax_sparse.core.algorithm import BuildContext, FederatedAlgorithm, replicate
+from fedjax_sparse.core.algorithm import MODEL_UPLOAD, BuildContext, FederatedAlgorithm, replicate
 from fedjax_sparse.core.layer_groups import model_layer_groups
 from fedjax_sparse.core.model_parts import overlay, part_labels, take_part
 from fedjax_sparse.core.options import option
@@ -106,7 +106,10 @@ def personalize(algorithm: FederatedAlgorithm, context: BuildContext, options: P
     def client_variables(server_state, state):
         return overlay(algorithm.client_variables(server_state, state["inner"]), state["personal"])
 
+    # the shared part both ways: an elementwise increment of the model still is one of its shared part
+    stale_upload = algorithm.stale_upload if algorithm.stale_upload is MODEL_UPLOAD else None
     return dataclasses.replace(
-        algorithm, init=init, init_clients=init_clients, client_update=client_update, server_update=server_update, stale_upload=None,
+        algorithm, init=init, init_clients=init_clients, client_update=client_update, server_update=server_update,
+        stale_upload=stale_upload,
         broadcast=lambda server_state, client_id, info: shared(algorithm.broadcast(server_state, client_id, info)),
         **{**reading_inner_state(algorithm), "client_variables": client_variables})

@@ -17,7 +17,6 @@ from fedjax_sparse.algorithms import BUILT_IN, make_algorithm
 from fedjax_sparse.algorithms.personalization import personalize
 from fedjax_sparse.algorithms.uplink_compression import compress_uplink
 from fedjax_sparse.core.algorithm import BuildContext, NeedsDeviceData
-from fedjax_sparse.core.buffered_round import BufferedRound
 from fedjax_sparse.core.contract import check_contract
 from fedjax_sparse.core.cpu_evaluation import CpuEvaluator, evaluation_devices
 from fedjax_sparse.core.cpu_round import keep_freed_memory, round_devices
@@ -29,7 +28,7 @@ from fedjax_sparse.core.evaluation import AUTO, default_evaluation_chunk, global
 from fedjax_sparse.core.flops import forward_flops
 from fedjax_sparse.core.local_training import LocalSGD
 from fedjax_sparse.core.round import clients_mesh, default_client_chunk
-from fedjax_sparse.core.store_round import StoreRound
+from fedjax_sparse.core.round_driver import ONE_DEVICE, round_driver
 from fedjax_sparse.core.streams import stream_key, stream_seed
 from fedjax_sparse.data import load_dataset
 from fedjax_sparse.data.clients import federate
@@ -47,7 +46,7 @@ class Experiment:
 
     store: where the client states live (`core.client_store`); train, local_test: the
     clients' data, on the device (`FederatedSplit`) with the device store, else this
-    process's clients' (`data.windows.HostData`); round_fn: `core.store_round.StoreRound`,
+    process's clients' (`data.windows.HostData`); round_fn: `core.round_driver.RoundDriver`,
     `round_fn(server_state, r) -> (server_state, RoundOutput)`; evaluate_personalized:
     `core.evaluation.split_evaluator`, given local_test with the device store (every client),
     a chunk of the clients' test windows otherwise.
@@ -149,16 +148,12 @@ def build_experiment(config: RunConfig, progress: bool = True, *, process: Proce
     check_local_sizes(config, int(federation.train_counts.max()), dataset.input_shape,
                       chunk or slots)
     asynchronous = buffering(config)
-    if asynchronous is not None:
-        if backend != "device" or mesh is not None or (config.cpu_devices or 1) > 1:
-            raise ValueError("--async-buffer runs on the device client store in one process: give --client-store "
-                             "device and no --shard-clients or --cpu-devices above 1")
-        round_fn = BufferedRound(algorithm, store, train, asynchronous, seed=config.seed, conditions=conditions,
-                                 client_chunk=chunk)
-    else:
-        round_fn = StoreRound(algorithm, store, train, config.clients_per_round, seed=config.seed, mesh=mesh,
-                              client_chunk=chunk, cpu_devices=round_cpu_devices(config, backend, mesh, chunk, slots),
-                              conditions=conditions)
+    if asynchronous is not None and (config.cpu_devices or 1) > 1:
+        raise ValueError(ONE_DEVICE)
+    cpu_devices = round_cpu_devices(config, backend, mesh, chunk, slots) if asynchronous is None else []
+    round_fn = round_driver(algorithm, store, train, config.clients_per_round, seed=config.seed, mesh=mesh,
+                            client_chunk=chunk, conditions=conditions, counts=federation.train_counts,
+                            buffering=asynchronous, cpu_devices=cpu_devices)
     evaluate_global = (global_evaluator(model, *federation.global_test, dataset.mean, dataset.std)
                        if algorithm.global_variables is not None else None)
     evaluate_personalized = split_evaluator(model, algorithm.client_variables, client_chunk=evaluation_chunk(config))
