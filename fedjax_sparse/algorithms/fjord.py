@@ -58,6 +58,17 @@ weighted; FjORD's `fjord_average` is the same per-entry mean over holders, sampl
 Messages: the sub-model's values both ways (the server and the client both know the width), as
 every sub-model method.
 
+Widths from the device (`--capacity-from device`, `algorithms.submodels`): each client's width is
+the largest its device fits in the round's deadline (`core.capacity`), and nothing is drawn.
+  client  the largest width in [width_low, width_high]: in a continuous range, the largest
+          sub-model (a width p keeps ceil(p N) units of a layer of N, so the sub-model changes
+          only where p crosses some j / N); the candidates are those widths j / N of every
+          hidden layer's (group's) N inside the range, width_low and width_high (`range_widths`),
+          and a client gets the largest that fits, width_low where none does.
+  batch   the client's tier: the largest of `fjord_widths` that fits (the smallest where none
+          does), in place of FjORD's tiers by client id; each batch still draws a width up to
+          it, and its time is priced at its expected FLOPs over those draws (`train_flops`).
+
 At width_low = width_high = p, Fjord is HeteroFL with the single capacity p (tests/test_fjord.py).
 `train_flops`: the sub-model's count; in `batch` sampling its expectation over the widths a
 client may draw (plus the teacher's pass with distillation).
@@ -79,7 +90,7 @@ from fedjax_sparse.core.local_training import LocalObjective, label_masked_cross
 from fedjax_sparse.core.options import option
 from fedjax_sparse.core.streams import stream_key
 from fedjax_sparse.core.unit_masks import variable_masks
-from fedjax_sparse.core.unit_selection import keep_top_units, prefix_scores
+from fedjax_sparse.core.unit_selection import keep_top_units, prefix_scores, selectable_groups
 from fedjax_sparse.data.federated import Batch
 from fedjax_sparse.models.structure import Model, ModelStructure
 
@@ -133,6 +144,15 @@ def client_width(seed: int, low: float, high: float, round_index: jax.Array, cli
 def tier_width(widths: jax.Array, client_id: jax.Array, num_clients: int) -> jax.Array:
     """FjORD's tiers: client i's largest width is the floor(i S / N)-th of the S sorted `widths`."""
     return widths[jnp.minimum(client_id * widths.shape[0] // num_clients, widths.shape[0] - 1)]
+
+
+def range_widths(structure: ModelStructure, low: float, high: float) -> tuple[float, ...]:
+    """The widths of [low, high] at which the sub-model changes, ascending: low, every j / N inside
+    (low, high) for each selectable group of N units (a width p keeps ceil(p N) of them, so the
+    sub-model of any p in (j / N, next] is that of the next one), and high."""
+    steps = {j / members[0].num_units for members in selectable_groups(structure)
+             for j in range(1, members[0].num_units) if low < j / members[0].num_units < high}
+    return tuple(sorted(steps | {low, high}))
 
 
 def batch_width(key: jax.Array, widths: jax.Array, p_max: jax.Array) -> jax.Array:
@@ -232,7 +252,8 @@ def fjord(context: BuildContext, options: FjordOptions) -> FederatedAlgorithm:
 
     if options.fjord_sampling == "client":
         return submodel_algorithm("fjord", context, options, rule, capacity=lambda round_index, client_id: client_width(
-            context.seed, options.width_low, options.width_high, round_index, client_id))
+            context.seed, options.width_low, options.width_high, round_index, client_id),
+            levels=range_widths(structure, options.width_low, options.width_high))
 
     widths = jnp.asarray(sorted(options.fjord_widths), jnp.float32)
     width_flops = jnp.stack([forward_flops(structure, keep_top_units(structure, prefix, w), count_inputs=True)
@@ -264,7 +285,8 @@ def fjord(context: BuildContext, options: FjordOptions) -> FederatedAlgorithm:
     algorithm = submodel_algorithm("fjord", context, options, rule,
                                    capacity=lambda round_index, client_id: tier_width(widths, client_id,
                                                                                       context.num_clients),
-                                   step_masks=step_masks, expected_step_flops=expected_step_flops,
+                                   levels=options.fjord_widths, step_masks=step_masks,
+                                   expected_step_flops=expected_step_flops,
                                    held_entries=held_entries if per_width else None,
                                    client_objective=client_objective if distillation or per_width else None)
     if not per_width:

@@ -9,7 +9,11 @@ Capacity. Each sampled client gets a capacity beta from `capacities`
 drawn with `capacity_proportions` (uniform by default; FedGSE's section 6.3
 mixes {1, 1/16} in proportion rho): `dynamic` redraws it every round (FedGSE's
 setting), `fixed` draws it once per client. Either way a pure function of
-(seed, round, client id) in its own random stream.
+(seed, round, client id) in its own random stream. With `capacity_from=device`
+(an option of every sub-model method and Fjord) nothing is drawn: each client
+gets the largest level whose predicted round time on its device fits the round's
+deadline (`core.capacity`: the clock's formula over the sub-model's own messages
+and FLOPs, priced below by the functions the round itself uses).
 
 Sub-model. beta keeps ceil(beta x N) units of every hidden layer (N its units;
 HeteroFL's count: only hidden widths scale) and every unit of the output
@@ -114,17 +118,18 @@ import jax.numpy as jnp
 
 from fedjax_sparse.core.aggregation import masked_mean, present_only
 from fedjax_sparse.core.algorithm import AlgorithmSpec, BuildContext, FederatedAlgorithm, RoundInfo
+from fedjax_sparse.core.capacity import Price, device_capacity
 from fedjax_sparse.core.compilation import jit
 from fedjax_sparse.core.evaluation import population_batch_stats
 from fedjax_sparse.core.flops import forward_flops
 from fedjax_sparse.core.local_training import LocalObjective
-from fedjax_sparse.core.messages import Known, KnownMaskArray
+from fedjax_sparse.core.messages import Known, KnownMaskArray, message_bytes
 from fedjax_sparse.core.options import option
 from fedjax_sparse.core.server_optimizer import ServerOptimizerOptions, from_options
 from fedjax_sparse.core.streams import stream_key
 from fedjax_sparse.core.unit_masks import variable_masks
 from fedjax_sparse.core.unit_selection import keep_top_units, prefix_scores, random_scores, rolling_scores
-from fedjax_sparse.data.federated import client_label_counts
+from fedjax_sparse.data.federated import ClientData, client_label_counts
 from fedjax_sparse.models.structure import ModelStructure, get_path, set_path
 
 tree_map = jax.tree_util.tree_map
@@ -145,6 +150,11 @@ class SubmodelOptions(ServerOptimizerOptions):
                                            "each client's level is drawn once", choices=("dynamic", "fixed"))
     capacity_proportions: tuple[float, ...] | None = option(None, "weights of the capacity levels (default: "
                                                                   "equal)", low=0.0)
+    capacity_from: str = option("method", "method: each client's capacity is the method's own (drawn from "
+                                          "--capacities; Fjord: its widths); device: the largest level whose "
+                                          "predicted round time on the client's device fits --round-deadline "
+                                          "(needs --device-profile and --round-deadline)",
+                                choices=("method", "device"))
     scaler: bool = option(False, "HeteroFL's Scaler: divide by beta before each normalization during local "
                                  "training (a batch-statistics BatchNorm cancels it; in norm-free models it "
                                  "scales the hidden units' outputs)")
@@ -176,6 +186,9 @@ class SubmodelOptions(ServerOptimizerOptions):
         out = super().ignored()
         if not self.label_mask:
             out["label_mask_fill"] = "is read only with --label-mask"
+        if self.capacity_from == "device":
+            out.update({name: "is not read with --capacity-from device: each client gets the largest level its "
+                              "device fits" for name in ("capacity_mode", "capacity_proportions")})
         return out
 
 
@@ -229,6 +242,7 @@ ClientObjective = Callable[[LocalObjective, dict, jax.Array], LocalObjective]
 def submodel_algorithm(name: str, context: BuildContext, options: SubmodelOptions, scores: ScoreRule, *,
                        feedback: Callable[[Any], dict] | None = None,
                        memory: ServerMemory | None = None, capacity: CapacityRule | None = None,
+                       levels: tuple[float, ...] | None = None,
                        step_masks: StepMasks | None = None, expected_step_flops: Callable | None = None,
                        held_entries: HeldEntries | None = None, client_objective: ClientObjective | None = None
                        ) -> FederatedAlgorithm:
@@ -237,6 +251,11 @@ def submodel_algorithm(name: str, context: BuildContext, options: SubmodelOption
     feedback(data) -> dict: extra values a client uploads (FedGSE-CSL's labels), priced.
     memory: per-client server memory updated from the uploads (FedGSE-SPL).
     capacity: a client's capacity in a round (default: `client_capacity` from the options).
+    levels: the capacities `capacity_from=device` chooses among (default `options.capacities`;
+      `capacity` is then not used): the largest a client's device fits (`core.capacity`), each
+      priced as the prefix sub-model of that capacity. A rule's sub-model of one capacity costs
+      the same whichever units it keeps, as it keeps the same number of each layer's (residual
+      groups tied), which tests/test_capacity_rule.py checks over the model zoo.
     step_masks: each local step trains a smaller sub-model of the client's, drawn from the
       step's key (Fjord's per-batch widths); its width is what the Scaler divides by.
       `expected_step_flops(capacity)`: the forward FLOPs of one example in a step (every forward
@@ -256,7 +275,8 @@ def submodel_algorithm(name: str, context: BuildContext, options: SubmodelOption
     structure = model.structure
     num_classes = context.num_classes
     output = structure.layers[-1]
-    stats_shapes = jax.eval_shape(model.init, jax.random.key(0))["batch_stats"]
+    variable_shapes = jax.eval_shape(model.init, jax.random.key(0))
+    stats_shapes = variable_shapes["batch_stats"]
     server = from_options(options)
 
     def sent(variables):
@@ -271,23 +291,58 @@ def submodel_algorithm(name: str, context: BuildContext, options: SubmodelOption
             state["update_counts"] = tree_map(lambda x: jnp.ones(x.shape, jnp.float32), sent(variables))
         return state, {}
 
-    def capacity_of(round_index, client_id):
-        if capacity is not None:
-            return capacity(round_index, client_id)
-        return client_capacity(options, context.seed, round_index, client_id)
-
     def entries(variables, masks, capacity):
         if held_entries is not None:
             return held_entries(variables, masks, capacity)
         return variable_masks(structure, variables, masks)
+
+    def down_message(variables, entry_masks, masks, capacity):
+        return {"variables": tree_map(KnownMaskArray, sent(variables), sent(entry_masks)),
+                "unit_masks": Known(masks), "capacity": Known(capacity)}
+
+    def up_message(trained, entry_masks, masks, labels_held, feedback_values):
+        up = {"variables": tree_map(KnownMaskArray, sent(trained), sent(entry_masks)),
+              "unit_masks": Known(masks), "labels_held": Known(labels_held)}
+        if feedback_values is not None:
+            up["feedback"] = feedback_values
+        return up
+
+    def step_flops(masks, capacity):
+        return (forward_flops(structure, masks, count_inputs=True) if expected_step_flops is None
+                else expected_step_flops(capacity))
+
+    def train_flops(per_example, count):
+        return 3.0 * per_example * (count * local.epochs).astype(jnp.float32)
+
+    def price(capacity):
+        # the prefix sub-model of this capacity, with values that are not read: a message costs its held
+        # entries (Fjord's per-width statistics: one set per width, as its server holds them), and a
+        # feedback costs its shapes
+        masks = keep_top_units(structure, prefix_scores(structure), capacity)
+        variables = tree_map(lambda s: jnp.zeros(s.shape, s.dtype), variable_shapes)
+        entry_masks = entries(variables, masks, capacity)
+        held = tree_map(lambda v, m: jnp.zeros(m.shape, v.dtype), variables, entry_masks)
+        return Price(step_flops=step_flops(masks, capacity),
+                     down_bytes=message_bytes(down_message(held, entry_masks, masks, capacity)),
+                     up_bytes=message_bytes(up_message(held, entry_masks, masks, jnp.zeros((num_classes,), bool),
+                                                       feedback_shapes)))
+
+    feedback_shapes = None if feedback is None else jax.eval_shape(feedback, one_example(model))
+    rule = capacity
+    if options.capacity_from == "device":
+        rule = device_capacity(context, options.capacities if levels is None else levels, price, train_flops)
+
+    def capacity_of(round_index, client_id):
+        if rule is not None:
+            return rule(round_index, client_id)
+        return client_capacity(options, context.seed, round_index, client_id)
 
     def broadcast(server_state, client_id, info):
         capacity = capacity_of(info.index, client_id)
         masks = keep_top_units(structure, scores(server_state, client_id, info, capacity), capacity)
         variables = server_state["variables"]
         entry_masks = entries(variables, masks, capacity)
-        return {"variables": tree_map(KnownMaskArray, sent(variables), sent(entry_masks)),
-                "unit_masks": Known(masks), "capacity": Known(capacity)}
+        return down_message(variables, entry_masks, masks, capacity)
 
     def client_update(down, client_state, data, key, info):
         masks, capacity = down["unit_masks"].value, down["capacity"].value
@@ -314,13 +369,8 @@ def submodel_algorithm(name: str, context: BuildContext, options: SubmodelOption
         if client_objective is not None:
             objective = client_objective(objective, masks, capacity)
         trained, stats = local.train(variables, data, key, round_index=info.index, objective=objective)
-        per_example = (forward_flops(structure, masks, count_inputs=True) if expected_step_flops is None
-                       else expected_step_flops(capacity))
-        stats = {**stats, "train_flops": 3.0 * per_example * (data.count * local.epochs).astype(jnp.float32)}
-        up = {"variables": tree_map(KnownMaskArray, sent(trained), sent(entry_masks)),
-              "unit_masks": Known(masks), "labels_held": Known(labels_held)}
-        if feedback is not None:
-            up["feedback"] = feedback(data)
+        stats = {**stats, "train_flops": train_flops(step_flops(masks, capacity), data.count)}
+        up = up_message(trained, entry_masks, masks, labels_held, None if feedback is None else feedback(data))
         return up, client_state, {**stats, "capacity": capacity}
 
     def server_update(server_state, ups, weights, info):
@@ -370,6 +420,16 @@ def submodel_algorithm(name: str, context: BuildContext, options: SubmodelOption
         global_variables=lambda server_state: server_state["variables"],
         evaluation_state=evaluation_state if static_bn else None,
     )
+
+
+def one_example(model) -> ClientData:
+    """The shapes of a client holding one example of the model's input (what a feedback's price reads:
+    its shape, which no example's value sets)."""
+    channels = model.input_shape[-1:] if model.input_kind != "tokens" else ()
+    spec = jax.ShapeDtypeStruct
+    return ClientData(x=spec((1, *model.input_shape), jnp.float32), y=spec((1,), jnp.int32),
+                      offset=spec((), jnp.int32), count=spec((), jnp.int32), mean=spec(channels, jnp.float32),
+                      std=spec(channels, jnp.float32), max_count=1)
 
 
 def count_weighted_paths(structure: ModelStructure, variables: dict) -> dict:

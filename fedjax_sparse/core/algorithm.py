@@ -13,7 +13,9 @@ from typing import Any, Callable
 import flax.struct
 import jax
 import jax.numpy as jnp
+import numpy as np
 
+from fedjax_sparse.core.clock import DeviceProfile
 from fedjax_sparse.core.local_training import LocalSGD
 from fedjax_sparse.data.federated import ClientData, FederatedSplit
 
@@ -153,7 +155,12 @@ class BuildContext:
       answers), or None where the run keeps them off the device (host and disk client
       stores, several processes): such methods take it through `device_train`;
     seed: the run's seed (for randomness fixed at build time);
-    labels_per_client: the partition's labels per client, when it has one.
+    labels_per_client: the partition's labels per client, when it has one;
+    device_profile, round_deadline: the clients' devices and the round's deadline in simulated
+      seconds (`--device-profile`, `--round-deadline`), where the run has them (the sub-models'
+      `--capacity-from device` sizes each client's sub-model by them);
+    train_counts: [num_clients] each client's training examples, where the run gives them
+      (else `train`'s counts, where it is there).
     """
 
     local: LocalSGD
@@ -163,6 +170,9 @@ class BuildContext:
     num_classes: int
     seed: int = 0
     labels_per_client: int | None = None
+    device_profile: DeviceProfile | None = None
+    round_deadline: float | None = None
+    train_counts: np.ndarray | None = dataclasses.field(default=None, compare=False, hash=False)
 
     def device_train(self, algorithm: str, why: str, otherwise: str = "") -> FederatedSplit:
         """`train`, for a method that reads every client's data on the device (`why`: what for);

@@ -119,7 +119,9 @@ def build_experiment(config: RunConfig, progress: bool = True, *, process: Proce
     slots = conditions.sampler.slots
     context = BuildContext(local=local, num_clients=config.num_clients, clients_per_round=slots,
                            train=None, num_classes=dataset.num_classes, seed=config.seed,
-                           labels_per_client=config.labels_per_client if split_by == "labels" else None)
+                           labels_per_client=config.labels_per_client if split_by == "labels" else None,
+                           device_profile=conditions.profile, round_deadline=conditions.stragglers.deadline,
+                           train_counts=federation.train_counts)
     try:  # built without the clients' data first: most algorithms never read them
         algorithm, needs_device = with_patterns(make_algorithm(config.algorithm, context, config.algorithm_options),
                                                 context, config), None
