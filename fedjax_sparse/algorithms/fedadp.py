@@ -122,7 +122,7 @@ def fedadp(context: BuildContext, options: FedADPOptions) -> FederatedAlgorithm:
                                   held)
 
     return dataclasses.replace(base, name="fedadp", client_update=client_update, server_update=server_update,
-                               stale_upload=None)
+                               stale_upload=None, aggregates_mean=False)
 
 
 SPEC = AlgorithmSpec("fedadp", FedADPOptions, fedadp,

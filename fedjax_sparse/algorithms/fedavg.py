@@ -57,6 +57,7 @@ def fedavg(local: LocalSGD, aggregation_weights: str = "data",
         client_variables=lambda server_state, client_state: server_state["variables"],
         global_variables=lambda server_state: server_state["variables"],
         stale_upload=MODEL_UPLOAD,
+        aggregates_mean=True,
     )
 
 

@@ -68,7 +68,7 @@ def feddyn(context: BuildContext, options: FedDynOptions) -> FederatedAlgorithm:
         broadcast=lambda server_state, client_id, info: server_state["variables"],
         client_update=client_update, server_update=server_update,
         client_variables=lambda server_state, client_state: server_state["variables"],
-        global_variables=lambda server_state: server_state["variables"])
+        global_variables=lambda server_state: server_state["variables"], aggregates_mean=True)
 
 
 SPEC = AlgorithmSpec("feddyn", FedDynOptions, feddyn,

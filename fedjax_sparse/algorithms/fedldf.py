@@ -157,7 +157,8 @@ def _layer_upload_algorithm(name: str, local: LocalSGD, groups: LayerGroups,
         return _masked_aggregate(server, server_state, ups["variables"], weights)
 
     return dataclasses.replace(base, name=name, client_update=client_update, server_update=server_update,
-                               select_uploads=select_uploads, stale_upload=None)
+                               select_uploads=select_uploads, stale_upload=None,
+                               aggregates_mean=False)
 
 
 def fedldf(local: LocalSGD, clients_per_layer: int, clients_per_round: int,
@@ -209,7 +210,8 @@ def hdfl(local: LocalSGD, clients_per_layer: int, clients_per_round: int,
     return dataclasses.replace(base, name="hdfl",
                                server_update=lambda server_state, ups, weights, info: _masked_aggregate(
                                    server, server_state, ups, weights),
-                               select_uploads=select_uploads, stale_upload=None)
+                               select_uploads=select_uploads, stale_upload=None,
+                               aggregates_mean=False)
 
 
 def _spec(name: str, builder, summary: str) -> AlgorithmSpec:

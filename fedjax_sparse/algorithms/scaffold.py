@@ -78,6 +78,7 @@ def scaffold(local: LocalSGD, num_clients: int, server: ServerOptimizer | None =
         server_update=server_update,
         client_variables=lambda server_state, client_state: server_state["variables"],
         global_variables=lambda server_state: server_state["variables"],
+        aggregates_mean=True,  # its control update sums the present clients': their number times the mean
     )
 
 

@@ -427,6 +427,7 @@ def _builder(local: LocalSGD, sparsity_coef: float, weight_bounds: bool, thresho
         global_variables=None,
         client_diagnostics=client_diagnostics,
         diagnostics=diagnostics,
+        aggregates_mean=communicate,  # eq. 7: the thresholds' mean
     )
 
 

@@ -44,7 +44,6 @@ clients answer (`select_uploads`).
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -54,10 +53,9 @@ from fedjax_sparse.core.compression import (COMPRESSORS, decompressed, error_fee
                                             stochastic_quantization, top_k)
 from fedjax_sparse.core.messages import PRICED_LEAVES
 from fedjax_sparse.core.options import option
-from fedjax_sparse.core.round import round_info
-from fedjax_sparse.data.federated import ClientData
+from fedjax_sparse.core.wrapping import (broadcast_shapes, flat_leaves, reading_inner_state, upload_changes,
+                                         upload_shapes)
 
-tree_map = jax.tree_util.tree_map
 RANDOM_K_STREAM = 0x72616E64  # the client's round key folded with this draws its random-k entries
 
 
@@ -87,11 +85,6 @@ class UplinkCompressionOptions:
         return out
 
 
-def _flat(tree: Any) -> dict[str, Any]:
-    return {"/".join(str(getattr(e, "key", e)) for e in path): leaf
-            for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]}
-
-
 def compress_uplink(algorithm: FederatedAlgorithm, context: BuildContext,
                     options: UplinkCompressionOptions) -> FederatedAlgorithm:
     """`algorithm` with its clients' uploads compressed as `options` say (the module docstring)."""
@@ -107,12 +100,10 @@ def compress_uplink(algorithm: FederatedAlgorithm, context: BuildContext,
     if priced:
         raise ValueError(f"{flag}: {algorithm.name}'s upload is already priced entry by entry (sparse or known-mask "
                          f"leaves); compression applies to algorithms whose clients upload a dense model or delta")
-    up_leaves = _flat(up_shape)
-    down_leaves = _flat(broadcast_shapes(algorithm, context))
-    paths = sorted(path for path, leaf in up_leaves.items()
-                   if jnp.issubdtype(leaf.dtype, jnp.floating) and leaf.size > 1 and "batch_stats" not in path.split("/"))
-    referenced = {path for path in paths if path in down_leaves
-                  and (down_leaves[path].shape, down_leaves[path].dtype) == (up_leaves[path].shape, up_leaves[path].dtype)}
+    up_leaves = flat_leaves(up_shape)
+    message = upload_changes(up_shape, broadcast_shapes(algorithm, context), lambda path, leaf: (
+        jnp.issubdtype(leaf.dtype, jnp.floating) and leaf.size > 1 and "batch_stats" not in path.split("/")))
+    paths = message.paths
 
     def compress(values: dict, key):
         if options.uplink_compression == "topk":
@@ -122,12 +113,6 @@ def compress_uplink(algorithm: FederatedAlgorithm, context: BuildContext,
                             unbiased=not options.error_feedback)
         return stochastic_quantization(values, options.quantization_bits, jax.random.fold_in(key, RANDOM_K_STREAM),
                                        options.quantization_bucket)
-
-    def split_message(up, down):
-        """(the leaves to compress, as changes where the server knows the reference; the rest)."""
-        flat_up, flat_down = _flat(up), _flat(down)
-        return ({p: flat_up[p] - flat_down[p] if p in referenced else flat_up[p] for p in paths},
-                {p: x for p, x in flat_up.items() if p not in paths})
 
     def init_clients(key, variables, ids):
         inner = algorithm.init_clients(key, variables, ids) if algorithm.init_clients is not None else {}
@@ -142,7 +127,7 @@ def compress_uplink(algorithm: FederatedAlgorithm, context: BuildContext,
 
     def client_update(down, state, data, key, info):
         up, inner, metrics = algorithm.client_update(down, state["inner"], data, key, info)
-        changes, rest = split_message(up, down)
+        changes, rest = message.split(up, down)
         if options.error_feedback:
             sent, residual = error_feedback(changes, state["residual"], lambda t: compress(t, key))
             return {"compressed": sent, "dense": rest}, {"inner": inner, "residual": residual}, metrics
@@ -150,51 +135,9 @@ def compress_uplink(algorithm: FederatedAlgorithm, context: BuildContext,
 
     def server_update(server_state, ups, weights, info):
         downs = jax.vmap(lambda c: algorithm.broadcast(server_state, c, info))(info.client_ids)
-        flat_downs = _flat(downs)
-        changes = decompressed(ups["compressed"])
-        rebuilt = {p: changes[p] + flat_downs[p] if p in referenced else changes[p] for p in changes}
-        leaves = {**ups["dense"], **rebuilt}
-        stacked = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(up_shape), [leaves[p] for p in up_leaves])
+        stacked = message.rebuild(decompressed(ups["compressed"]), ups["dense"], downs)
         return algorithm.server_update(server_state, stacked, weights, info)
 
     return dataclasses.replace(algorithm, init=init, init_clients=init_clients, client_update=client_update,
-                               server_update=server_update, select_uploads=None, stale_upload=None,
+                               server_update=server_update, select_uploads=None, stale_upload=None, aggregates_mean=False,
                                **reading_inner_state(algorithm))
-
-
-def reading_inner_state(algorithm: FederatedAlgorithm) -> dict:
-    """`algorithm`'s functions of client states, given a wrapper's client states {'inner': the algorithm's,
-    ...}: the evaluations hand them the wrapper's, and the algorithm knows only its own (a KeyError at the
-    first evaluation otherwise)."""
-    readers = {"client_variables": lambda server_state, state: algorithm.client_variables(server_state,
-                                                                                          state["inner"])}
-    if algorithm.client_diagnostics is not None:
-        readers["client_diagnostics"] = lambda server_state, states: algorithm.client_diagnostics(server_state,
-                                                                                                  states["inner"])
-    if algorithm.evaluation_clients is not None:
-        readers["evaluation_clients"] = lambda server_state, states: {
-            **states, "inner": algorithm.evaluation_clients(server_state, states["inner"])}
-    return readers
-
-
-def _shapes(algorithm: FederatedAlgorithm, context: BuildContext):
-    """(server state, one client's state, round info) of `algorithm`, as shapes."""
-    variables = jax.eval_shape(context.local.model.init, jax.random.key(0))
-    server, clients = jax.eval_shape(lambda v: algorithm.init(jax.random.key(0), v, context.num_clients), variables)
-    one = tree_map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), clients)
-    return server, one, round_info(0, 0, jnp.zeros((1,), jnp.int32))
-
-
-def broadcast_shapes(algorithm: FederatedAlgorithm, context: BuildContext) -> Any:
-    server, _, info = _shapes(algorithm, context)
-    return jax.eval_shape(lambda s: algorithm.broadcast(s, jnp.int32(0), info), server)
-
-
-def upload_shapes(algorithm: FederatedAlgorithm, context: BuildContext) -> Any:
-    """The shapes of a client's upload (a one-example client stands in for every client)."""
-    server, one, info = _shapes(algorithm, context)
-    shape = context.local.model.input_shape
-    data = ClientData(x=jnp.zeros((1, *shape), jnp.uint8), y=jnp.zeros((1,), jnp.int32), offset=jnp.int32(0),
-                      count=jnp.int32(1), mean=jnp.zeros(shape[-1:]), std=jnp.ones(shape[-1:]), max_count=1)
-    return jax.eval_shape(lambda s, c: algorithm.client_update(algorithm.broadcast(s, jnp.int32(0), info), c, data,
-                                                               jax.random.key(0), info)[0], server, one)

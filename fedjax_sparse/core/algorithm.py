@@ -95,6 +95,10 @@ class FederatedAlgorithm:
         called once per evaluation, never inside a round, and never written back.
     stale_upload: `StaleUpload`, optional: the algorithm's server takes an upload trained from an
         older broadcast (asynchronous rounds, `core.buffered_round`); None: it runs synchronously only.
+    aggregates_mean: True where `server_update` reads the uploads only through their mean over the
+        slots taking part (each leaf's, whatever the weights), so that a server given every slot the
+        same mean computes what it computes from the uploads themselves: the privatized mean of
+        differential privacy, the sum that secure aggregation reveals. False: it needs each upload.
     """
 
     name: str
@@ -113,6 +117,7 @@ class FederatedAlgorithm:
     evaluation_state: Callable[[ServerState], ServerState] | None = None
     evaluation_clients: Callable[[ServerState, ClientState], ClientState] | None = None
     stale_upload: "StaleUpload | None" = None
+    aggregates_mean: bool = False
 
 
 @dataclasses.dataclass(frozen=True)

@@ -97,6 +97,9 @@ def check_buffered(algorithm: FederatedAlgorithm, buffering: Buffering, conditio
     if conditions.profile is None:
         raise ValueError("asynchronous rounds (--async-buffer) need a clock to order the clients' returns: give "
                          "--device-profile")
+    if conditions.secure is not None:
+        raise ValueError("asynchronous rounds take no --secure-aggregation: the protocol sums a round's clients "
+                         "together, and a buffer's updates come from different rounds")
     if conditions.stragglers.active:
         raise ValueError("asynchronous rounds take no --round-deadline, --over-selection or --dropout: every "
                          "dispatched client returns, late or not, and its staleness weighs it")

@@ -21,6 +21,7 @@ from typing import Any, Callable
 import flax.struct
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from fedjax_sparse.core.algorithm import FederatedAlgorithm, RoundInfo
@@ -28,6 +29,7 @@ from fedjax_sparse.core.clock import DeviceProfile, Returns, Stragglers, client_
 from fedjax_sparse.core.compilation import jit
 from fedjax_sparse.core.messages import message_bytes
 from fedjax_sparse.core.participation import Sampler, check_slots, uniform_sampler
+from fedjax_sparse.core.secure_aggregation import SecureAggregation, secure_bytes
 from fedjax_sparse.core.streams import stream_key
 from fedjax_sparse.data.federated import FederatedSplit
 
@@ -70,6 +72,8 @@ class RoundConditions:
     profile: DeviceProfile | None = None
     stragglers: Stragglers = Stragglers()
     dense_flops_per_example: float = 0.0
+    secure: SecureAggregation | None = None
+    upload_entries: int = 0  # with `secure`: the entries a client's upload is summed as (its masked input)
 
     @property
     def varies(self) -> bool:
@@ -79,12 +83,20 @@ class RoundConditions:
     def timed(self) -> bool:
         return self.profile is not None or self.stragglers.active
 
+    @property
+    def reads_clients(self) -> bool:
+        """The server phase reads each client's FLOPs and downlink bytes (to time, mask or price them)."""
+        return self.varies or self.timed or self.secure is not None
+
     def __post_init__(self):
         if (self.stragglers.deadline is not None or self.stragglers.target is not None) and self.profile is None:
             raise ValueError("--round-deadline and --over-selection need a clock: give --device-profile")
         if self.stragglers.target is not None and self.stragglers.target > self.sampler.slots:
             raise ValueError(f"over-selection aggregates {self.stragglers.target} clients of the "
                              f"{self.sampler.slots} dispatched: it needs at least as many dispatched")
+        if self.secure is not None and self.stragglers.target is not None:
+            raise ValueError("--secure-aggregation with --over-selection: the protocol sums every client that "
+                             "sends its masked input, so the surplus could not be left out; leave one of them out")
 
 
 def default_conditions(num_clients: int, clients_per_round: int) -> RoundConditions:
@@ -157,16 +169,24 @@ def client_phase(algorithm: FederatedAlgorithm, client_chunk: int | None = None)
 def server_phase(algorithm: FederatedAlgorithm, clients_per_round: int, seed: int = 0,
                  conditions: RoundConditions | None = None) -> Callable:
     """`server(server_state, ups, weights, info, dispatched, flops, down_bytes) -> (server_state, up_bytes,
-    client_seconds, returns)` over all K uploads in client order (traceable): the algorithm's upload
-    selection, the uplink's bytes, who returns (`conditions`: dropout, the clock, a deadline,
+    down_bytes, client_seconds, returns)` over all K uploads in client order (traceable): the algorithm's
+    upload selection, the uplink's bytes, who returns (`conditions`: dropout, the clock, a deadline,
     over-selection), the server's update over the returned. `flops`: each client's training FLOPs.
 
     Where participation varies (`RoundConditions.varies`) the selection sees the clients that did not fail,
     the update those that returned, each as `info.participating` with the others' weights zero; a round in
     which none returned leaves the server's state as it was. Uplink bytes count every client that uploaded
-    (returned, or surplus to over-selection), not one that failed or was cut off by the deadline."""
+    (returned, or surplus to over-selection), not one that failed or was cut off by the deadline; downlink
+    bytes every client dispatched. With secure aggregation (`conditions.secure`) each dispatched client's
+    bytes are the protocol's (`secure_bytes`), and the clock reads them. With none of these, `flops` and
+    `down_bytes` are None and so are the down_bytes, seconds and returns given back."""
     varies = conditions is not None and conditions.varies
     timed = conditions is not None and conditions.timed
+    secure = conditions.secure if conditions is not None else None
+    protocol = secure_bytes(secure, clients_per_round, conditions.upload_entries) if secure is not None else None
+
+    def protocol_bytes(column, count, dtype):
+        return jnp.asarray(np.rint(getattr(protocol, column)).astype(np.int64), dtype)[count]
 
     def select(ups, weights, info):
         if algorithm.select_uploads is not None:
@@ -174,9 +194,9 @@ def server_phase(algorithm: FederatedAlgorithm, clients_per_round: int, seed: in
         return ups, jax.vmap(message_bytes, axis_size=clients_per_round)(ups)
 
     def server(server_state, ups, weights, info, dispatched, flops, down_bytes):
-        if not timed and not varies:
+        if conditions is None or not conditions.reads_clients:
             ups, up_bytes = select(ups, weights, info)
-            return algorithm.server_update(server_state, ups, weights, info), up_bytes, None, None
+            return algorithm.server_update(server_state, ups, weights, info), up_bytes, None, None, None
         stragglers = conditions.stragglers
         failed = (failed_clients(seed, info.index, info.client_ids, stragglers.dropout) & dispatched
                   if stragglers.dropout > 0 else jnp.zeros_like(dispatched))
@@ -185,20 +205,34 @@ def server_phase(algorithm: FederatedAlgorithm, clients_per_round: int, seed: in
             ups, up_bytes = select(ups, weights * reporting, info.replace(participating=reporting))
         else:
             ups, up_bytes = select(ups, weights, info)
+        count = jnp.sum(dispatched)
+        if protocol is not None:  # the protocol's messages replace the upload (its masked input) and join the model's
+            up_bytes = jnp.broadcast_to(protocol_bytes("up_survivor", count, up_bytes.dtype), up_bytes.shape)
+            down_bytes = down_bytes + protocol_bytes("down_survivor", count, down_bytes.dtype)
         if conditions.profile is not None:
             seconds = client_seconds(conditions.profile.profiles(seed, info.client_ids), flops, down_bytes, up_bytes)
             seconds = jnp.where(dispatched, seconds, 0.0)
         else:
             seconds = jnp.zeros(dispatched.shape, jnp.float32)
         returns = round_returns(reporting, failed, seconds, stragglers)
-        up_bytes = jnp.where(returns.returned | returns.surplus, up_bytes, 0)
+        if protocol is not None:  # a client dropped after sharing its keys sent and received those rounds only
+            dropped = returns.late | returns.failed
+            told = jnp.round(jnp.asarray(protocol.per_dropped_neighbour, jnp.float32)[count] * jnp.sum(dropped))
+            instead = (protocol_bytes("down_dropped", count, down_bytes.dtype)
+                       - protocol_bytes("down_survivor", count, down_bytes.dtype))
+            down_bytes = down_bytes + jnp.where(dropped, instead, told.astype(down_bytes.dtype))
+            up_bytes = jnp.where(dropped, protocol_bytes("up_dropped", count, up_bytes.dtype), up_bytes)
+            up_bytes = jnp.where(returns.returned | returns.surplus | dropped, up_bytes, 0)
+        else:
+            up_bytes = jnp.where(returns.returned | returns.surplus, up_bytes, 0)
+        down_bytes = jnp.where(dispatched, down_bytes, 0)
         if not varies:
-            return algorithm.server_update(server_state, ups, weights, info), up_bytes, seconds, returns
+            return algorithm.server_update(server_state, ups, weights, info), up_bytes, down_bytes, seconds, returns
         present = returns.returned
         new_state = algorithm.server_update(server_state, ups, weights * present, info.replace(participating=present))
         anyone = jnp.any(present)
         new_state = jax.tree_util.tree_map(lambda new, old: jnp.where(anyone, new, old), new_state, server_state)
-        return new_state, up_bytes, seconds, returns
+        return new_state, up_bytes, down_bytes, seconds, returns
 
     return server
 
@@ -254,6 +288,7 @@ def round_step(algorithm: FederatedAlgorithm, clients_per_round: int, *, seed: i
     server = server_phase(algorithm, clients_per_round, seed, conditions)
     varies = conditions is not None and conditions.varies
     timed = conditions is not None and conditions.timed
+    reads = conditions is not None and conditions.reads_clients
 
     def constrain(tree, spec):
         if mesh is None:
@@ -285,19 +320,20 @@ def round_step(algorithm: FederatedAlgorithm, clients_per_round: int, *, seed: i
         ups, new_states, metrics, down_bytes = train(server_state, sampled, ids_sharded, positions, keys, data, info)
         weights = data.counts[positions].astype(jnp.float32)
         # what the clock reads of the clients (None where the round has none: nothing more is moved)
-        clocked = gathered((client_flops(metrics, weights, conditions), down_bytes)) if timed else (None, None)
+        clocked = gathered((client_flops(metrics, weights, conditions) if timed else None, down_bytes)) if reads \
+            else (None, None)
         ups, weights = gathered((ups, weights))
         # XLA may not simplify the server's arithmetic into the clients' (or back): the server's update then
         # compiles as it does alone, in `core.cpu_round`'s layout, whatever this round's layout is
         ups, weights = jax.lax.optimization_barrier((ups, weights))
         args = (server_state, ups, weights, info, dispatched, *clocked)
         if mesh is not None and ordered_reduction:
-            server_state, up_bytes, seconds, returns = server_on_every_device(*args)
+            server_state, up_bytes, priced_down, seconds, returns = server_on_every_device(*args)
         else:
-            server_state, up_bytes, seconds, returns = server(*args)
+            server_state, up_bytes, priced_down, seconds, returns = server(*args)
         if varies:
             new_states = keep_absent(new_states, sampled, shard(returns.returned))
-            down_bytes = jnp.where(dispatched, down_bytes, 0)
+        down_bytes = down_bytes if priced_down is None else priced_down
         return server_state, new_states, RoundOutput(ids, up_bytes, down_bytes, metrics, dispatched, seconds, returns)
 
     return step

@@ -52,6 +52,7 @@ import jax
 import orbax.checkpoint as ocp
 
 from fedjax_sparse.core.client_store import ClientStore, DeviceStore
+from fedjax_sparse.core.quiet_logs import quieted
 from fedjax_sparse.core.store_snapshots import SnapshotError, damaged, file_crc32
 from fedjax_sparse.run.faults import fault_point
 from fedjax_sparse.run.outputs import replace_atomically
@@ -128,16 +129,9 @@ def _orbax_files(step: Path) -> list[Path]:
                   and f.relative_to(step).parts[0] != CLIENT_STATES)
 
 
-@contextlib.contextmanager
 def _quiet_orbax():
     """Orbax logs each failure of its background threads with a traceback; the run reports it once."""
-    logger = logging.getLogger("absl")
-    level = logger.level
-    logger.setLevel(logging.CRITICAL)
-    try:
-        yield
-    finally:
-        logger.setLevel(level)
+    return quieted("absl", logging.CRITICAL)
 
 
 @contextlib.contextmanager

@@ -8,6 +8,7 @@ from typing import Any
 
 from fedjax_sparse.algorithms import (ENTRY_POINT_GROUP, UnknownAlgorithm, flags_of, get_spec, make_options,
                                      option_users, options_dict, refused, registered, reserve)
+from fedjax_sparse.algorithms.differential_privacy import DifferentialPrivacyOptions
 from fedjax_sparse.algorithms.personalization import PersonalizationOptions
 from fedjax_sparse.algorithms.uplink_compression import UplinkCompressionOptions
 from fedjax_sparse.core.client_store import BACKENDS
@@ -20,7 +21,7 @@ from fedjax_sparse.run.federation import FederationOptions
 
 
 @dataclasses.dataclass(frozen=True)
-class RunConfig(FederationOptions, UplinkCompressionOptions, PersonalizationOptions):
+class RunConfig(FederationOptions, DifferentialPrivacyOptions, UplinkCompressionOptions, PersonalizationOptions):
     """A run: the options every algorithm shares, and the chosen algorithm's own options.
 
     Two patterns apply to any algorithm they fit, from the run's options: uplink compression
@@ -164,7 +165,8 @@ class RunConfig(FederationOptions, UplinkCompressionOptions, PersonalizationOpti
                              f"sharding splits the vmap of all sampled clients over the devices")
 
     def ignored(self) -> dict[str, str]:
-        return {**UplinkCompressionOptions.ignored(self), **FederationOptions.ignored(self)}
+        return {**UplinkCompressionOptions.ignored(self), **FederationOptions.ignored(self),
+                **DifferentialPrivacyOptions.ignored(self)}
 
     def refuse_unread_values(self) -> None:
         """One line for an option set away from its default that this run would ignore (an unread

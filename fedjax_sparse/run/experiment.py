@@ -14,6 +14,7 @@ import jax
 import numpy as np
 
 from fedjax_sparse.algorithms import BUILT_IN, make_algorithm
+from fedjax_sparse.algorithms.differential_privacy import privatize
 from fedjax_sparse.algorithms.personalization import personalize
 from fedjax_sparse.algorithms.uplink_compression import compress_uplink
 from fedjax_sparse.core.algorithm import BuildContext, NeedsDeviceData
@@ -27,9 +28,12 @@ from fedjax_sparse.core.distributed import ProcessLayout, current_process, proce
 from fedjax_sparse.core.evaluation import AUTO, default_evaluation_chunk, global_evaluator, split_evaluator
 from fedjax_sparse.core.flops import forward_flops
 from fedjax_sparse.core.local_training import LocalSGD
+from fedjax_sparse.core.privacy_accounting import PrivacyLedger
 from fedjax_sparse.core.round import clients_mesh, default_client_chunk
 from fedjax_sparse.core.round_driver import ONE_DEVICE, round_driver
+from fedjax_sparse.core.secure_aggregation import summed_entries
 from fedjax_sparse.core.streams import stream_key, stream_seed
+from fedjax_sparse.core.wrapping import upload_shapes
 from fedjax_sparse.data import load_dataset
 from fedjax_sparse.data.clients import federate
 from fedjax_sparse.models import get_model
@@ -38,6 +42,7 @@ from fedjax_sparse.run.config import RunConfig
 from fedjax_sparse.run.federation import buffering, round_conditions
 from fedjax_sparse.run.fingerprint import data_fingerprint
 from fedjax_sparse.run.outputs import say
+from fedjax_sparse.run.privacy import privacy_ledger
 
 
 @dataclasses.dataclass
@@ -70,6 +75,7 @@ class Experiment:
     process: ProcessLayout
     federation: Any = None  # data.clients: the clients' data, whichever the source
     data_fingerprint: dict = dataclasses.field(default_factory=dict)
+    privacy: PrivacyLedger | None = None  # differential privacy's accounting (run.privacy)
 
     def close(self) -> None:
         self.round_fn.close()
@@ -122,9 +128,10 @@ def build_experiment(config: RunConfig, progress: bool = True, *, process: Proce
                            labels_per_client=config.labels_per_client if split_by == "labels" else None,
                            device_profile=conditions.profile, round_deadline=conditions.stragglers.deadline,
                            train_counts=federation.train_counts)
+    privacy = privacy_ledger(config)
     try:  # built without the clients' data first: most algorithms never read them
         algorithm, needs_device = with_patterns(make_algorithm(config.algorithm, context, config.algorithm_options),
-                                                context, config), None
+                                                context, config, privacy), None
     except NeedsDeviceData as e:
         algorithm, needs_device = None, e
     key = stream_key(config.seed, "algorithm_init")
@@ -135,7 +142,12 @@ def build_experiment(config: RunConfig, progress: bool = True, *, process: Proce
     train, local_test = federation.on_device() if backend == "device" else federation.on_host(process)
     if algorithm is None:
         context = dataclasses.replace(context, train=train)
-        algorithm = with_patterns(make_algorithm(config.algorithm, context, config.algorithm_options), context, config)
+        algorithm = with_patterns(make_algorithm(config.algorithm, context, config.algorithm_options), context, config,
+                                  privacy)
+    if conditions.secure is not None:  # what the protocol sums: refused in one line where the sum would not do
+        conditions = dataclasses.replace(conditions, upload_entries=summed_entries(
+            algorithm.name, algorithm.aggregates_mean, algorithm.select_uploads is not None,
+            upload_shapes(algorithm, context)))
     if config.algorithm not in BUILT_IN:  # an algorithm from outside the library: its contract, on shapes, first
         check_contract(algorithm, jax.eval_shape(model.init, stream_key(config.seed, "model_init")), config.num_clients,
                        slots, federation.first_client(), config.seed, varies=conditions.varies)
@@ -165,12 +177,17 @@ def build_experiment(config: RunConfig, progress: bool = True, *, process: Proce
     server_state = initial_server_state(algorithm, key, variables, config.num_clients)
     return Experiment(config, dataset, model, algorithm, train, local_test, federation.client_indices,
                       federation.train_counts, store, round_fn, evaluate_global, evaluate_personalized, server_state,
-                      model.num_params(variables), chunk, process, federation, data_fingerprint(federation))
+                      model.num_params(variables), chunk, process, federation, data_fingerprint(federation), privacy)
 
 
-def with_patterns(algorithm, context: BuildContext, config: RunConfig):
-    """The algorithm with the run's personal layers and uplink compression, where asked for."""
-    return compress_uplink(personalize(algorithm, context, config), context, config)
+def with_patterns(algorithm, context: BuildContext, config: RunConfig, privacy: PrivacyLedger | None = None):
+    """The algorithm with the run's personal layers, uplink compression and differential privacy, where asked
+    for (`privacy`: the run's ledger, whose noise multiplier the clients and server use)."""
+    algorithm = compress_uplink(personalize(algorithm, context, config), context, config)
+    if privacy is None:
+        return algorithm
+    return privatize(algorithm, context, config, noise_multiplier=privacy.noise_multiplier,
+                     expected_clients=config.clients_per_round)
 
 
 def check_local_sizes(config: RunConfig, largest_client: int, input_shape: tuple, clients_at_once: int) -> None:

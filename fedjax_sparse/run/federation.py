@@ -17,6 +17,7 @@ from fedjax_sparse.core.clock import Stragglers, device_profile
 from fedjax_sparse.core.options import option
 from fedjax_sparse.core.participation import SamplerContext, build_sampler
 from fedjax_sparse.core.round import RoundConditions
+from fedjax_sparse.core.secure_aggregation import PROTOCOLS, SecureAggregation
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,6 +49,11 @@ class FederationOptions:
                                             "steps each time this many updates have arrived by the simulated clock "
                                             "(needs --device-profile; a round is one step); default: synchronous",
                                       low=1)
+    secure_aggregation: str = option("none", "the server sees only the sum of the round's uploads: secagg "
+                                             "(Bonawitz et al. 2017) or secagg+ (Bell et al. 2020), their bytes "
+                                             "counted in every client's (none: it sees each upload)",
+                                     choices=("none", *PROTOCOLS))
+    secagg_bits: int = option(32, "secure aggregation: the bits of an entry's fixed-point encoding", low=1, high=32)
     staleness_exponent: float = option(0.5, "asynchronous rounds: an update s server steps old is weighted by "
                                             "(1 + s)^-a (0.5: FedBuff's 1/sqrt(1 + s); 0: not down-weighted)",
                                        low=0.0)
@@ -61,6 +67,8 @@ class FederationOptions:
             out["online_fraction"] = "is read by the diurnal pattern, not with --availability-trace"
         if self.async_buffer is None:
             out["staleness_exponent"] = "is read only with --async-buffer"
+        if self.secure_aggregation == "none":
+            out["secagg_bits"] = "is read only with --secure-aggregation"
         return out
 
 
@@ -101,7 +109,9 @@ def round_conditions(config, counts: np.ndarray, dense_flops_per_example: float)
     stragglers = Stragglers(deadline=config.round_deadline,
                             target=config.clients_per_round if config.over_selection else None,
                             dropout=config.dropout)
-    return RoundConditions(sampler, profile, stragglers, dense_flops_per_example)
+    secure = (SecureAggregation(config.secure_aggregation, config.secagg_bits)
+              if config.secure_aggregation != "none" else None)
+    return RoundConditions(sampler, profile, stragglers, dense_flops_per_example, secure)
 
 
 def federation_record(out, conditions: RoundConditions, counters) -> dict:

@@ -36,6 +36,7 @@ from fedjax_sparse.run.federation import federation_record, federation_totals
 from fedjax_sparse.run.folder import (SHARED_CHECK, RunFolderError, RunManifest, claim_run_folder, hold_run_folder,
                                       recorded_files, shared_folder_problem)
 from fedjax_sparse.run.outputs import RunWriteError, RunWriter, device_description, progress_bar
+from fedjax_sparse.run.privacy import privacy_record, privacy_totals
 from fedjax_sparse.run.resume import check_resume, restore
 from fedjax_sparse.run.signals import StopAfterRound
 from fedjax_sparse.run.tensorboard import TensorBoardWriter
@@ -360,7 +361,8 @@ def _run_rounds(exp: Experiment, config: RunConfig, out: Path, counters: Counter
             closing.close()
         stopped = {"last_checkpoint": max(saved)} if saved and status != "completed" else {}  # where to resume
         first_round_seconds = round_seconds[0] if round_seconds else None
-        totals = {**_totals(counters), **federation_totals(exp.round_fn.conditions, counters)}
+        totals = {**_totals(counters), **federation_totals(exp.round_fn.conditions, counters),
+                  **privacy_totals(exp.privacy, counters.rounds_done)}
         summary = {**_summary(exp, history, totals, first_round_seconds, time.perf_counter() - start),
                    "median_round_seconds": float(np.median(round_seconds[1:])) if len(round_seconds) > 1 else None,
                    "status": status, **stopped, **extra}
@@ -436,7 +438,8 @@ def _run_rounds(exp: Experiment, config: RunConfig, out: Path, counters: Counter
             else:  # clients that report no figure of their own trained the dense model
                 counters.train_flops_total += float(dense_flops)
             counters.padded_step_fractions.append(padded_step_fraction(counts[ids], config.batch_size, together))
-            federation = federation_record(round_out, exp.round_fn.conditions, counters)
+            federation = {**federation_record(round_out, exp.round_fn.conditions, counters),
+                          **privacy_record(exp.privacy, counters.rounds_done)}
             if (r + 1) % config.eval_every == 0 or r + 1 == config.rounds:
                 figures, finite = evaluate(exp, server_state)
                 if not finite:

@@ -49,6 +49,11 @@ def check_resume(config: RunConfig, out: Path, process: ProcessLayout) -> str | 
     if config.rounds < done:
         raise ValueError(f"--rounds {config.rounds} is below the {done} rounds the run in {out} has "
                          f"done; give --rounds {done} or more")
+    planned = saved_meta["config"].get("rounds")
+    if config.dp_clip is not None and config.dp_target_epsilon is not None and config.rounds != planned:
+        raise ValueError(f"--resume {out}: the run's noise was calibrated for --dp-target-epsilon "
+                         f"{config.dp_target_epsilon} over its {planned} rounds; other --rounds would change the noise "
+                         f"its rounds so far had (or spend more than the target): resume with --rounds {planned}")
     processes = saved_meta.get("processes", 1)
     if processes != process.count:
         raise ValueError(f"--resume {out}: the checkpoint holds the client states of {processes} process"

@@ -1,0 +1,127 @@
+"""What a run's differential privacy costs: epsilon at delta, from Google's `dp-accounting` (not written here).
+
+The unit of privacy is the client: two federations are neighbours when one client's data differ (or one
+client is there or not), whatever it holds. Each round releases the noised sum of the sampled clients'
+clipped updates, a subsampled Gaussian mechanism with noise multiplier z (noise standard deviation z C
+for clip norm C); the rounds compose. The events given to the accountant:
+
+  poisson sampling (each client with probability q = K / N):  PoissonSampledDpEvent(q, Gaussian(z)),
+      neighbours by adding or removing a client (the relation Poisson amplification is proven for);
+  uniform sampling (K of N without replacement):  SampledWithoutReplacementDpEvent(N, K, Gaussian(z / 2)),
+      neighbours by replacing a client's data (the relation sampling a fixed K is analysed under): a
+      replaced client's clipped update may move the sum by 2 C, and the accountant's noise multiplier is
+      the noise's standard deviation over that sensitivity, z C / 2 C;
+  local noise (each client noises its own update; the server sees who took part, so sampling amplifies
+      nothing): Gaussian(z / 2) composed over every round (any two updates of one client are 2 C apart),
+      a client's worst case of taking part in all.
+
+`accountant` 'rdp' (Renyi DP, Mironov 2017; Mironov et al. 2019 for the subsampled Gaussian) or 'pld'
+(privacy loss distributions, tighter; `dp-accounting` supports it for Poisson sampling and local noise
+here). delta defaults to 1 / N^1.1 (`default_delta`): below 1 / N, as a meaningful delta must be for a
+population of N.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+
+import dp_accounting
+from dp_accounting import dp_event
+from dp_accounting.pld import pld_privacy_accountant
+from dp_accounting.rdp import rdp_privacy_accountant
+
+from fedjax_sparse.core.quiet_logs import quieted
+
+ACCOUNTANTS = ("rdp", "pld")
+SAMPLINGS = ("poisson", "uniform", "local")
+MAX_NOISE_MULTIPLIER = 1e4
+
+
+def default_delta(num_clients: int) -> float:
+    """1 / N^1.1: below 1 / N, so that releasing one client's data outright is not within delta."""
+    return 1.0 / num_clients ** 1.1
+
+
+@dataclasses.dataclass(frozen=True)
+class PrivacyLedger:
+    """A run's privacy: noise multiplier z, N clients, K a round, how they are sampled (`SAMPLINGS`), delta."""
+
+    noise_multiplier: float
+    num_clients: int
+    clients_per_round: int
+    sampling: str
+    delta: float
+    accountant: str = "rdp"
+
+    def __post_init__(self):
+        if self.sampling not in SAMPLINGS:
+            raise ValueError(f"privacy accounting knows the samplings {', '.join(SAMPLINGS)}, got {self.sampling!r}")
+        if self.accountant not in ACCOUNTANTS:
+            raise ValueError(f"--dp-accountant must be one of {', '.join(ACCOUNTANTS)}, got {self.accountant!r}")
+        if self.accountant == "pld" and self.sampling == "uniform":
+            raise ValueError("--dp-accountant pld accounts Poisson sampling (--sampler poisson) and local noise; "
+                             "sampling K of N without replacement takes --dp-accountant rdp")
+        if not 0 < self.delta < 1:
+            raise ValueError(f"--dp-delta must be in (0, 1), got {self.delta}")
+        if not self.noise_multiplier >= 0:
+            raise ValueError(f"--dp-noise-multiplier must be >= 0, got {self.noise_multiplier}")
+
+    def event(self, rounds: int) -> dp_event.DpEvent:
+        # the noise over the sum's sensitivity: C where a client is added or removed, 2 C where it is replaced
+        replaced = self.sampling in ("uniform", "local")
+        gaussian = dp_event.GaussianDpEvent(self.noise_multiplier / 2 if replaced else self.noise_multiplier)
+        if self.sampling == "poisson":
+            one = dp_event.PoissonSampledDpEvent(self.clients_per_round / self.num_clients, gaussian)
+        elif self.sampling == "uniform":
+            one = dp_event.SampledWithoutReplacementDpEvent(self.num_clients, self.clients_per_round, gaussian)
+        else:
+            one = gaussian
+        return dp_event.SelfComposedDpEvent(one, rounds)
+
+    def epsilon(self, rounds: int) -> float:
+        """epsilon at `delta` after `rounds` rounds (inf without noise, 0 before the first round)."""
+        if rounds == 0:
+            return 0.0
+        if self.noise_multiplier == 0:
+            return math.inf
+        if self.accountant == "pld":
+            accountant = pld_privacy_accountant.PLDAccountant()
+        else:
+            relation = (dp_accounting.NeighboringRelation.REPLACE_ONE if self.sampling in ("uniform", "local")
+                        else dp_accounting.NeighboringRelation.ADD_OR_REMOVE_ONE)
+            accountant = rdp_privacy_accountant.RdpAccountant(neighboring_relation=relation)
+        accountant.compose(self.event(rounds))
+        # dp-accounting logs each Renyi order whose series does not converge (it leaves the order out, and the
+        # others bound epsilon): dozens of lines a calibration, none of them the user's concern
+        with quieted("absl", logging.ERROR):
+            return float(accountant.get_epsilon(self.delta))
+
+
+def calibrated_noise(ledger: PrivacyLedger, rounds: int, target_epsilon: float) -> float:
+    """The smallest noise multiplier whose `rounds` rounds spend at most `target_epsilon` (bisection on z,
+    to a relative 1e-3); a ValueError in one line where none up to `MAX_NOISE_MULTIPLIER` does."""
+    if not (target_epsilon > 0 and math.isfinite(target_epsilon)):
+        raise ValueError(f"--dp-target-epsilon must be a positive number, got {target_epsilon}")
+
+    def spent(z):
+        return dataclasses.replace(ledger, noise_multiplier=z).epsilon(rounds)
+
+    high = 1.0
+    while spent(high) > target_epsilon:
+        high *= 2
+        if high > MAX_NOISE_MULTIPLIER:
+            raise ValueError(f"--dp-target-epsilon {target_epsilon} cannot be met in {rounds} rounds of "
+                             f"{ledger.sampling} sampling ({ledger.clients_per_round} of {ledger.num_clients}) at "
+                             f"delta {ledger.delta:g} "
+                             f"by any noise multiplier up to {MAX_NOISE_MULTIPLIER:g}; allow a larger epsilon, fewer "
+                             f"rounds or fewer clients per round")
+    low = 0.0
+    while high - low > 1e-3 * high:
+        middle = (low + high) / 2
+        if middle > 0 and spent(middle) <= target_epsilon:
+            high = middle
+        else:
+            low = middle
+    return high

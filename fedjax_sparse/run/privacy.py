@@ -1,0 +1,57 @@
+"""The run's differential privacy: its ledger (noise, sampling, delta), calibrated before the first round, and
+the epsilon each round has spent so far (metrics.jsonl, TensorBoard, summary.json)."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from fedjax_sparse.core.privacy_accounting import PrivacyLedger, calibrated_noise, default_delta
+
+
+def privacy_ledger(config) -> PrivacyLedger | None:
+    """The ledger of a run with `--dp-clip` (`config`: a RunConfig), z calibrated where `--dp-target-epsilon`
+    asks; None without differential privacy. Refuses, in one line, what it cannot account."""
+    if config.dp_clip is None:
+        return None
+    if config.async_buffer is not None:
+        raise ValueError("--dp-clip with --async-buffer: an asynchronous step aggregates updates of several "
+                         "model versions, which the accountant's rounds do not describe; run synchronously")
+    if config.over_selection:
+        raise ValueError("--dp-clip with --over-selection: the first K to return are chosen by speed, not by the "
+                         "sampling the accountant amplifies by; leave --over-selection out")
+    if config.dp_noise == "local":
+        sampling = "local"
+    elif config.sampler in ("uniform", "poisson"):
+        sampling = config.sampler
+    else:
+        raise ValueError(f"--dp-clip accounts --sampler uniform (K of N) and poisson; --sampler {config.sampler} "
+                         f"chooses clients in a way the accountant does not amplify by")
+    ledger = PrivacyLedger(config.dp_noise_multiplier, config.num_clients, config.clients_per_round, sampling,
+                           config.dp_delta if config.dp_delta is not None else default_delta(config.num_clients),
+                           config.dp_accountant)
+    if config.dp_target_epsilon is not None:
+        ledger = dataclasses.replace(ledger, noise_multiplier=calibrated_noise(ledger, config.rounds,
+                                                                               config.dp_target_epsilon))
+    return ledger
+
+
+def privacy_record(ledger: PrivacyLedger | None, rounds_done: int) -> dict:
+    """A round's privacy figures for metrics.jsonl: the epsilon spent by the rounds so far (none without DP)."""
+    if ledger is None:
+        return {}
+    return {"dp_epsilon": _finite(ledger.epsilon(rounds_done))}
+
+
+def _finite(epsilon: float) -> float | None:
+    # without noise there is no privacy: None, since JSON has no infinity
+    return epsilon if math.isfinite(epsilon) else None
+
+
+def privacy_totals(ledger: PrivacyLedger | None, rounds_done: int) -> dict:
+    """The run's privacy for summary.json: epsilon at delta, the noise multiplier and how it was accounted."""
+    if ledger is None:
+        return {}
+    return {"dp_epsilon": _finite(ledger.epsilon(rounds_done)), "dp_delta": ledger.delta,
+            "dp_noise_multiplier": ledger.noise_multiplier, "dp_sampling": ledger.sampling,
+            "dp_accountant": ledger.accountant}
