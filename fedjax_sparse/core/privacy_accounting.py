@@ -92,10 +92,10 @@ class PrivacyLedger:
             relation = (dp_accounting.NeighboringRelation.REPLACE_ONE if self.sampling in ("uniform", "local")
                         else dp_accounting.NeighboringRelation.ADD_OR_REMOVE_ONE)
             accountant = rdp_privacy_accountant.RdpAccountant(neighboring_relation=relation)
-        accountant.compose(self.event(rounds))
         # dp-accounting logs each Renyi order whose series does not converge (it leaves the order out, and the
         # others bound epsilon): dozens of lines a calibration, none of them the user's concern
         with quieted("absl", logging.ERROR):
+            accountant.compose(self.event(rounds))
             return float(accountant.get_epsilon(self.delta))
 
 
