@@ -176,3 +176,37 @@ def test_what_cannot_be_accounted_is_refused(setting, tmp_path, capsys):
         assert err.count("\n") == 1 and words in err, err
     assert main(["run", *TINY, "--rounds", "1", "--dp-clipping", "per_layer", "--out", str(tmp_path / "r")]) == 2
     assert "--dp-clipping is read only with --dp-clip" in capsys.readouterr().err
+
+
+def test_adaptive_clipping_steps_the_norm_toward_the_quantile(setting):
+    """Andrew et al.'s geometric step, worked by hand without noise: 4 clients, the share under C0 is b, and
+    C1 = C0 exp(-0.2 (b - 0.5)); each client's indicator is its update's norm against the norm it was sent."""
+    model, split, variables = setting
+    algorithm = _private(model, split, 0.3, 0.0, dp_target_quantile=0.5, dp_clip_lr=0.2)
+    server, _, ups, info = _uploads(algorithm, split, variables, [0, 1, 2, 3])
+    assert float(server["dp_clip"]) == pytest.approx(0.3)
+    norms = []
+    for c in range(4):
+        _, _, metrics = algorithm.client_update(algorithm.broadcast(server, c, info), {}, split.client(c),
+                                                client_keys(0, 0, jnp.arange(4))[c], info)
+        norms.append(float(metrics["update_norm"]))
+    under = np.array([float(u["under_clip"]) for u in ups])
+    np.testing.assert_array_equal(under, np.array(norms) <= 0.3)
+    stacked = tree_map(lambda *x: jnp.stack(x), *ups)
+    new = algorithm.server_update(server, stacked, jnp.ones(4), info)
+    assert float(new["dp_clip"]) == pytest.approx(0.3 * math.exp(-0.2 * (under.mean() - 0.5)), rel=1e-6)
+    # the count's noise is paid from the same budget: z_delta = (z^-2 - (2 sigma_b)^-2)^(-1/2)
+    from fedjax_sparse.core.privacy_accounting import adaptive_update_noise  # noqa: PLC0415
+    assert adaptive_update_noise(1.0, 1.0) == pytest.approx((1 - 0.25) ** -0.5)
+    with pytest.raises(ValueError, match="--dp-count-noise 0.4 is too small"):
+        adaptive_update_noise(1.0, 0.4)
+
+
+def test_an_adaptive_run_raises_a_norm_that_clips_everyone(tmp_path, capsys):
+    run = tmp_path / "run"
+    assert main(["run", *TINY, "--rounds", "3", "--dp-clip", "0.01", "--dp-target-quantile", "0.5",
+                 "--dp-noise-multiplier", "1", "--dp-count-noise", "2", "--out", str(run)]) == 0
+    clips = [r["client_clip_norm"] for r in records(run)]
+    assert clips[0] == pytest.approx(0.01) and clips[0] < clips[1] < clips[2]
+    assert all(r["client_update_clipped"] == 1.0 for r in records(run))
+    capsys.readouterr()

@@ -125,3 +125,18 @@ def calibrated_noise(ledger: PrivacyLedger, rounds: int, target_epsilon: float) 
         else:
             low = middle
     return high
+
+
+def adaptive_update_noise(noise_multiplier: float, count_noise: float) -> float:
+    """Adaptive clipping's share of the budget (Andrew et al. 2021, section 3.1): the count of clients under
+    the clip norm (sensitivity 1/2 once centred), noised with standard deviation `count_noise`, and the update,
+    noised with the returned multiplier z_delta, together cost one Gaussian of multiplier z:
+    z_delta = (z^-2 - (2 sigma_b)^-2)^(-1/2). A ValueError in one line where the count alone would spend it."""
+    if noise_multiplier == 0:
+        return 0.0
+    rest = noise_multiplier ** -2 - (2 * count_noise) ** -2
+    if not rest > 0:
+        raise ValueError(f"--dp-count-noise {count_noise:g} is too small for the noise multiplier "
+                         f"{noise_multiplier:g}: the count alone would spend the budget (it needs more than "
+                         f"{noise_multiplier / 2:g})")
+    return rest ** -0.5
