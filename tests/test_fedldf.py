@@ -266,26 +266,41 @@ def test_experiment_settings_and_uplink_curve():
 
 
 def test_experiment_module_writes_the_uplink_table_and_plot(monkeypatch, tmp_path):
-    """`python -m experiments.fedldf --quick`, shrunk to 2 rounds of K = 5, n = 2: the uplink table."""
+    """`python -m experiments.fedldf --quick`, shrunk to 2 rounds of K = 5, n = 2, on recorded runs (the table
+    code runs on real runs in tests/test_experiments.py; each method's uplink bytes are
+    test_uplink_bytes_follow_the_formula's): the uplink table and plot from each arm's records."""
     import dataclasses
+    import math
 
+    from conftest import record_runs
     import experiments.fedldf as module
     setting = module.SETTINGS["cifar10_iid"]
     tiny = {**setting.quick, "rounds": 2, "num_clients": 10, "clients_per_round": 5, "clients_per_layer": 2,
             "local_epochs": 1}
     monkeypatch.setitem(module.SETTINGS, "cifar10_iid", dataclasses.replace(setting, quick=tiny))
+    feedback = 5 * 3 * 4  # K x L x 4 bytes a round
+    per_round = {"fedldf": 2 * MLP_BYTES + feedback, "fedldf_random": 2 * MLP_BYTES + feedback,
+                 "hdfl": 2 * MLP_BYTES, "fedadp": MLP_BYTES + 1000, "fedavg": 5 * MLP_BYTES}
+    errors = {"fedldf": 0.2, "fedldf_random": 0.25, "hdfl": 0.3, "fedadp": 0.35, "fedavg": 0.1}
+
+    def figures(config):
+        up = per_round[config.algorithm]
+        records = [{"round": r, "test_accuracy": 1 - errors[config.algorithm] - 0.1 * (2 - r), "uplink_bytes": up,
+                    "cumulative_uplink_bytes": r * up, "cumulative_bytes": 2 * r * up} for r in (1, 2)]
+        return records, {"cumulative_bytes": 4 * up, "total_uplink_bytes": 2 * up, "rounds_done": 2}
+
+    record_runs(monkeypatch, figures)
     assert module.run(["--quick", "--setting", "cifar10_iid", "--out", str(tmp_path), "--no-progress"]) == 0
     folder = tmp_path / "cifar10_iid"
     rows = {}
     for line in (folder / "uplink.md").read_text().splitlines():
         cells = [c.strip() for c in line.strip("|").split("|")]
-        if cells[0] in ("fedldf", "fedldf_random", "hdfl", "fedadp", "fedavg"):
+        if cells[0] in per_round:
             rows[cells[0]] = cells
-    assert set(rows) == {"fedldf", "fedldf_random", "hdfl", "fedadp", "fedavg"}
-    uplink = {name: int(cells[4].replace(",", "")) for name, cells in rows.items()}
-    feedback = 5 * 3 * 4  # K x L x 4 bytes a round
-    assert uplink["fedldf"] == uplink["fedldf_random"] == 2 * (2 * MLP_BYTES + feedback)
-    assert uplink["hdfl"] == 2 * 2 * MLP_BYTES and uplink["fedavg"] == 2 * 5 * MLP_BYTES
-    assert 0.19 < uplink["fedadp"] / uplink["fedavg"] <= 0.2 + 1e-3  # 20 % of the weights, plus unit indexes
-    assert float(rows["fedldf"][6]) == pytest.approx(uplink["fedldf"] / uplink["fedavg"], abs=1e-4)
+    assert list(rows) == ["fedldf", "fedldf_random", "hdfl", "fedadp", "fedavg"]
+    for name, cells in rows.items():  # rounds, final test error, per seed, total uplink, log10, / FedAvg
+        assert cells[1] == "2" and float(cells[2]) == pytest.approx(errors[name]) and cells[3] == cells[2]
+        assert int(cells[4].replace(",", "")) == 2 * per_round[name]
+        assert float(cells[5]) == pytest.approx(math.log10(2 * per_round[name]), abs=5e-4)
+        assert float(cells[6]) == pytest.approx(per_round[name] / per_round["fedavg"], abs=1e-4)
     assert (folder / "uplink.png").stat().st_size > 1000 and (folder / "results.csv").exists()

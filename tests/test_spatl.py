@@ -274,8 +274,9 @@ def test_cli_logs_table2_figures(tmp_path):
 
 
 def test_experiment_settings_validate_and_the_module_runs_with_its_transfer(monkeypatch, tmp_path):
-    """`python -m experiments.spatl --quick`, shrunk: every arm runs, Table 1/2 columns, and a new
-    client fits a predictor on SPATL's saved final encoder (transfer.json)."""
+    """`python -m experiments.spatl --quick`, shrunk to its SPATL arm (the baselines' arms are the table code's
+    in tests/test_experiments.py): every arm's config is valid, Table 2's columns, and a new client fits a
+    predictor on SPATL's saved final encoder (transfer.json)."""
     import csv
     import dataclasses
     import json
@@ -292,15 +293,15 @@ def test_experiment_settings_validate_and_the_module_runs_with_its_transfer(monk
     digits = module.SETTINGS["digits"]
     assert [a.label for a in digits.arms] == ["spatl", "spatl_agent", "fedavg", "fedprox", "fednova", "scaffold"]
     # the agent arm compiles a whole PPO search into the round (~40 s on 2 cores): tested on its own above
-    arms = tuple(a for a in digits.arms if a.label != "spatl_agent")
+    arms = tuple(a for a in digits.arms if a.label == "spatl")
     monkeypatch.setitem(module.SETTINGS, "digits", dataclasses.replace(digits, quick=tiny, arms=arms))
     monkeypatch.setattr(module, "TRANSFER_EPOCHS", 2)
     assert module.run(["--quick", "--out", str(tmp_path), "--no-progress"]) == 0
     with (tmp_path / "digits" / "results.csv").open() as f:
         rows = {r["algorithm"]: r for r in csv.DictReader(f)}
-    assert list(rows) == ["spatl", "fedavg", "fedprox", "fednova", "scaffold"]
+    assert list(rows) == ["spatl"]
     assert float(rows["spatl"]["inference_flops_reduction_mean"]) >= 0.19
-    assert float(rows["scaffold"]["mb_per_client_round"]) == pytest.approx(2 * float(rows["fedavg"]["mb_per_client_round"]))
+    assert 0 < float(rows["spatl"]["inference_kept_weights"]) < 1
     result = json.loads((tmp_path / "digits" / "transfer.json").read_text())
     assert 0.2 < result["transfer_accuracy"] <= 1 and result["epochs"] == 2
     assert result["fit_examples"] + result["validation_examples"] == 359  # the digits test split

@@ -489,23 +489,53 @@ def test_experiment_settings_validate_and_quick_means_digits(monkeypatch, tmp_pa
 
 
 def test_experiment_module_runs_every_arm(monkeypatch, tmp_path):
-    """`python -m experiments.fedgse --quick --seeds 3`, shrunk to 2 rounds of 3 of 10 clients."""
+    """`python -m experiments.fedgse --quick --seeds 3,4`, shrunk to 2 rounds of 3 of 10 clients, on recorded
+    runs (the table code runs on real runs in tests/test_experiments.py): every arm, each seed in its own
+    folder with its own config, the seeds averaged, and the aggregation and label mask each arm ran with."""
     import csv
 
+    from conftest import record_runs
     import experiments.fedgse as module
     tiny = {"rounds": 2, "num_clients": 10, "clients_per_round": 3, "local_epochs": 1}
     monkeypatch.setitem(module.SETTINGS, "digits", dataclasses.replace(module.SETTINGS["digits"], quick=tiny))
-    assert module.run(["--quick", "--seeds", "3", "--out", str(tmp_path), "--no-progress"]) == 0
+
+    def figures(config):  # seed 3 ends at 0.6, seed 4 at 0.8; sub-models move half FedAvg's bytes
+        up = 100 if config.algorithm == "fedavg" else 50
+        records = [{"round": r, "test_accuracy": 0.2 * config.seed + r / 10 - 0.2, "cumulative_bytes": 2 * r * up}
+                   for r in (1, 2)]
+        return records, {"cumulative_bytes": 4 * up, "total_uplink_bytes": 2 * up, "rounds_done": 2}
+
+    record_runs(monkeypatch, figures)
+    assert module.run(["--quick", "--seeds", "3,4", "--out", str(tmp_path), "--no-progress"]) == 0
     with (tmp_path / "digits" / "results.csv").open() as f:
         rows = {r["algorithm"]: r for r in csv.DictReader(f)}
     assert list(rows) == ["heterofl", "fedrolex", "feddropout", "fedgse_csl", "fedgse_spl", "fedavg_full"]
     # HeteroFL and FedRolex run their code's aggregation and label-masked loss, and the table says so
     assert [(rows[a]["aggregation"], rows[a]["label mask"]) for a in rows] == \
         [("heterofl", "zero fill")] * 2 + [("masked_mean", "off")] * 3 + [("fedavg", "off")]
-    assert json.loads((tmp_path / "digits" / "fedrolex" / "seed_3" / "config.json").read_text())["label_mask"]
-    # sub-models move fewer bytes than FedAvg's full model
-    assert float(rows["heterofl"]["total_gbit"]) < float(rows["fedavg_full"]["total_gbit"])
-    assert json.loads((tmp_path / "digits" / "heterofl" / "seed_3" / "config.json").read_text())["seed"] == 3
+    for name, row in rows.items():
+        assert (row["seeds"], row["final_accuracy_per_seed"]) == ("2", "0.6000 / 0.8000"), name
+        assert float(row["final_accuracy"]) == pytest.approx(0.7) and float(row["final_accuracy_std"]) == \
+            pytest.approx(0.1)
+        for seed in (3, 4):
+            config = json.loads((tmp_path / "digits" / name / f"seed_{seed}" / "config.json").read_text())
+            masked = config.get("label_mask", False)  # (an option of the sub-model methods only)
+            assert config["seed"] == seed and masked is (name in ("heterofl", "fedrolex")), name
+    assert float(rows["heterofl"]["total_gbit"]) == pytest.approx(200 * 8 / 1e9)
+
+
+def test_a_half_width_client_counts_the_training_flops_of_its_sub_model(make_split, mlp):
+    """HeteroFL at capacity 0.5 (SpaFL's Table 2 arm, whose `flops_counted` column is this figure): each
+    client's train_flops is 3 x its sub-model's forward multiply-adds x its examples, the MLP at 128 of
+    256 hidden units: 64 x 128 + 128 x 128 + 128 x 10 = 25,856 of the dense 84,480 (about p^2, not p)."""
+    counts = [9, 17, 12, 30]
+    split = make_split(counts)
+    algorithm = build("heterofl", context(mlp, split), capacities=(0.5,))
+    server, clients = algorithm.init(jax.random.key(1), mlp.init(jax.random.key(0)), 4)
+    _, _, out = build_round(algorithm, split, 2, seed=3)(server, clients, 0)
+    examples = np.asarray(counts)[np.asarray(out.client_ids)]
+    np.testing.assert_allclose(out.metrics["train_flops"], 3 * (64 * 128 + 128 * 128 + 128 * 10) * examples,
+                               rtol=1e-6)
 
 
 def test_rows_of_several_seeds_are_averaged():
