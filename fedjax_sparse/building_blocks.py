@@ -14,7 +14,8 @@ Local objectives (`core.local_training`)
 Aggregation and the server's step (`core.aggregation`, `core.server_optimizer`)
     weighted_mean, masked_mean, mean_of_sent, uniform_mean, present_sum, present_only (the reductions over
     the clients taking part, `RoundInfo.participating`); ServerOptimizer (init_state, step_toward, apply: the
-    FedOpt step on the mean delta, over held entries only), STATE_KEY, without_optimizer_state.
+    FedOpt step on the mean delta, over held entries only), STATE_KEY, without_optimizer_state;
+    ServerStep: a server update's new state with metrics of its step, logged every round.
 Unit masks and sub-models (`core.unit_masks`, `core.unit_selection`)
     full_unit_masks, variable_masks, keep_top_units, prefix_scores: structured sparsity on any model
     of the zoo.
@@ -35,7 +36,8 @@ FedPer from these pieces.
 
 from fedjax_sparse.core.aggregation import (masked_mean, mean_of_sent, present_only, present_sum, uniform_mean,
                                            weighted_mean)
-from fedjax_sparse.core.algorithm import AlgorithmSpec, BuildContext, FederatedAlgorithm, NoOptions, RoundInfo, replicate
+from fedjax_sparse.core.algorithm import (AlgorithmSpec, BuildContext, FederatedAlgorithm, NoOptions, RoundInfo,
+                                          ServerStep, replicate)
 from fedjax_sparse.core.compression import decompressed, error_feedback, random_k, stochastic_quantization, top_k
 from fedjax_sparse.core.local_training import LocalObjective, LocalSGD, proximal_term
 from fedjax_sparse.core.messages import (CodedMask, Known, KnownMaskArray, QuantizedArray, SparseArray,
@@ -50,6 +52,7 @@ from fedjax_sparse.core.unit_selection import keep_top_units, prefix_scores
 __all__ = [
     "AlgorithmSpec", "BuildContext", "CodedMask", "FederatedAlgorithm", "Known", "KnownMaskArray", "LocalObjective",
     "LocalSGD", "NoOptions", "QuantizedArray", "RoundInfo", "STATE_KEY", "ServerOptimizer", "ServerOptimizerOptions",
+    "ServerStep",
     "SparseArray", "decompressed", "error_feedback", "from_options", "full_unit_masks", "keep_top_units",
     "masked_mean", "mean_of_sent", "merge", "message_bytes", "option", "overlay", "part_labels", "prefix_scores",
     "present_only", "present_sum", "proximal_term", "random_k", "replicate", "server_optimizer",

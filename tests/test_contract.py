@@ -108,3 +108,50 @@ def test_a_server_update_that_cannot_take_a_participation_mask_is_refused_where_
     for name in sorted(BUILT_IN):  # every shipped algorithm takes the mask
         check_contract(make_algorithm(name, context, make_options(name, {"clients_per_layer": 1})), variables, 4, 2,
                        split, varies=True)
+
+
+def test_a_server_step_may_report_metrics_and_the_run_logs_them(setting, tmp_path, monkeypatch):
+    """FedExP-style: a server update returning ServerStep(state, metrics) has them logged every evaluated round as
+    server_<name>; here the clients it aggregated (K = 2) and the norm of the step it took; the run's other
+    figures are FedAvg's."""
+    from fedjax_sparse.algorithms import registry  # noqa: PLC0415
+    from fedjax_sparse.algorithms.fedavg import FedAvgOptions  # noqa: PLC0415
+    from fedjax_sparse.core.algorithm import AlgorithmSpec, ServerStep  # noqa: PLC0415
+    from fedjax_sparse.run import RunConfig, run_experiment  # noqa: PLC0415
+    import json  # noqa: PLC0415
+
+    def build(context, options):
+        base = fedavg(context.local)
+
+        def server_update(server_state, ups, weights, info):
+            new = base.server_update(server_state, ups, weights, info)
+            moved = jnp.sqrt(sum(jnp.sum(jnp.square(a - b)) for a, b in zip(
+                jax.tree_util.tree_leaves(new["variables"]["params"]),
+                jax.tree_util.tree_leaves(server_state["variables"]["params"]))))
+            return ServerStep(new, {"clients": jnp.sum(weights > 0).astype(jnp.float32), "step_norm": moved})
+
+        return dataclasses.replace(base, name="fedavg_reporting", server_update=server_update)
+
+    monkeypatch.setitem(registry.ALGORITHMS, "fedavg_reporting", AlgorithmSpec("fedavg_reporting", FedAvgOptions,
+                                                                               build))
+    config = RunConfig.create(algorithm="fedavg_reporting", rounds=2, num_clients=4, clients_per_round=2,
+                              local_epochs=1, max_train_examples=200, max_test_examples=100, tensorboard=False,
+                              out=str(tmp_path / "run"))
+    run_experiment(config, progress=False)
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["server_clients"] for r in rows] == [2.0, 2.0]
+    assert all(r["server_step_norm"] > 0 for r in rows)
+    plain = RunConfig.create(**{**config.to_dict(), "algorithm": "fedavg", "out": str(tmp_path / "plain")})
+    run_experiment(plain, progress=False)
+    same = [json.loads(line) for line in (tmp_path / "plain" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["test_accuracy"] for r in rows] == [r["test_accuracy"] for r in same]  # metrics change no figure
+
+
+def test_a_step_metric_that_is_not_a_scalar_is_refused(setting):
+    model, split, local, context, variables = setting
+    from fedjax_sparse.core.algorithm import ServerStep  # noqa: PLC0415
+    base = fedavg(local)
+    bad = dataclasses.replace(base, server_update=lambda s, u, w, i: ServerStep(base.server_update(s, u, w, i),
+                                                                                {"per_client": w}))
+    with pytest.raises(ContractError, match="server_update's step metric 'per_client' is float32\\[2\\]"):
+        check_contract(bad, variables, 4, 2, split)

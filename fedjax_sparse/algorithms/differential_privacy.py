@@ -46,7 +46,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from fedjax_sparse.core.algorithm import BuildContext, FederatedAlgorithm
+from fedjax_sparse.core.algorithm import BuildContext, FederatedAlgorithm, ServerStep, server_step
 from fedjax_sparse.core.messages import PRICED_LEAVES
 from fedjax_sparse.core.options import option
 from fedjax_sparse.core.privacy_accounting import ACCOUNTANTS, adaptive_update_noise
@@ -208,12 +208,14 @@ def privatize(algorithm: FederatedAlgorithm, context: BuildContext, options: Dif
     def adaptive_server_update(server_state, ups, weights, info):
         clip_now = server_state[CLIP_KEY]
         present = jnp.ones(weights.shape, bool) if info.participating is None else info.participating
-        new = private_server_update(inner(server_state), ups["update"], weights, info, clip_now)
+        new, step_metrics = server_step(private_server_update(inner(server_state), ups["update"], weights, info,
+                                                              clip_now))
         count = jnp.sum(jnp.where(present, ups["under_clip"], 0.0))
         if z > 0:
             count = count + count_noise * jax.random.normal(jax.random.fold_in(info.server_key, COUNT_STREAM))
         under = count / expected_clients  # the share of clients under the norm: it steps toward the quantile
-        return {**new, CLIP_KEY: clip_now * jnp.exp(-options.dp_clip_lr * (under - options.dp_target_quantile))}
+        new = {**new, CLIP_KEY: clip_now * jnp.exp(-options.dp_clip_lr * (under - options.dp_target_quantile))}
+        return ServerStep(new, step_metrics) if step_metrics else new
 
     return dataclasses.replace(algorithm, init=init, broadcast=broadcast, client_update=adaptive_client_update,
                                server_update=adaptive_server_update, stale_upload=None)

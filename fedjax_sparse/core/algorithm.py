@@ -63,10 +63,11 @@ class FederatedAlgorithm:
         exactly what the server sends to one sampled client.
     client_update(down_message, client_state, data, key, info) -> (up_message, client_state, metrics)
         metrics: a dict of scalars, at least 'loss' and 'num_steps'.
-    server_update(server_state, up_messages, weights, info) -> server_state
+    server_update(server_state, up_messages, weights, info) -> server_state, or `ServerStep`
         up_messages stacked on a leading [K] axis in the order of info.client_ids;
         weights: the sampled clients' numbers of training examples, 0 for a slot absent from the
         aggregate (`RoundInfo.participating`): the result must equal the round without that slot.
+        Returning `ServerStep(state, metrics)` also logs the metrics (scalars) every round.
     client_variables(server_state, client_state) -> the variables a client predicts with
         (may hold 'unit_masks': the client's sub-model).
     global_variables(server_state) -> variables, or None when there is no global model.
@@ -118,6 +119,20 @@ class FederatedAlgorithm:
     evaluation_clients: Callable[[ServerState, ClientState], ClientState] | None = None
     stale_upload: "StaleUpload | None" = None
     aggregates_mean: bool = False
+
+
+@flax.struct.dataclass
+class ServerStep:
+    """What `server_update` may return instead of the new server state alone: the state and a dict of scalar
+    metrics of the step (a server learning rate it chose, a norm), logged every round as `server_<name>`."""
+
+    state: Any
+    metrics: dict
+
+
+def server_step(out: Any) -> tuple[Any, dict]:
+    """(new server state, the step's metrics) of what `server_update` returned."""
+    return (out.state, out.metrics) if isinstance(out, ServerStep) else (out, {})
 
 
 @dataclasses.dataclass(frozen=True)

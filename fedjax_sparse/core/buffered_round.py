@@ -53,7 +53,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fedjax_sparse.core.algorithm import FederatedAlgorithm
+from fedjax_sparse.core.algorithm import FederatedAlgorithm, server_step
 from fedjax_sparse.core.client_store import ClientStore, DeviceStore
 from fedjax_sparse.core.clock import Returns, client_seconds
 from fedjax_sparse.core.compilation import jit
@@ -268,12 +268,12 @@ class BufferedRound:
         scale = self.buffering.weight(staleness)
         ups = jax.vmap(lambda inc, down, s: algorithm.stale_upload.rebase(tree_map(lambda x: x * s, inc), down))(
             entry["increment"], downs, scale)
-        server_state = algorithm.server_update(server_state, ups, weights, info)
+        server_state, server_metrics = server_step(algorithm.server_update(server_state, ups, weights, info))
         everyone = jnp.ones(ids.shape, bool)
         nobody = jnp.zeros(ids.shape, bool)
         metrics = {**entry["metrics"], "staleness": staleness.astype(jnp.float32)}
         out = RoundOutput(ids, entry["up_bytes"], entry["down_bytes"], metrics, everyone, entry["seconds"],
-                          Returns(everyone, nobody, nobody, nobody, seconds), jnp.int32(ids.shape[0]))
+                          Returns(everyone, nobody, nobody, nobody, seconds), jnp.int32(ids.shape[0]), server_metrics)
         return server_state, entry["state"], out
 
     # -- the simulation -----------------------------------------------------------------------------

@@ -25,7 +25,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from fedjax_sparse.core.algorithm import FederatedAlgorithm
+from fedjax_sparse.core.algorithm import FederatedAlgorithm, server_step
 from fedjax_sparse.core.messages import PRICED_LEAVES
 from fedjax_sparse.core.round import client_keys, round_info
 
@@ -155,9 +155,13 @@ def check_contract(algorithm: FederatedAlgorithm, variables: Any, num_clients: i
         stacked = _abstractly(name, "select_uploads" + masked, lambda u, w, p: algorithm.select_uploads(
             u, w, info.replace(participating=p)), stacked, weights, present)
         message_leaves(name, "select_uploads", stacked)
-    new_server = _abstractly(name, "server_update" + masked, lambda s, u, w, p: algorithm.server_update(
-        s, u, w, info.replace(participating=p)), server, stacked, weights, present)
+    new_server, step_metrics = _abstractly(name, "server_update" + masked, lambda s, u, w, p: server_step(
+        algorithm.server_update(s, u, w, info.replace(participating=p))), server, stacked, weights, present)
     same_tree(name, "server_update", new_server, server, "server state")
+    for key, value in step_metrics.items():
+        if not hasattr(value, "shape") or value.shape != ():
+            raise ContractError(f"{name}: server_update's step metric {key!r} is {_describe(value)}; metrics are "
+                                f"scalars")
     check_evaluation(algorithm, server, clients)
 
 

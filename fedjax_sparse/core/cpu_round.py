@@ -154,15 +154,15 @@ class CpuRound:
             clocked = ((client_flops(metrics, weights, conditions) if conditions.timed else None, down_bytes)
                        if conditions.reads_clients else (None, None))
             ups, weights = jax.lax.optimization_barrier((ups, weights))
-            server_state, up_bytes, priced_down, seconds, returns = server(server_state, ups, weights, info,
-                                                                           drawn.dispatched, *clocked)
+            server_state, server_metrics, up_bytes, priced_down, seconds, returns = server(
+                server_state, ups, weights, info, drawn.dispatched, *clocked)
             if conditions.varies:
                 new_states = keep_absent(new_states, jax.tree_util.tree_map(lambda a: a[ids], client_states),
                                          returns.returned)
             down_bytes = down_bytes if priced_down is None else priced_down
             client_states = jax.tree_util.tree_map(lambda a, new: a.at[ids].set(new), client_states, new_states)
             return server_state, client_states, RoundOutput(ids, up_bytes, down_bytes, metrics, drawn.dispatched,
-                                                            seconds, returns, drawn.drawn)
+                                                            seconds, returns, drawn.drawn, server_metrics)
 
         self._prepare: Callable = jit(prepare)
         self._finish: Callable = jit(finish, donate_argnums=(1,))

@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from fedjax_sparse.core.algorithm import FederatedAlgorithm, RoundInfo
+from fedjax_sparse.core.algorithm import FederatedAlgorithm, RoundInfo, server_step
 from fedjax_sparse.core.clock import DeviceProfile, Returns, Stragglers, client_seconds, failed_clients, round_returns
 from fedjax_sparse.core.compilation import jit
 from fedjax_sparse.core.messages import message_bytes
@@ -53,6 +53,7 @@ class RoundOutput:
     client_seconds: jax.Array | None = None
     returns: Returns | None = None
     clients_drawn: jax.Array | None = None  # how many the sampler drew (more than K: an overflow, an error)
+    server_metrics: dict | None = None  # what `server_update` reported of its step (`ServerStep`), if anything
 
 
 @dataclasses.dataclass(frozen=True)
@@ -168,8 +169,8 @@ def client_phase(algorithm: FederatedAlgorithm, client_chunk: int | None = None)
 
 def server_phase(algorithm: FederatedAlgorithm, clients_per_round: int, seed: int = 0,
                  conditions: RoundConditions | None = None) -> Callable:
-    """`server(server_state, ups, weights, info, dispatched, flops, down_bytes) -> (server_state, up_bytes,
-    down_bytes, client_seconds, returns)` over all K uploads in client order (traceable): the algorithm's
+    """`server(server_state, ups, weights, info, dispatched, flops, down_bytes) -> (server_state, server_metrics,
+    up_bytes, down_bytes, client_seconds, returns)` over all K uploads in client order (traceable): the algorithm's
     upload selection, the uplink's bytes, who returns (`conditions`: dropout, the clock, a deadline,
     over-selection), the server's update over the returned. `flops`: each client's training FLOPs.
 
@@ -196,7 +197,8 @@ def server_phase(algorithm: FederatedAlgorithm, clients_per_round: int, seed: in
     def server(server_state, ups, weights, info, dispatched, flops, down_bytes):
         if conditions is None or not conditions.reads_clients:
             ups, up_bytes = select(ups, weights, info)
-            return algorithm.server_update(server_state, ups, weights, info), up_bytes, None, None, None
+            return (*server_step(algorithm.server_update(server_state, ups, weights, info)), up_bytes, None, None,
+                    None)
         stragglers = conditions.stragglers
         failed = (failed_clients(seed, info.index, info.client_ids, stragglers.dropout) & dispatched
                   if stragglers.dropout > 0 else jnp.zeros_like(dispatched))
@@ -227,12 +229,14 @@ def server_phase(algorithm: FederatedAlgorithm, clients_per_round: int, seed: in
             up_bytes = jnp.where(returns.returned | returns.surplus, up_bytes, 0)
         down_bytes = jnp.where(dispatched, down_bytes, 0)
         if not varies:
-            return algorithm.server_update(server_state, ups, weights, info), up_bytes, down_bytes, seconds, returns
+            return (*server_step(algorithm.server_update(server_state, ups, weights, info)), up_bytes, down_bytes,
+                    seconds, returns)
         present = returns.returned
-        new_state = algorithm.server_update(server_state, ups, weights * present, info.replace(participating=present))
+        new_state, metrics = server_step(algorithm.server_update(server_state, ups, weights * present,
+                                                                 info.replace(participating=present)))
         anyone = jnp.any(present)
         new_state = jax.tree_util.tree_map(lambda new, old: jnp.where(anyone, new, old), new_state, server_state)
-        return new_state, up_bytes, down_bytes, seconds, returns
+        return new_state, metrics, up_bytes, down_bytes, seconds, returns
 
     return server
 
@@ -328,13 +332,14 @@ def round_step(algorithm: FederatedAlgorithm, clients_per_round: int, *, seed: i
         ups, weights = jax.lax.optimization_barrier((ups, weights))
         args = (server_state, ups, weights, info, dispatched, *clocked)
         if mesh is not None and ordered_reduction:
-            server_state, up_bytes, priced_down, seconds, returns = server_on_every_device(*args)
+            server_state, server_metrics, up_bytes, priced_down, seconds, returns = server_on_every_device(*args)
         else:
-            server_state, up_bytes, priced_down, seconds, returns = server(*args)
+            server_state, server_metrics, up_bytes, priced_down, seconds, returns = server(*args)
         if varies:
             new_states = keep_absent(new_states, sampled, shard(returns.returned))
         down_bytes = down_bytes if priced_down is None else priced_down
-        return server_state, new_states, RoundOutput(ids, up_bytes, down_bytes, metrics, dispatched, seconds, returns)
+        return server_state, new_states, RoundOutput(ids, up_bytes, down_bytes, metrics, dispatched, seconds, returns,
+                                                     server_metrics=server_metrics)
 
     return step
 

@@ -451,7 +451,9 @@ def _run_rounds(exp: Experiment, config: RunConfig, out: Path, counters: Counter
                           "dense_train_flops": counters.dense_train_flops_total / config.num_clients,
                           "padded_step_fraction": counters.padded_step_fractions[-1],
                           "train_flops": counters.train_flops_total / config.num_clients,
-                          **federation, **client_metrics(round_out.metrics, dispatched), **figures}
+                          **federation, **client_metrics(round_out.metrics, dispatched),
+                          **{f"server_{name}": float(np.asarray(value))
+                             for name, value in (round_out.server_metrics or {}).items()}, **figures}
                 history.append(record)
                 if lead:
                     writer.append_metrics(record)
