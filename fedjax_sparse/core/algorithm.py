@@ -51,7 +51,9 @@ class FederatedAlgorithm:
 
     init(key, variables, num_clients) -> (server_state, client_states)
         `variables` are the initial model variables; client states carry a
-        leading [num_clients] axis (use `replicate`).
+        leading [num_clients] axis (use `replicate`). An algorithm whose clients keep no state
+        returns `{}` for them (a pytree without leaves; `init_clients` stays None); its
+        `client_update` then receives `{}` and returns it.
     init_clients(key, variables, client_ids) -> client_states [len(client_ids), ...], optional
         the initial states of these clients alone, a pure function of (key, id) so that it
         does not depend on how many clients there are (`fold_in(key, id)`, never
@@ -62,6 +64,8 @@ class FederatedAlgorithm:
     broadcast(server_state, client_id, info) -> down_message
         exactly what the server sends to one sampled client.
     client_update(down_message, client_state, data, key, info) -> (up_message, client_state, metrics)
+        data: the client's examples (`data.federated.ClientData`; `LocalSGD.train` gathers them
+        into `Batch`es of `x`, `y` and `mask`); key: the client's randomness for the round;
         metrics: a dict of scalars, at least 'loss' and 'num_steps'.
     server_update(server_state, up_messages, weights, info) -> server_state, or `ServerStep`
         up_messages stacked on a leading [K] axis in the order of info.client_ids;
@@ -123,8 +127,9 @@ class FederatedAlgorithm:
 
 @flax.struct.dataclass
 class ServerStep:
-    """What `server_update` may return instead of the new server state alone: the state and a dict of scalar
-    metrics of the step (a server learning rate it chose, a norm), logged every round as `server_<name>`."""
+    """What `server_update` may return instead of the new server state alone: `state`, the new state, and
+    `metrics`, a dict of scalar metrics of the step (a server learning rate it chose, a norm), logged every round
+    as `server_<name>`."""
 
     state: Any
     metrics: dict
@@ -169,7 +174,11 @@ class NeedsDeviceData(ValueError):
 class BuildContext:
     """What a run gives an algorithm's builder besides its options.
 
-    local: the local trainer (model, optimizer, epochs, batch size);
+    local: the local trainer (`LocalSGD`: model, optimizer, epochs, batch size);
+    num_clients: N, the clients of the federation (the leading axis of `init`'s client states);
+    clients_per_round: K, the slots of a round: the leading axis of the uploads `server_update` gets
+      (`--clients-per-round`; more with `--over-selection`, or a sampler's own slot count, `core.participation`);
+    num_classes: the data set's number of labels (the model's outputs);
     train: every client's training data on the device (methods whose server needs
       facts about the clients' data, e.g. FedGSE's public set and its clients' label
       answers), or None where the run keeps them off the device (host and disk client

@@ -50,9 +50,17 @@ class FederatedSplit:
 class ClientData:
     """One client's examples: a window [offset, offset + count) of the shared arrays.
 
-    `positions` ([max_count] int32, optional) makes it a view of some of the window's
-    examples, in any order: its example i is the window's example positions[i], i < count
-    (e.g. the share a client holds out of training, `algorithms.spatl.split_holdout`).
+    What `client_update` receives as `data` (`FederatedSplit.client`); an algorithm hands it to
+    `LocalSGD.train`, or reads it by `example_index` (or `client_batch`, in `Batch`es).
+    x, y: the examples and int32 labels of the whole split this is a view of (`FederatedSplit`, shared
+      by its clients, never copied per client): the client's own are those `example_index` gives;
+    offset, count: int32 scalars, where the client's examples start in `x` and how many it holds;
+    mean, std: the data set's per-channel statistics, with which `normalize` standardizes images;
+    max_count (static): the largest client's count, which fixes the shapes of the client's loops;
+    augment (static): whether training batches are pad-cropped and flipped (`data.augment`);
+    positions ([max_count] int32, optional) makes it a view of some of the window's
+      examples, in any order: its example i is the window's example positions[i], i < count
+      (e.g. the share a client holds out of training, `algorithms.spatl.split_holdout`).
     """
 
     x: jax.Array
@@ -73,7 +81,13 @@ class ClientData:
 
 @flax.struct.dataclass
 class Batch:
-    """A gathered batch; `mask` is False on the padding positions of a short batch."""
+    """A gathered batch of one client's examples (`client_batch`), what a local step trains on.
+
+    x: [B, ...] the examples as the model sees them (`normalize`: images standardized, features
+      and tokens as they are); y: [B] int32 labels; mask: [B] bool, False on the padding positions
+      of a short batch (the last of an epoch when B does not divide the client's count), whose
+      examples are repeats that the loss and the BatchNorm statistics leave out.
+    """
 
     x: jax.Array
     y: jax.Array
