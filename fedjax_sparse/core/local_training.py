@@ -63,13 +63,18 @@ def run_local_steps(step_fn: StepFn, carry: Carry, data: ClientData, key: jax.Ar
 class LocalObjective:
     """How a method's local step differs from plain (momentum) SGD on the cross-entropy.
 
-    Every field is optional; `LocalSGD.train` runs one step for all methods:
+    Every field is optional; `LocalSGD.train` runs one step for all methods (a `batch` is a
+    `data.federated.Batch`: `x`, `y` and `mask`, False on the padding of a short batch):
       forward(trainable, key) -> {'params', 'unit_masks'?}: what the forward pass uses, from the
         trainable leaves and the step's own key (SpaFL: straight-through threshold masks;
         sub-models: fixed masks; FedPM: a Bernoulli mask sampled every step; Fjord: a width
         drawn every batch);
       extra_loss(trainable) -> scalar added to the task loss (FedProx's proximal term,
         SpaFL's threshold regularizer);
+      feature_loss(trainable, batch, features) -> scalar added to the task loss, given the step's
+        batch and the model's representation of it ([B, d]: what its classifier reads, `Model.apply`
+        with `features=True`; padded examples are in the batch with `batch.mask` False): MOON's
+        contrastive term, which runs the global and the previous model on the same batch itself;
       label_mask: [num_classes] bool (HeteroFL's label split): the logits of other classes
         become `label_mask_fill` before the softmax: -inf (default) leaves them out of it,
         0 (HeteroFL's and FedRolex's `masked_fill`) keeps them in it at logit 0;
@@ -91,6 +96,7 @@ class LocalObjective:
 
     forward: Callable[[dict, jax.Array], dict] | None = None
     extra_loss: Callable[[dict], jax.Array] | None = None
+    feature_loss: Callable[[dict, Batch, jax.Array], jax.Array] | None = None
     label_mask: jax.Array | None = None
     label_mask_fill: float = -math.inf
     grad_correction: Callable[[dict], dict] | None = None
@@ -225,6 +231,9 @@ class LocalSGD:
         optimizer's final state too: (variables, optimizer_state, stats). For a method whose
         clients keep their optimizer between rounds (FedPM's per-client Adam)."""
         objective = objective or LocalObjective()
+        if objective.feature_loss is not None and objective.step_loss is not None:
+            raise ValueError("a local objective's feature_loss reads the one forward pass, which its step_loss "
+                             "replaces; compute the features in step_loss instead")
         learning_rate = self.learning_rate_at(round_index)
         tx = objective.optimizer(learning_rate) if objective.optimizer is not None else self.optimizer(learning_rate)
         model = self.model
@@ -250,11 +259,14 @@ class LocalSGD:
                 if objective.step_loss is not None:
                     task, new_stats = objective.step_loss(trainable, batch_stats, batch, key)
                 else:
-                    logits, new_stats = model.apply({**forward(trainable, key), "batch_stats": batch_stats}, batch.x,
-                                                    train=True, mask=batch.mask)
+                    logits, new_stats, *features = model.apply(
+                        {**forward(trainable, key), "batch_stats": batch_stats}, batch.x, train=True, mask=batch.mask,
+                        features=objective.feature_loss is not None)
                     task = label_masked_cross_entropy(logits, batch.y, batch.mask, objective.label_mask,
                                                       objective.label_mask_fill)
                 total = task + objective.extra_loss(trainable) if objective.extra_loss is not None else task
+                if objective.feature_loss is not None:
+                    total = total + objective.feature_loss(trainable, batch, features[0])
                 return total, (task, new_stats)
 
             grads, (task, new_stats) = jax.grad(loss_fn, has_aux=True)(trainable)

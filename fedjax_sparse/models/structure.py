@@ -18,6 +18,7 @@ import dataclasses
 import math
 from typing import Any, Callable, Literal
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
@@ -174,8 +175,13 @@ class Model:
         variables = self.module.init(key, x, train=False)
         return {"params": variables["params"], "batch_stats": variables.get("batch_stats", {})}
 
-    def apply(self, variables: Variables, x: jax.Array, *, train: bool,
-              mask: jax.Array | None = None, perturbations: Any = None) -> tuple[jax.Array, Params]:
+    def apply(self, variables: Variables, x: jax.Array, *, train: bool, mask: jax.Array | None = None,
+              perturbations: Any = None, features: bool = False) -> tuple[jax.Array, ...]:
+        """(logits, batch_stats), and with `features` the representation the predictor reads, [B, d]: the
+        input of the model's last layer (its classifier), flattened per example (MOON's contrastive loss,
+        `LocalObjective.feature_loss`)."""
+        if features:
+            return self._with_features(variables, x, train=train, mask=mask, perturbations=perturbations)
         inputs = {"params": variables["params"]}
         has_stats = bool(jax.tree_util.tree_leaves(variables["batch_stats"]))
         if has_stats:
@@ -188,6 +194,23 @@ class Model:
             return logits, updates["batch_stats"]
         logits = self.module.apply(inputs, x, train=train, **kwargs)
         return logits, variables["batch_stats"]
+
+    def _with_features(self, variables, x, **kwargs):
+        # the classifier is every model's last layer; its input, read as the module is called
+        classifier = self.structure.layers[-1].kernel[:-1]
+        seen = []
+
+        def read_input(call, args, call_kwargs, context):
+            if context.method_name == "__call__" and tuple(context.module.path) == classifier:
+                seen.append(args[0])
+            return call(*args, **call_kwargs)
+
+        with nn.intercept_methods(read_input):
+            logits, stats = self.apply(variables, x, **kwargs)
+        if len(seen) != 1:
+            raise ValueError(f"{self.name}: its classifier {'/'.join(classifier)} was called {len(seen)} times in a "
+                             f"forward pass; features=True reads the input of one call")
+        return logits, stats, seen[0].reshape(seen[0].shape[0], -1)
 
     def unit_output_gradients(self, variables: Variables, x: jax.Array, loss: Callable[[jax.Array], jax.Array],
                               *, train: bool, mask: jax.Array | None = None) -> dict[str, jax.Array]:
