@@ -1,5 +1,5 @@
-"""The tutorial "Write your own algorithm" (docs/write_your_own.md) runs as written, and its FedDyn and FedPer
-give the metrics of the library's `feddyn` and of `fedavg --personal predictor`."""
+"""The tutorial "Write your own algorithm" (docs/write_your_own.md) runs as written, and its FedDyn, FedPer and
+MOON at mu = 0 give the metrics of the library's `feddyn`, `fedavg --personal predictor` and `fedavg`."""
 
 import json
 import re
@@ -29,7 +29,7 @@ def records(run):
 
 def test_the_tutorials_code_runs_and_its_algorithms_equal_the_librarys(clean_registry, tmp_path, monkeypatch):
     blocks = re.findall(r"```python\n(.*?)```", TUTORIAL.read_text(), flags=re.S)
-    assert len(blocks) == 4
+    assert len(blocks) == 5
     monkeypatch.chdir(tmp_path)  # the tutorial writes its runs under runs/tutorial, relative to where it runs
     namespace = {}
     for block in blocks:
@@ -38,8 +38,12 @@ def test_the_tutorials_code_runs_and_its_algorithms_equal_the_librarys(clean_reg
     for mine, library in (({"algorithm": "feddyn_tutorial"}, {"algorithm": "feddyn"}),
                           ({"algorithm": "feddyn_tutorial", "sampler": "poisson", "num_clients": 6},
                            {"algorithm": "feddyn", "sampler": "poisson", "num_clients": 6}),
-                          ({"algorithm": "fedper_tutorial"}, {"algorithm": "fedavg", "personal": "predictor"})):
+                          ({"algorithm": "fedper_tutorial"}, {"algorithm": "fedavg", "personal": "predictor"}),
+                          ({"algorithm": "moon_tutorial", "moon_mu": 0.0}, {"algorithm": "fedavg"})):
         runs = [tmp_path / f"{name}_{mine['algorithm']}_{len(mine)}" for name in ("mine", "library")]
         for run, values in zip(runs, (mine, library)):
             run_experiment(RunConfig.create(**{**TINY, **values}, out=str(run)), progress=False)
         assert records(runs[0]) == records(runs[1]), mine
+    moon = tmp_path / "moon"
+    run_experiment(RunConfig.create(**TINY, algorithm="moon_tutorial", moon_mu=1.0, out=str(moon)), progress=False)
+    assert records(moon) != records(runs[1]) and all(r["train_loss"] < 10 for r in records(moon))
