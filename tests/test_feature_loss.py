@@ -10,13 +10,16 @@ from conftest import synthetic_split
 from fedjax_sparse.core.local_training import LocalObjective, LocalSGD
 from fedjax_sparse.data.federated import normalize
 from fedjax_sparse.models import MODEL_NAMES, get_model
+from fedjax_sparse.models.check import check_model
 from test_structure import zoo_model
 
 
 @pytest.mark.parametrize("name", MODEL_NAMES)
 def test_the_features_are_what_the_classifier_reads(name):
-    """logits = features @ W + b, W and b the model's last layer: on every model of the zoo."""
+    """logits = features @ W + b, W and b the model's last layer: on every model of the zoo, which also meets the
+    check an outside model's structure must pass (`models.check`)."""
     model = zoo_model(name)
+    check_model(model)
     variables = model.init(jax.random.key(0))
     x = (jax.random.randint(jax.random.key(1), (3, *model.input_shape), 0, model.num_classes)
          if model.input_kind == "tokens" else jax.random.normal(jax.random.key(1), (3, *model.input_shape)))

@@ -19,6 +19,9 @@ sequences), returning `[B, num_classes]` logits, together with the
 
 from __future__ import annotations
 
+from importlib import metadata
+
+from fedjax_sparse.models.check import check_model
 from fedjax_sparse.models.cnn import cnn2, cnn4, spafl_cnn
 from fedjax_sparse.models.lenet import lenet5_caffe
 from fedjax_sparse.models.mlp import mlp
@@ -47,17 +50,67 @@ _FACTORIES: dict[str, ModelFactory] = {
 assert tuple(_FACTORIES) == MODEL_NAMES
 
 
+ENTRY_POINT_GROUP = "fedjax_sparse.models"
+_OUTSIDE: dict[str, ModelFactory] = {}  # models registered from outside the library, by name
+REFUSED: dict[str, str] = {}  # installed plug-in models that could not be registered: name -> why
+_entry_points_loaded = False
+
+
+def register_model(name: str, factory: ModelFactory) -> None:
+    """Makes `factory(input_shape, num_classes) -> Model` the model `name` (`--model name`); its structure is
+    checked against the model when it is built (`models.check`). A name of the zoo's is refused."""
+    if not isinstance(name, str) or not name.replace("_", "").isalnum():
+        raise ValueError(f"a model's name is letters, digits and underscores, got {name!r}")
+    if name in _FACTORIES or name in MODEL_ALIASES:
+        raise ValueError(f"model {name!r} is one of the library's; give the outside model another name")
+    if not callable(factory):
+        raise ValueError(f"model {name!r}: its factory must be callable as factory(input_shape, num_classes), got "
+                         f"{type(factory).__name__}")
+    _OUTSIDE[name] = factory
+
+
+def _load_entry_points() -> None:
+    """Registers the models installed packages declare (group `fedjax_sparse.models`: name = a factory), once;
+    one that cannot be loaded or registered is left out, why in `REFUSED`."""
+    global _entry_points_loaded
+    if _entry_points_loaded:
+        return
+    _entry_points_loaded = True
+    for entry in metadata.entry_points(group=ENTRY_POINT_GROUP):
+        try:
+            register_model(entry.name, entry.load())
+        except (Exception, SystemExit) as err:  # noqa: BLE001 - an installed package's import may fail any way
+            REFUSED[entry.name] = (f"plug-in model {entry.name!r} (entry point {entry.name} = {entry.value!r}) "
+                                   f"cannot be used: {' '.join(str(err).split())[:200]}")
+
+
+def model_names() -> list[str]:
+    """The zoo's models, then those registered from outside (installed packages' included)."""
+    _load_entry_points()
+    return [*MODEL_NAMES, *_OUTSIDE]
+
+
 def get_model(name: str, input_shape: tuple[int, ...], num_classes: int) -> Model:
     """Builds model `name` (or an alias of one) for inputs of `input_shape` and `num_classes` outputs.
 
-    Raises ValueError for an unknown name, or when the model cannot take the
-    input shape (e.g. a net whose feature map would shrink to nothing).
+    Raises ValueError for an unknown name, when the model cannot take the input shape (e.g. a net whose
+    feature map would shrink to nothing), or, for a model from outside the library, when its structure
+    does not describe it (`models.check.check_model`).
     """
     name = MODEL_ALIASES.get(name, name)
-    if name not in _FACTORIES:
-        raise ValueError(f"unknown model {name!r}; valid models are {', '.join(MODEL_NAMES)} "
+    if name in _FACTORIES:
+        return _FACTORIES[name](tuple(int(d) for d in input_shape), int(num_classes))
+    if name not in model_names():
+        if name in REFUSED:
+            raise ValueError(REFUSED[name])
+        raise ValueError(f"unknown model {name!r}; valid models are {', '.join(model_names())} "
                          f"(and {', '.join(f'{a} = {m}' for a, m in MODEL_ALIASES.items())})")
-    return _FACTORIES[name](tuple(int(d) for d in input_shape), int(num_classes))
+    model = _OUTSIDE[name](tuple(int(d) for d in input_shape), int(num_classes))
+    if not isinstance(model, Model):
+        raise ValueError(f"model {name!r}: its factory returned a {type(model).__name__}, not a Model")
+    check_model(model)
+    return model
 
 
-__all__ = ['MODEL_ALIASES', 'MODEL_NAMES', 'get_model', 'Model', 'ModelStructure', 'Layer']
+__all__ = ['MODEL_ALIASES', 'MODEL_NAMES', 'get_model', 'Model', 'ModelStructure', 'Layer', 'model_names',
+           'register_model']

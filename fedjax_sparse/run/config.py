@@ -16,7 +16,7 @@ from fedjax_sparse.core.options import (check_value, coerce, option, option_fiel
                                         validate)
 from fedjax_sparse.data.partition import METHODS, NATURAL
 from fedjax_sparse.data.sources import has_own_clients
-from fedjax_sparse.models import MODEL_ALIASES, MODEL_NAMES
+from fedjax_sparse.models import MODEL_ALIASES, MODEL_NAMES, REFUSED, model_names
 from fedjax_sparse.run.federation import FederationOptions
 
 
@@ -47,7 +47,8 @@ class RunConfig(FederationOptions, DifferentialPrivacyOptions, UplinkCompression
                                         "DIR/leaf (default: ~/.cache/fedjax_sparse/leaf)")
     download: bool = option(True, "prepare a TFDS, femnist or shakespeare data set (download and build) on its "
                                   "first use; --no-download only reads prepared data")
-    model: str = option("mlp", "the model", choices=(*MODEL_NAMES, *MODEL_ALIASES))
+    model: str = option("mlp", f"the model: {', '.join(MODEL_NAMES)} (and {', '.join(MODEL_ALIASES)}), or one "
+                               f"registered from outside (register_model, entry point group fedjax_sparse.models)")
     num_clients: int = option(20, "clients in the federation", low=1)
     clients_per_round: int = option(10, "clients sampled each round", low=1)
     rounds: int = option(30, "communication rounds", low=1)
@@ -144,6 +145,9 @@ class RunConfig(FederationOptions, DifferentialPrivacyOptions, UplinkCompression
         """Checks what can be checked before any data is loaded; one clear line per problem."""
         validate(self)
         get_spec(self.algorithm)  # one line listing the registered algorithms
+        if self.model not in (*model_names(), *MODEL_ALIASES):
+            raise ValueError(REFUSED.get(self.model) or f"--model {self.model!r} is not a model; valid: "
+                                                        f"{', '.join(model_names())} (and {', '.join(MODEL_ALIASES)})")
         if not self.out.strip():
             raise ValueError("--out must name a folder for the run's files, got ''")
         self.refuse_unread_values()
