@@ -109,6 +109,9 @@ def _parser() -> argparse.ArgumentParser:
     with warnings.catch_warnings():  # a skipped plug-in: `_warn_refused` says it in one line, once the command is known
         warnings.simplefilter("ignore", PluginSkipped)
         _run_parser(sub)
+    # listed for --help only: `_main` hands `sweep ...` to run.sweep, whose other flags are run flags
+    sub.add_parser("sweep", add_help=False, help="run a grid or an Optuna search of run options over seeds, and "
+                                                 "tabulate it (`fedjax-sparse sweep --help`)")
     return parser
 
 
@@ -183,6 +186,11 @@ def _launch(args: argparse.Namespace) -> int:
 
 
 def _main(argv: list[str] | None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["sweep"]:
+        from fedjax_sparse.run.sweep import main as sweep
+
+        return sweep(argv[1:])
     args = _parser().parse_args(argv)
 
     from fedjax_sparse.core.cpu_round import use_cpu_cores
