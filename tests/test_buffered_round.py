@@ -8,7 +8,10 @@ import pytest
 
 from fedjax_sparse.algorithms.fedavg import fedavg
 from fedjax_sparse.algorithms.fedldf import fedldf
+from fedjax_sparse.algorithms.fednova import fednova
+from fedjax_sparse.algorithms.feddyn import FedDynOptions, feddyn
 from fedjax_sparse.algorithms.scaffold import scaffold
+from fedjax_sparse.core.algorithm import BuildContext
 from fedjax_sparse.core.buffered_round import Buffering, BufferedRound, check_buffered
 from fedjax_sparse.core.client_store import DeviceStore, initial_server_state
 from fedjax_sparse.core.clock import DeviceProfile, ProfileDistribution, Stragglers, read_profile_file
@@ -38,12 +41,17 @@ def _latency_profile(tmp_path, latencies):
     return read_profile_file(path, len(latencies))
 
 
-@pytest.mark.parametrize("server", ["sgd", "adam"])
-def test_buffer_k_without_staleness_is_synchronous_fedavg(server):
+@pytest.mark.parametrize("name,server", [("fedavg", "sgd"), ("fedavg", "adam"), ("scaffold", "sgd"),
+                                         ("feddyn", "sgd")])
+def test_buffer_k_without_staleness_is_the_synchronous_round(name, server):
     """Every client takes 1 s and K train at once: each step aggregates the K clients the synchronous round
-    samples, all trained from the model before it (staleness 0), in one vmapped call of K."""
+    samples, all trained from the model before it (staleness 0), in one vmapped call of K; SCAFFOLD's client
+    control variates and FedDyn's gradients are written at the step as the synchronous round writes them."""
     train, local, variables = _setup()
-    algorithm = fedavg(local, server=server_optimizer(server, lr=1.0 if server == "sgd" else 0.05))
+    optimizer = server_optimizer(server, lr=1.0 if server == "sgd" else 0.05)
+    algorithm = {"fedavg": lambda: fedavg(local, server=optimizer), "scaffold": lambda: scaffold(local, 10),
+                 "feddyn": lambda: feddyn(BuildContext(local=local, num_clients=10, clients_per_round=4, train=train,
+                                                       num_classes=10), FedDynOptions())}[name]()
     k, key = 4, jax.random.key(1)
     same = DeviceProfile("same", ProfileDistribution("same", FAST, FAST, FAST, 1.0, 0.0))
     conditions = RoundConditions(uniform_sampler(10, k), same)
@@ -60,6 +68,8 @@ def test_buffer_k_without_staleness_is_synchronous_fedavg(server):
         assert float(out.returns.seconds) == 1.0
     # the rebased upload x + (y - x) differs from y in the last bits only
     jax.tree_util.tree_map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), asyn, sync)
+    jax.tree_util.tree_map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6),
+                           buffered.store.states, states)
     assert set(buffered._groups) == {k}
 
 
@@ -121,7 +131,7 @@ def test_what_asynchronous_rounds_refuse(tmp_path):
     train, local, _ = _setup()
     clock = DeviceProfile("phone", ProfileDistribution("p", 1e9, 1e6, 1e6, 0.1))
     ok = RoundConditions(uniform_sampler(10, 4), clock)
-    for algorithm, words in ((scaffold(local, 10), "--algorithm scaffold cannot aggregate asynchronously"),
+    for algorithm, words in ((fednova(local), "--algorithm fednova cannot aggregate asynchronously"),
                              (fedldf(local, 1, 4), "--algorithm fedldf cannot aggregate asynchronously")):
         with pytest.raises(ValueError, match=words):
             check_buffered(algorithm, Buffering(2, 4), ok, 10)

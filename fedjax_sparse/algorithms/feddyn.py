@@ -21,6 +21,7 @@ import jax.numpy as jnp
 
 from fedjax_sparse.building_blocks import (AlgorithmSpec, BuildContext, FederatedAlgorithm, LocalObjective, option,
                                            present_sum, proximal_term, replicate, uniform_mean, weighted_mean)
+from fedjax_sparse.core.algorithm import MODEL_UPLOAD
 
 tree_map = jax.tree_util.tree_map
 
@@ -68,7 +69,8 @@ def feddyn(context: BuildContext, options: FedDynOptions) -> FederatedAlgorithm:
         broadcast=lambda server_state, client_id, info: server_state["variables"],
         client_update=client_update, server_update=server_update,
         client_variables=lambda server_state, client_state: server_state["variables"],
-        global_variables=lambda server_state: server_state["variables"], aggregates_mean=True)
+        global_variables=lambda server_state: server_state["variables"], aggregates_mean=True,
+        stale_upload=MODEL_UPLOAD)
 
 
 SPEC = AlgorithmSpec("feddyn", FedDynOptions, feddyn,

@@ -21,13 +21,26 @@ import jax
 import jax.numpy as jnp
 
 from fedjax_sparse.core.aggregation import uniform_mean
-from fedjax_sparse.core.algorithm import AlgorithmSpec, FederatedAlgorithm, replicate
+from fedjax_sparse.core.algorithm import AlgorithmSpec, FederatedAlgorithm, StaleUpload, replicate
 from fedjax_sparse.core.control_variates import control_update, corrected_gradients, server_control_update
 from fedjax_sparse.core.local_training import LocalObjective, LocalSGD
 from fedjax_sparse.core.server_optimizer import (STATE_KEY, ServerOptimizer, ServerOptimizerOptions, from_options,
                                                  server_optimizer, without_optimizer_state)
 
 tree_map = jax.tree_util.tree_map
+
+
+def _increment(up, down):
+    return {**up, "batch_stats": tree_map(jnp.subtract, up["batch_stats"], down["variables"]["batch_stats"])}
+
+
+def _rebase(increment, down):
+    return {**increment, "batch_stats": tree_map(jnp.add, down["variables"]["batch_stats"], increment["batch_stats"])}
+
+
+# asynchronous rounds: the model's and the control variate's deltas are increments already; the BatchNorm
+# statistics travel as values, taken as their change of what the client received
+STALE_UPLOAD = StaleUpload(_increment, _rebase)
 
 
 def scaffold(local: LocalSGD, num_clients: int, server: ServerOptimizer | None = None) -> FederatedAlgorithm:
@@ -79,6 +92,7 @@ def scaffold(local: LocalSGD, num_clients: int, server: ServerOptimizer | None =
         client_variables=lambda server_state, client_state: server_state["variables"],
         global_variables=lambda server_state: server_state["variables"],
         aggregates_mean=True,  # its control update sums the present clients': their number times the mean
+        stale_upload=STALE_UPLOAD,
     )
 
 

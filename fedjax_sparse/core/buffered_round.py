@@ -93,7 +93,7 @@ def check_buffered(algorithm: FederatedAlgorithm, buffering: Buffering, conditio
     if algorithm.stale_upload is None or algorithm.select_uploads is not None:
         raise ValueError(f"--algorithm {algorithm.name} cannot aggregate asynchronously: its server does not take "
                          f"an update trained from an older model (no stale_upload in its contract); asynchronous "
-                         f"rounds run fedavg and fedprox (with any --server-optimizer)")
+                         f"rounds run fedavg, fedprox, feddyn and scaffold (with any --server-optimizer)")
     if conditions.profile is None:
         raise ValueError("asynchronous rounds (--async-buffer) need a clock to order the clients' returns: give "
                          "--device-profile")
