@@ -5,8 +5,14 @@ import tempfile
 # XLA compiling: its cheapest settings cut the suite by about a third (every test passes either way).
 os.environ["XLA_FLAGS"] = " ".join([os.environ.get("XLA_FLAGS", ""), "--xla_backend_optimization_level=0",
                                     "--xla_llvm_disable_expensive_passes=true"]).strip()
-# Runs started through the command line keep their compiled rounds in a cache of this session only.
-os.environ["FEDJAX_SPARSE_CACHE"] = tempfile.mkdtemp(prefix="fedjax_sparse_test_cache_")
+# Runs started through the command line keep their compiled rounds in a cache of this session only, one for
+# both of pytest-xdist's workers (many tests run the same small round: the second worker loads it).
+_SESSION = os.environ.get("PYTEST_XDIST_TESTRUNUID")
+if _SESSION:
+    os.environ["FEDJAX_SPARSE_CACHE"] = os.path.join(tempfile.gettempdir(), f"fedjax_sparse_test_cache_{_SESSION}")
+    os.makedirs(os.environ["FEDJAX_SPARSE_CACHE"], exist_ok=True)
+else:
+    os.environ["FEDJAX_SPARSE_CACHE"] = tempfile.mkdtemp(prefix="fedjax_sparse_test_cache_")
 
 import socket  # noqa: E402
 

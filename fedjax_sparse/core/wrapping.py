@@ -58,8 +58,10 @@ def broadcast_shapes(algorithm: FederatedAlgorithm, context: BuildContext) -> An
 def upload_shapes(algorithm: FederatedAlgorithm, context: BuildContext) -> Any:
     """The shapes of a client's upload (a one-example client stands in for every client)."""
     server, one, info = _shapes(algorithm, context)
-    shape = context.local.model.input_shape
-    data = ClientData(x=jnp.zeros((1, *shape), jnp.uint8), y=jnp.zeros((1,), jnp.int32), offset=jnp.int32(0),
+    model = context.local.model
+    shape = model.input_shape
+    example = jnp.int32 if model.input_kind == "tokens" else jnp.uint8  # token ids, or an image's bytes
+    data = ClientData(x=jnp.zeros((1, *shape), example), y=jnp.zeros((1,), jnp.int32), offset=jnp.int32(0),
                       count=jnp.int32(1), mean=jnp.zeros(shape[-1:]), std=jnp.ones(shape[-1:]), max_count=1)
     return jax.eval_shape(lambda s, c: algorithm.client_update(algorithm.broadcast(s, jnp.int32(0), info), c, data,
                                                                jax.random.key(0), info)[0], server, one)
