@@ -15,12 +15,13 @@ import json
 import os
 import sys
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Callable, Sequence
 
 from fedjax_sparse.core.cpu_round import use_cpu_cores
 from fedjax_sparse.run import DivergenceError, Interrupted, RunConfig, run_experiment
 from fedjax_sparse.run.checkpoints import CheckpointError
 from fedjax_sparse.run.outputs import device_description, dumps, plot_accuracy
+from fedjax_sparse.run.sweep_table import table_cell
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -207,14 +208,6 @@ def run_setting(setting: Setting, out_root: Path, quick: bool, progress: bool = 
     return rows
 
 
-def _cell(value: Any) -> str:
-    if value is None:
-        return "-"
-    if isinstance(value, float):
-        return f"{value:.4g}"
-    return str(value)
-
-
 def write_table(rows: list[dict], out: Path, setting: Setting, quick: bool, command: str) -> None:
     columns = list(dict.fromkeys(k for row in rows for k in row))
     with (out / "results.csv").open("w", newline="") as f:
@@ -224,7 +217,7 @@ def write_table(rows: list[dict], out: Path, setting: Setting, quick: bool, comm
     lines = [f"# {setting.name}{' (quick)' if quick else ''}", "", setting.description, "",
              f"Accuracy: {setting.metric}. Device: {device_description()}.", f"Command: `{command}`", "",
              "| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
-    lines += ["| " + " | ".join(_cell(row.get(c)) for c in columns) + " |" for row in rows]
+    lines += ["| " + " | ".join(table_cell(row.get(c)) for c in columns) + " |" for row in rows]
     (out / "results.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines[-len(rows) - 2:]))
 

@@ -191,6 +191,9 @@ def _main(argv: list[str] | None) -> int:
         from fedjax_sparse.run.sweep import main as sweep
 
         return sweep(argv[1:])
+    from fedjax_sparse.run.sweep import follow_parent
+
+    follow_parent()
     args = _parser().parse_args(argv)
 
     from fedjax_sparse.core.cpu_round import use_cpu_cores

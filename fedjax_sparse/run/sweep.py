@@ -267,14 +267,25 @@ def expected_config(run_flags: list[str]) -> dict:
 # --- running: one process per run, at most `parallel` at once ---------------------------------------
 
 
-def _die_with_parent() -> None:
-    """In the run's process before it starts: SIGTERM it when the sweep's process dies (Linux only)."""
+PARENT_ENV = "FEDJAX_SPARSE_SWEEP_PARENT"  # a run started by a sweep: the sweep's process id
+
+
+def follow_parent() -> None:
+    """In a run a sweep started (`PARENT_ENV` set), as it starts: SIGTERM it when the sweep's process dies
+    (Linux only), so that it saves a checkpoint and stops. Done by the run itself rather than between fork and
+    exec (`preexec_fn`), which in a process with JAX's threads may deadlock; a sweep that died before this
+    line ran is seen by the parent's id having changed."""
+    parent = os.environ.pop(PARENT_ENV, None)
+    if parent is None:
+        return
     import ctypes
 
     try:
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
     except (OSError, AttributeError):
-        pass
+        return
+    if os.getppid() != int(parent):
+        os.kill(os.getpid(), signal.SIGTERM)
 
 
 def default_parallel() -> int:
@@ -344,7 +355,8 @@ class Runner:
         log = self.logs / f"{run_dir.parent.name}__{run_dir.name}.log"
         with log.open("a") as f:
             process = subprocess.Popen([sys.executable, "-m", "fedjax_sparse", "run", *args, "--no-progress"],
-                                       stdout=f, stderr=subprocess.STDOUT, env=self.env, preexec_fn=_die_with_parent)
+                                       stdout=f, stderr=subprocess.STDOUT,
+                                       env={**self.env, PARENT_ENV: str(os.getpid())})
         self.running[process] = (key, run_dir, flags, expected, retry)
         print(f"[sweep] {how} {run_dir.parent.name} seed {run_dir.name[5:]} (log: {log})", flush=True)
         return True

@@ -47,7 +47,8 @@ def point_row(name: str, values: dict[str, Any], summaries: Sequence[dict], runs
     return row
 
 
-def _cell(value: Any) -> str:
+def table_cell(value: Any) -> str:
+    """A figure as a markdown table shows it: 4 significant digits, '-' for none."""
     if value is None:
         return "-"
     if isinstance(value, float):
@@ -70,7 +71,7 @@ def write_table(rows: list[dict], out: Path, title: str, command: str) -> None:
              "global model's test accuracy (personalized accuracy for algorithms without one).", "",
              "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for row in rows:
-        cells = [_cell(row.get(c)) for c in shown]
+        cells = [table_cell(row.get(c)) for c in shown]
         cells += [f"{row[c + '_mean']:.4g} ± {row[c + '_std']:.2g}" if c + "_mean" in row else "-" for c in figures]
         lines.append("| " + " | ".join(cells) + " |")
     (out / "sweep.md").write_text("\n".join(lines) + "\n")
