@@ -67,7 +67,8 @@ def test_the_masked_input_holds_every_entry_of_the_upload(model_name):
     variables = jax.eval_shape(model.init, jax.random.key(0))
     entries = sum(int(np.prod(x.shape)) for x in jax.tree_util.tree_leaves(variables))
     context = _context(model, None)
-    assert summed_entries("fedavg", True, False, upload_shapes(fedavg(context.local), context)) == entries + 1
+    algorithm = fedavg(context.local)
+    assert summed_entries(algorithm, upload_shapes(algorithm, context)) == entries + 1
 
 
 def test_each_clients_bytes_are_the_protocols_a_dropped_ones_too(tmp_path):
@@ -81,7 +82,7 @@ def test_each_clients_bytes_are_the_protocols_a_dropped_ones_too(tmp_path):
     profile = tmp_path / "p.csv"
     profile.write_text("".join(f"{c},{FAST},{FAST},{FAST},{5.0 if c == 2 else 1.0}\n" for c in range(4)))
     protocol = SecureAggregation("secagg")
-    m = summed_entries("fedavg", True, False, upload_shapes(algorithm, context))
+    m = summed_entries(algorithm, upload_shapes(algorithm, context))
     conditions = RoundConditions(uniform_sampler(4, 4), read_profile_file(profile, 4), Stragglers(deadline=2.0),
                                  secure=protocol, upload_entries=m)
     plain = RoundConditions(uniform_sampler(4, 4), read_profile_file(profile, 4), Stragglers(deadline=2.0))

@@ -59,7 +59,8 @@ from fedjax_sparse.core.clock import Returns, client_seconds
 from fedjax_sparse.core.compilation import jit
 from fedjax_sparse.core.messages import message_bytes
 from fedjax_sparse.core.participation import sampling_order
-from fedjax_sparse.core.round import RoundConditions, RoundOutput, client_flops, client_keys, client_phase, round_info
+from fedjax_sparse.core.round import (RoundConditions, RoundOutput, client_flops, client_keys, client_phase,
+                                      largest_divisor, round_info)
 from fedjax_sparse.data.federated import FederatedSplit
 from fedjax_sparse.data.windows import ClientWindows, window_split
 
@@ -207,7 +208,7 @@ class BufferedRound:
     # -- device computations ------------------------------------------------------------------------
     def _train_fn(self, size: int):
         algorithm, conditions, stale, seed = self.algorithm, self.conditions, self.algorithm.stale_upload, self.seed
-        chunk = None if self._chunk is None else next(c for c in range(min(self._chunk, size), 0, -1) if size % c == 0)
+        chunk = None if self._chunk is None else largest_divisor(size, self._chunk)
         train = client_phase(algorithm, chunk)
 
         def group(server_state, sampled, windows, table, ids, rows, repeats, weights, round_index):
@@ -285,8 +286,7 @@ class BufferedRound:
         busy = {e.client for e in self._flight} | {e.client for e in self._buffer}
         order = sampling_order(self.seed, self._version, self.num_clients, self._draws)
         self._draws += 1
-        chosen = sorted(int(c) for c in order[np.isin(order, list(busy), invert=True)][:count]) if busy else \
-            sorted(int(c) for c in order[:count])
+        chosen = sorted(int(c) for c in order[np.isin(order, list(busy), invert=True)][:count])
         rows = [self._free.pop(0) for _ in chosen]
         repeats = [self._repeats.get(c, 0) for c in chosen]
         for c in chosen:

@@ -408,4 +408,9 @@ def default_client_chunk(variables: Any, clients_per_round: int, platform: str |
         return None
     nbytes = sum(x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(variables))
     bound = max(1, min(clients_per_round, cache_bytes // max(nbytes, 1)))
-    return next(c for c in range(bound, 0, -1) if clients_per_round % c == 0)
+    return largest_divisor(clients_per_round, bound)
+
+
+def largest_divisor(n: int, bound: int) -> int:
+    """The largest chunk of at most `bound` that divides `n` clients (see `default_client_chunk`)."""
+    return next(c for c in range(min(bound, n), 0, -1) if n % c == 0)

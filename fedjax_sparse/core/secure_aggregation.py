@@ -100,7 +100,11 @@ import functools
 import math
 from typing import NamedTuple
 
+import jax
 import numpy as np
+
+from fedjax_sparse.core.algorithm import FederatedAlgorithm
+from fedjax_sparse.core.messages import PRICED_LEAVES
 
 PROTOCOLS = ("secagg", "secagg+")
 MAX_VALUE_BITS = 32  # a float32 entry has 2^32 values: a finer encoding would invent precision
@@ -380,21 +384,17 @@ def secure_bytes(protocol: SecureAggregation, slots: int, entries: int) -> Proto
     return ProtocolBytes(*rows)
 
 
-def summed_entries(algorithm_name: str, aggregates_mean: bool, select_uploads: bool, up_shape) -> int:
+def summed_entries(algorithm: FederatedAlgorithm, up_shape) -> int:
     """The entries a client's upload is summed as under secure aggregation (its leaves' sizes, and one for
     the weight a weighted mean divides by), refusing in one line an algorithm whose server would need more
     than the sum: a per-client choice (`select_uploads`), a server that reads uploads otherwise than through
     their mean (`aggregates_mean` False), or client-chosen index sets (sparse leaves, whose indexes cannot
     be masked into a sum)."""
-    import jax  # noqa: PLC0415 - the cost model above needs numpy only
-
-    from fedjax_sparse.core.messages import PRICED_LEAVES  # noqa: PLC0415
-
-    flag = "--secure-aggregation"
-    if select_uploads:
+    flag, algorithm_name = "--secure-aggregation", algorithm.name
+    if algorithm.select_uploads is not None:
         raise ValueError(f"{flag}: {algorithm_name}'s server chooses each client's upload after reading them all "
                          f"(FedLDF's per-client layer choice); secure aggregation reveals only their sum")
-    if not aggregates_mean:
+    if not algorithm.aggregates_mean:
         raise ValueError(f"{flag}: {algorithm_name}'s server reads each client's upload, not only their mean "
                          f"(a masked mean, a per-client rule); secure aggregation reveals only their sum")
     leaves = jax.tree_util.tree_leaves(up_shape, is_leaf=lambda x: isinstance(x, PRICED_LEAVES))

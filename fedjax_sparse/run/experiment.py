@@ -145,9 +145,8 @@ def build_experiment(config: RunConfig, progress: bool = True, *, process: Proce
         algorithm = with_patterns(make_algorithm(config.algorithm, context, config.algorithm_options), context, config,
                                   privacy)
     if conditions.secure is not None:  # what the protocol sums: refused in one line where the sum would not do
-        conditions = dataclasses.replace(conditions, upload_entries=summed_entries(
-            algorithm.name, algorithm.aggregates_mean, algorithm.select_uploads is not None,
-            upload_shapes(algorithm, context)))
+        conditions = dataclasses.replace(conditions, upload_entries=summed_entries(algorithm,
+                                                                                   upload_shapes(algorithm, context)))
     if config.algorithm not in BUILT_IN:  # an algorithm from outside the library: its contract, on shapes, first
         check_contract(algorithm, jax.eval_shape(model.init, stream_key(config.seed, "model_init")), config.num_clients,
                        slots, federation.first_client(), config.seed, varies=conditions.varies)

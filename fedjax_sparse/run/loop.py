@@ -438,8 +438,7 @@ def _run_rounds(exp: Experiment, config: RunConfig, out: Path, counters: Counter
             else:  # clients that report no figure of their own trained the dense model
                 counters.train_flops_total += float(dense_flops)
             counters.padded_step_fractions.append(padded_step_fraction(counts[ids], config.batch_size, together))
-            federation = {**federation_record(round_out, exp.round_fn.conditions, counters),
-                          **privacy_record(exp.privacy, counters.rounds_done)}
+            federation = federation_record(round_out, exp.round_fn.conditions, counters)
             if (r + 1) % config.eval_every == 0 or r + 1 == config.rounds:
                 figures, finite = evaluate(exp, server_state)
                 if not finite:
@@ -451,7 +450,8 @@ def _run_rounds(exp: Experiment, config: RunConfig, out: Path, counters: Counter
                           "dense_train_flops": counters.dense_train_flops_total / config.num_clients,
                           "padded_step_fraction": counters.padded_step_fractions[-1],
                           "train_flops": counters.train_flops_total / config.num_clients,
-                          **federation, **client_metrics(round_out.metrics, dispatched),
+                          **federation, **privacy_record(exp.privacy, counters.rounds_done),
+                          **client_metrics(round_out.metrics, dispatched),
                           **{f"server_{name}": float(np.asarray(value))
                              for name, value in (round_out.server_metrics or {}).items()}, **figures}
                 history.append(record)
