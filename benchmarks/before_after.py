@@ -26,8 +26,8 @@ from typing import Sequence
 
 import numpy as np
 
-from benchmarks.common import command_line, environment, environment_markdown, finish, fmt, markdown_table
-from benchmarks.common import parser as benchmark_parser
+from .common import command_line, environment, environment_markdown, finish, fmt, markdown_table
+from .common import parser as benchmark_parser
 
 CASES = (("spafl_cnn", "fedavg"), ("spafl_cnn", "spafl"), ("resnet20", "fedavg"), ("cnn4", "fedavg"))
 

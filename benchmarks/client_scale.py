@@ -58,8 +58,8 @@ from typing import Sequence
 import jax
 import numpy as np
 
-from benchmarks.common import peak_rss_bytes, rss_bytes
-from benchmarks.round_throughput import environment
+from .common import peak_rss_bytes, rss_bytes
+from .round_throughput import environment
 
 EXAMPLES, SHAPE, CLASSES, SKEW = 20, (8, 8, 1), 10, 0.8
 

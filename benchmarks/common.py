@@ -78,8 +78,16 @@ def _processor() -> str:
     return _proc_field("/proc/cpuinfo", "model name") or platform.processor()
 
 
+def command_prefix(module: str) -> str:
+    """How the benchmark module `module` ('benchmarks.suite') is run: `python -m` where it is the top-level
+    package of a clone, else `fedjax-sparse benchmark suite` (the package's own copy, from any folder)."""
+    if __package__ == "benchmarks":
+        return f"python -m {module}"
+    return f"fedjax-sparse benchmark {module.split('.')[-1]}"
+
+
 def command_line(module: str, argv: Sequence[str]) -> str:
-    return " ".join(["python -m", module, *argv])
+    return " ".join([command_prefix(module), *argv])
 
 
 def peak_rss_bytes() -> int:
@@ -169,9 +177,10 @@ def write(out: Path, stem: str, env: dict, records: Any, text: str) -> tuple[Pat
 
 def parser(module: str, doc: str, quick_help: str) -> argparse.ArgumentParser:
     """The options every benchmark command takes: --quick and --out."""
-    p = argparse.ArgumentParser(prog=f"python -m {module}", description=doc.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog=command_prefix(module), description=doc.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help=quick_help)
-    p.add_argument("--out", default="benchmarks/results", help="folder for the .md and .json results")
+    p.add_argument("--out", default="benchmarks/results",
+                   help="folder for the .md and .json results (default: benchmarks/results under the current folder)")
     return p
 
 

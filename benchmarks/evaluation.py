@@ -34,11 +34,11 @@ from typing import Sequence
 import jax
 import numpy as np
 
-from benchmarks.common import (best, command_line, environment, environment_markdown, finish, fmt, interleaved,
-                               markdown_table, peak_rss_bytes, rss_bytes)
-from benchmarks.common import parser as benchmark_parser
-from benchmarks.local_training import Setting as TrainSetting
-from benchmarks.local_training import client_update_fn, synthetic_split
+from .common import (best, command_line, environment, environment_markdown, finish, fmt, interleaved,
+                     markdown_table, peak_rss_bytes, rss_bytes)
+from .common import parser as benchmark_parser
+from .local_training import Setting as TrainSetting
+from .local_training import client_update_fn, synthetic_split
 from fedjax_sparse.core.compilation import jit
 from fedjax_sparse.core.evaluation import global_evaluator, personalized_evaluator
 

@@ -25,8 +25,8 @@ def main(argv: Sequence[str] | None = None) -> list[dict]:
     use_cpu_cores()  # as the command line does, before JAX starts
     keep_freed_memory()
 
-    from benchmarks.common import (best, command_line, environment, environment_markdown, finish, fmt, interleaved,
-                                   markdown_table, parser)
+    from .common import (best, command_line, environment, environment_markdown, finish, fmt, interleaved,
+                         markdown_table, parser)
     import jax
 
     from fedjax_sparse.core.cpu_evaluation import CpuEvaluator

@@ -44,7 +44,7 @@ from test_faults_data import test_36_11_config_files_refuse_repeated_keys_quoted
 from test_faults_folder import MANIFEST, TENSORBOARD, contents, users_folder  # noqa: E402
 from test_faults_plugins import PLUGINS, WARNINGS  # noqa: E402
 
-from benchmarks.plugin_dists import install_plugins  # noqa: E402
+from .plugin_dists import install_plugins  # noqa: E402
 
 CLI = [sys.executable, "-m", "fedjax_sparse.run.cli", "run"]
 B = ["--dataset", "digits", "--model", "mlp", "--num-clients", "10", "--clients-per-round", "5",  # the review's B

@@ -29,8 +29,8 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks import fault_probes
-from benchmarks.fault_probes import Expect, command, probe, summary_of
+from . import fault_probes
+from .fault_probes import Expect, command, probe, summary_of
 
 BASE = ["--num-clients", "6", "--clients-per-round", "3", "--local-epochs", "1", "--max-train-examples", "300",
         "--max-test-examples", "100", "--checkpoint-every", "2", "--no-progress", "--no-tensorboard"]

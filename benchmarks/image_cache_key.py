@@ -30,7 +30,7 @@ from pathlib import Path
 import numpy as np
 import PIL
 
-from experiments.common import cifar10_folder
+from .evaluation import default_cifar10 as cifar10_folder
 from fedjax_sparse.data.image_folder import _cache_key, _list_split, load_image_folder
 
 

@@ -19,7 +19,7 @@ import sys  # noqa: E402
 
 import numpy as np  # noqa: E402
 
-from benchmarks.common import command_line, environment, finish, markdown_table, parser  # noqa: E402
+from .common import command_line, environment, finish, markdown_table, parser  # noqa: E402
 from fedjax_sparse.algorithms import BUILT_IN, make_algorithm, make_options  # noqa: E402
 from fedjax_sparse.core.algorithm import BuildContext  # noqa: E402
 from fedjax_sparse.core.local_training import LocalSGD  # noqa: E402

@@ -37,9 +37,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.common import (best, command_line, environment, environment_markdown, finish, fmt, interleaved,
-                               markdown_table)
-from benchmarks.common import parser as benchmark_parser
+from .common import (best, command_line, environment, environment_markdown, finish, fmt, interleaved,
+                     markdown_table)
+from .common import parser as benchmark_parser
 from fedjax_sparse.algorithms import BuildContext, make_algorithm
 from fedjax_sparse.core.compilation import jit
 from fedjax_sparse.core.local_training import LocalSGD

@@ -27,8 +27,8 @@ def main(argv=None) -> None:
     _host_devices(argv)
     import jax
 
-    from benchmarks.common import (best, command_line, environment, environment_markdown, finish, fmt, interleaved,
-                                   markdown_table, parser)
+    from .common import (best, command_line, environment, environment_markdown, finish, fmt, interleaved,
+                         markdown_table, parser)
     from fedjax_sparse.core.round import build_round, clients_mesh
     from fedjax_sparse.run import RunConfig, build_experiment
 

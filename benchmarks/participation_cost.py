@@ -44,8 +44,8 @@ from typing import Sequence
 
 import numpy as np
 
-from benchmarks.common import command_line, environment, environment_markdown, finish, fmt, markdown_table
-from benchmarks.common import parser as benchmark_parser
+from .common import command_line, environment, environment_markdown, finish, fmt, markdown_table
+from .common import parser as benchmark_parser
 from fedjax_sparse.core.cpu_round import use_cpu_cores
 
 POPULATION = 4  # N = POPULATION x K: a Poisson draw's slots then exceed K by a few standard deviations

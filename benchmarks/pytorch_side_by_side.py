@@ -32,10 +32,10 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 
-from benchmarks.common import (command_line, environment, environment_markdown, finish, fmt, interleaved,
-                               markdown_table)
-from benchmarks.common import parser as benchmark_parser
-from benchmarks.local_training import REFERENCE_MS, Setting, client_update_fn
+from .common import (command_line, environment, environment_markdown, finish, fmt, interleaved,
+                     markdown_table)
+from .common import parser as benchmark_parser
+from .local_training import REFERENCE_MS, Setting, client_update_fn
 from fedjax_sparse.core.compilation import jit
 
 TORCH_CLIENT = r"""

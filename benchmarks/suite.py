@@ -39,11 +39,11 @@ from typing import Callable, Sequence
 
 import jax
 
-from benchmarks import agent_search, evaluation
-from benchmarks import round_throughput as rt
-from benchmarks.common import (best, command_line, environment, environment_markdown, finish, fmt, interleaved,
-                               markdown_table)
-from benchmarks.common import parser as benchmark_parser
+from . import agent_search, evaluation
+from . import round_throughput as rt
+from .common import (best, command_line, environment, environment_markdown, finish, fmt, interleaved,
+                     markdown_table)
+from .common import parser as benchmark_parser
 from fedjax_sparse.core.cpu_round import keep_freed_memory, use_cpu_cores
 
 BUDGET_SECONDS = {"accelerator": 8 * 60, "cpu": 20 * 60}

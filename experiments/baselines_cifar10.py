@@ -12,7 +12,7 @@ client moves in a round (up + down), our `mb_per_client_round`.
     python -m experiments.baselines_cifar10 [--quick]
 """
 
-from experiments.common import Arm, Setting, cifar10_folder, main
+from .common import Arm, Setting, cifar10_folder, main
 from fedjax_sparse.run import RunConfig
 
 SETTINGS = {

@@ -7,7 +7,7 @@ Dirichlet(0.5) label skew, 10 per round, 5 local epochs of batch 16 at lr 0.1,
     python -m experiments.baselines_digits [--quick]
 """
 
-from experiments.common import Arm, Setting, main
+from .common import Arm, Setting, main
 from fedjax_sparse.run import RunConfig
 
 SETTINGS = {

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from experiments.common import Arm, Setting, main
+from .common import Arm, Setting, main
 from fedjax_sparse.run import RunConfig
 
 MODULE = "experiments.federation"

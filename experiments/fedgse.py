@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from experiments.common import Arm, Setting, cifar10_folder, main
+from .common import Arm, Setting, cifar10_folder, main
 from fedjax_sparse.run import RunConfig
 
 MODULE = "experiments.fedgse"

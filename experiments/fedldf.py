@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 from typing import Sequence
 
-from experiments.common import Arm, Setting, cifar10_folder, main
+from .common import Arm, Setting, chosen_setting, cifar10_folder, main
 from fedjax_sparse.run import RunConfig
 
 MODULE = "experiments.fedldf"
@@ -177,7 +177,7 @@ def run(argv: Sequence[str] | None = None) -> int:
     if code:
         return code
     for name in chosen:
-        uplink_report(SETTINGS[name], Path(args.out), args.quick)
+        uplink_report(chosen_setting(SETTINGS[name], argv), Path(args.out), args.quick)  # --arms' arms
     return 0
 
 

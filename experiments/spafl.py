@@ -21,7 +21,7 @@ from typing import Sequence
 import jax.numpy as jnp
 import numpy as np
 
-from experiments.common import Arm, Setting, cifar10_folder, main
+from .common import Arm, Setting, cifar10_folder, main
 from fedjax_sparse.algorithms.fedp3 import assigned_layers
 from fedjax_sparse.run import RunConfig
 

@@ -21,7 +21,7 @@ from typing import Sequence
 
 import numpy as np
 
-from experiments.common import Arm, Setting, cifar10_folder, main
+from .common import Arm, Setting, chosen_setting, cifar10_folder, main
 from fedjax_sparse.algorithms.spatl import fit_predictor
 from fedjax_sparse.run.checkpoints import RunCheckpointer
 from fedjax_sparse.core.compilation import jit
@@ -140,8 +140,10 @@ def run(argv: Sequence[str] | None = None) -> int:
         return code
     names = args.setting or (["digits"] if args.quick else list(SETTINGS))
     for name in names:
-        setting = SETTINGS[name]
-        arm = next(a for a in setting.arms if a.label == "spatl")
+        setting = chosen_setting(SETTINGS[name], argv)
+        arm = next((a for a in setting.arms if a.label == "spatl"), None)
+        if arm is None:  # --arms left SPATL out: no encoder to transfer
+            continue
         first_seed = int(args.seeds.split(",")[0]) if args.seeds else None
         config = setting.arm_config(arm, Path(args.out) / name, args.quick)
         run_dir = Path(config.out) / f"seed_{first_seed}" if first_seed is not None else Path(config.out)

@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from experiments.common import cifar10_folder
+from .common import cifar10_folder
 from fedjax_sparse.algorithms.spatl import agent_holdout, encoder_layers
 from fedjax_sparse.run.checkpoints import RunCheckpointer
 from fedjax_sparse.core.flops import layer_forward_flops, measure_layers

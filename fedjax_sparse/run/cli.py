@@ -7,7 +7,8 @@ ignore it (`core.options.refuse_ignored`), so a mistyped setting never passes
 silently. The launch flags of a run over several processes (`--coordinator`,
 `--num-processes`, `--process-id`, `--cluster`, `--launch-timeout`) belong to
 the process, not the run: they are not saved with its config, and a resumed
-run gives them again.
+run gives them again. `fedjax-sparse sweep`, `experiment` and `benchmark` are
+handed on whole (`run.sweep`, `run.installed`).
 """
 
 from __future__ import annotations
@@ -112,6 +113,12 @@ def _parser() -> argparse.ArgumentParser:
     # listed for --help only: `_main` hands `sweep ...` to run.sweep, whose other flags are run flags
     sub.add_parser("sweep", add_help=False, help="run a grid or an Optuna search of run options over seeds, and "
                                                  "tabulate it (`fedjax-sparse sweep --help`)")
+    # listed for --help only: `_main` hands them to run.installed
+    sub.add_parser("experiment", add_help=False, help="run a paper's setting, its arms and any registered algorithm "
+                                                      "side by side, and tabulate it (`fedjax-sparse experiment "
+                                                      "--list`)")
+    sub.add_parser("benchmark", add_help=False, help="measure the library on this machine (`fedjax-sparse benchmark "
+                                                     "--list`)")
     return parser
 
 
@@ -191,6 +198,17 @@ def _main(argv: list[str] | None) -> int:
         from fedjax_sparse.run.sweep import main as sweep
 
         return sweep(argv[1:])
+    if argv[:1] in (["experiment"], ["benchmark"]):
+        from fedjax_sparse.run.installed import main as installed
+
+        if argv[0] == "experiment":  # outside algorithms may be arms: a skipped plug-in is one line, as for `run`
+            from fedjax_sparse.algorithms import PluginSkipped, registered
+
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", PluginSkipped)
+                registered()
+            _warn_refused()
+        return installed(argv[0], argv[1:])
     from fedjax_sparse.run.sweep import follow_parent
 
     follow_parent()
