@@ -13,7 +13,7 @@ import pytest
 
 from fedjax_sparse.algorithms import fedavg
 from fedjax_sparse.algorithms.differential_privacy import DifferentialPrivacyOptions, privatize
-from fedjax_sparse.algorithms.fedldf import fedldf
+from fedjax_sparse.algorithms.fedldf import fedldf_random
 from fedjax_sparse.core.algorithm import BuildContext
 from fedjax_sparse.core.local_training import LocalSGD
 from fedjax_sparse.core.privacy_accounting import PrivacyLedger, calibrated_noise
@@ -163,10 +163,10 @@ def test_what_cannot_be_accounted_is_refused(setting, tmp_path, capsys):
     model, split, _ = setting
     local = LocalSGD(model, 0.1, 1, 8)
     context = BuildContext(local=local, num_clients=8, clients_per_round=4, train=split, num_classes=10)
-    with pytest.raises(ValueError, match="fedldf's server needs each client's upload"):
-        privatize(fedldf(local, 1, 4), context, DifferentialPrivacyOptions(dp_clip=1.0), noise_multiplier=1.0,
+    with pytest.raises(ValueError, match="fedldf_random's server needs each client's upload"):
+        privatize(fedldf_random(local, 1, 4), context, DifferentialPrivacyOptions(dp_clip=1.0), noise_multiplier=1.0,
                   expected_clients=4)
-    for flags, words in ((["--uplink-compression", "topk"], "needs each client's upload"),
+    for flags, words in ((["--uplink-compression", "qsgd"], "holds integer, quantized or coded leaves"),
                          (["--async-buffer", "1", "--device-profile", "iot"], "--dp-clip with --async-buffer"),
                          (["--sampler", "data_size"], "--sampler data_size chooses clients"),
                          (["--dp-accountant", "pld"], "--dp-accountant pld accounts Poisson"),

@@ -1,24 +1,56 @@
-"""Client-level differential privacy for any algorithm whose server reads its uploads through their mean.
+"""Client-level differential privacy for any algorithm whose server reads its uploads through sums of the
+clients' changes.
 
 DP-FedAvg (McMahan et al., ICLR 2018), as one wrapper around the algorithm's own functions:
 
-    client k:  Delta_k = its upload's change (upload - broadcast for a leaf the server sent, the leaf
-               itself for a delta: `core.wrapping.UploadChanges`), over every leaf of the upload;
+    client k:  Delta_k = its upload's released change (upload - broadcast for a leaf that is a new value of
+               one the server sent, the leaf itself for a delta: `core.wrapping.UploadChanges`);
                Delta_k <- Delta_k min(1, C / ||Delta_k||)            (`flat`: one L2 norm over all of it)
                or each layer to C / sqrt(L) (`per_layer`: its L layers' bounds add up to C in L2);
                `local` noise: Delta_k + N(0, z^2 C^2), each client its own (no trusted server);
-    server:    the algorithm's own server update, with every client counted equally (weights 1), the
-               mean of the K' taking part made a sum over K, the expected number (a fixed denominator:
-               a count that depended on who took part would itself need privacy; each change times K'/K,
-               where participation varies), and `central` noise: one N(0, z^2 C^2) / K added to every
-               slot's upload, so the mean the algorithm takes is (sum_k Delta_k + N(0, z^2 C^2)) / K.
+    server:    the algorithm's own server update, with every client counted equally (weights 1), each
+               entry's mean made a sum over a fixed denominator D (K, the expected clients, or the
+               algorithm's own count: a count that depended on who took part would itself need privacy;
+               each change times (its senders / D)), and `central` noise: one N(0, (s z C)^2) / D added to
+               every slot's upload, so the mean the algorithm takes is (sum_k Delta_k + N(0, (s z C)^2)) / D.
 
-Since the algorithm reads the uploads only through their mean (`FederatedAlgorithm.aggregates_mean`), what
-it releases is a function of that noised sum: the subsampled Gaussian mechanism `core.privacy_accounting`
-accounts, recorded every round. Where no bound binds and z = 0 the wrapper changes nothing of the upload,
-bit for bit; the server then differs from the algorithm only by its equal weights (and, under varying
-participation, the fixed denominator): FedAvg at --aggregation-weights uniform, SCAFFOLD, SpaFL, FedDyn
-are themselves (tests/test_differential_privacy.py).
+What the wrapper reads of the algorithm is its `core.algorithm.PrivateSum`: which leaves are released and
+of what they are changes, how it may be clipped, the denominator, and s, how far (in clip norms) one client
+moves the sums. A server reading the plain mean (`aggregates_mean`: FedAvg, FedProx, FedDyn, SCAFFOLD,
+SpaFL) is a plain sum: s = 1 where a client is added or removed, 2 where it is replaced, the sensitivities
+`core.privacy_accounting` accounts a noise of z C against; an algorithm whose sums move by s C gets the
+noise s z C over the accounted sensitivity, so the accountant's z remains the noise over the true one.
+Each declaration's argument is in its algorithm's file:
+
+  FedLDF (`fedldf.py`): per layer, the mean of the n clients whose layer moved most. One client added moves
+    each layer's chosen set by one entry in and one out, so the sums move by up to 2 C (replaced: 2 C too),
+    with every layer clipped to C / sqrt(L) (flat clipping is refused: the clients it displaces differ from
+    layer to layer); D = n; its divergences are read by the server alone and neither clipped nor noised, so
+    local noise is refused (they would leave the clients unnoised);
+  top-k (or random-k) uplink compression (`uplink_compression.py`), with or without error feedback: this
+    wrapper sits outside the compression (`run.experiment` composes them so), so it clips the compressed
+    message itself: its values, its mask (and so its sparse price) kept; the residual error feedback keeps
+    is the client's and is never sent. s = 1 (2 replaced), D = K; the server adds dense noise to the dense
+    sum of the messages. Local noise is refused for top-k: it would noise the values sent and leave the
+    client-chosen indexes bare.
+
+Since the algorithm reads the uploads only through those sums, what it releases is a function of the
+noised sums: the subsampled Gaussian mechanism `core.privacy_accounting` accounts, recorded every round. A
+client's message may depend on its own state (SCAFFOLD's control variate, SpaFL's personal model, error
+feedback's residual), so on its own past rounds, which are not released. Under Poisson sampling the
+account still holds: given the released past (and the other clients' sampling, the same in both
+neighbouring federations), a round's output is a mixture, over that hidden state, of subsampled Gaussians
+whose one differing contribution is within s C; Renyi divergence is jointly quasi-convex and the
+hockey-stick divergence jointly convex, so the mixture costs no more than its worst component, and the
+rounds compose as the accountant composes them. Under sampling K of N without replacement (neighbours by
+replacement) the two federations' posteriors over that state differ and the argument does not carry over:
+there the figure presumes a message that depends on the released past alone.
+
+Where no bound binds and z = 0 the wrapper changes nothing of the upload, bit for bit; the server then
+differs from the algorithm only by its equal weights (and, under varying participation, the fixed
+denominator): FedAvg at --aggregation-weights uniform, SCAFFOLD, SpaFL, FedDyn, FedLDF with equal weights,
+top-k with error feedback are themselves (tests/test_differential_privacy.py,
+tests/test_differential_privacy_sparse.py).
 
 Adaptive clipping (`--dp-target-quantile gamma`; Andrew et al., NeurIPS 2021, Algorithm 1 with their
 geometric update): the clip norm starts at `--dp-clip`, travels with the model, and after each round steps
@@ -29,14 +61,15 @@ multiplier becomes z_delta = (z^-2 - (2 sigma_b)^-2)^(-1/2) (their section 3.1),
 the run's total. The norm is kept beside the algorithm's server state (a dict) and logged as
 `client_clip_norm`.
 
-What the privacy covers: every leaf a client uploads, which is all of its client data that travels: the
-model's weights and BatchNorm statistics (FedAvg, FedProx, FedDyn), SpaFL's thresholds, SCAFFOLD's model
-delta and control variate.
+What the privacy covers: every leaf a client uploads that the server aggregates, which is all of its client
+data that the model carries: the model's weights and BatchNorm statistics (FedAvg, FedProx, FedDyn),
+SpaFL's thresholds, SCAFFOLD's model delta and control variate, FedLDF's layers, a compressed message's
+values. FedLDF's divergences steer the server's choice only (a trusted server's, under central noise).
 
-Refused in one line: algorithms whose server needs each upload (FedLDF's per-client layer choice, the
-sub-model family's masked means, SPATL's selected channels, FedPM's masks, FedNova's normalization: their
-`aggregates_mean` is False), uploads holding integers or priced sparse leaves (a client-chosen index set,
-top-k compression: an unnoised index reveals its client's data), and uplink compression beneath it.
+Refused in one line: algorithms whose server needs each upload and declares no `PrivateSum` (the sub-model
+family's masked means, SPATL's selected channels, FedPM's masks, FedNova's normalization, FedLDF's random
+baselines), uploads holding integer, quantized or coded leaves (`qsgd`), local noise where the upload holds
+client-chosen indexes or feedback, and flat clipping where the declaration needs it per layer.
 """
 
 from __future__ import annotations
@@ -46,15 +79,16 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from fedjax_sparse.core.algorithm import BuildContext, FederatedAlgorithm, ServerStep, server_step
-from fedjax_sparse.core.messages import PRICED_LEAVES
+from fedjax_sparse.core.algorithm import BuildContext, FederatedAlgorithm, PrivateSum, ServerStep, server_step
+from fedjax_sparse.core.messages import PRICED_LEAVES, KnownMaskArray, SparseArray
 from fedjax_sparse.core.options import option
-from fedjax_sparse.core.privacy_accounting import ACCOUNTANTS, adaptive_update_noise
-from fedjax_sparse.core.wrapping import broadcast_shapes, upload_changes, upload_shapes
+from fedjax_sparse.core.privacy_accounting import ACCOUNTANTS, ACCOUNTED_SENSITIVITY, adaptive_update_noise
+from fedjax_sparse.core.wrapping import broadcast_shapes, flat_leaves, on_values, upload_changes, upload_shapes
 
 NOISE_STREAM = 0x6470  # a client's round key, or the server's, folded with this draws its Gaussian noise
 COUNT_STREAM = 0x636E  # the server's round key folded with this draws adaptive clipping's count noise
 CLIP_KEY = "dp_clip"  # adaptive clipping's norm, beside the algorithm's server state
+SPARSE_LEAVES = (SparseArray, KnownMaskArray)  # values at some entries: clipped and noised by their values
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,30 +132,81 @@ def _layer(path: str) -> str:
     return path.rsplit("/", 1)[0]
 
 
+def _dense(leaf):
+    """What a leaf stands for: an array, or a sparse leaf's values where it sends them and zeros elsewhere."""
+    return leaf.dense() if isinstance(leaf, SPARSE_LEAVES) else leaf
+
+
+def private_sum_of(algorithm: FederatedAlgorithm) -> PrivateSum | None:
+    """What `algorithm` declares of its sums (`PrivateSum`): its own declaration, the plain mean's where it reads
+    its uploads only through that, else None (its privacy cannot be accounted here)."""
+    if algorithm.private_sum is not None:
+        return algorithm.private_sum
+    return PrivateSum() if algorithm.aggregates_mean and algorithm.select_uploads is None else None
+
+
 def privatize(algorithm: FederatedAlgorithm, context: BuildContext, options: DifferentialPrivacyOptions, *,
-              noise_multiplier: float, expected_clients: int) -> FederatedAlgorithm:
+              noise_multiplier: float, expected_clients: int, relation: str = "add_or_remove") -> FederatedAlgorithm:
     """`algorithm` with its clients' updates clipped and noised (the module docstring); `noise_multiplier`: z,
-    resolved by the run (`--dp-target-epsilon` calibrates it); `expected_clients`: K, the mean's denominator."""
+    resolved by the run (`--dp-target-epsilon` calibrates it); `expected_clients`: K, the mean's denominator;
+    `relation`: the neighbouring relation the run is accounted under (`PrivacyLedger.relation`), which sets the
+    noise of an algorithm whose sums move otherwise than a plain sum's."""
     if options.dp_clip is None:
         return algorithm
     name, clip, z = algorithm.name, float(options.dp_clip), float(noise_multiplier)
-    if not algorithm.aggregates_mean or algorithm.select_uploads is not None:
+    declared = private_sum_of(algorithm)
+    if declared is None:
         raise ValueError(f"--dp-clip: {name}'s server needs each client's upload (a per-client choice or a masked "
                          f"mean), so a noised sum cannot stand in for them; differential privacy applies to fedavg, "
-                         f"fedprox, feddyn, scaffold and spafl")
+                         f"fedprox, feddyn, scaffold, spafl, fedldf and their top-k or random-k uplink compression")
+    if relation not in ACCOUNTED_SENSITIVITY:
+        raise ValueError(f"privatize: relation must be one of {', '.join(ACCOUNTED_SENSITIVITY)}, got {relation!r}")
     up_shape = upload_shapes(algorithm, context)
-    leaves = jax.tree_util.tree_leaves(up_shape, is_leaf=lambda x: isinstance(x, PRICED_LEAVES))
-    if any(isinstance(x, PRICED_LEAVES) or not jnp.issubdtype(x.dtype, jnp.floating) for x in leaves):
-        raise ValueError(f"--dp-clip: {name}'s upload holds integer or sparse leaves (counts, client-chosen "
-                         f"indexes), which clipping and noise cannot cover; its privacy could not be accounted")
-    message = upload_changes(up_shape, broadcast_shapes(algorithm, context), lambda path, leaf: True)
-    layers = sorted({_layer(p) for p in message.paths})
+
+    def fed_back(path):
+        return any(path == f or path.startswith(f + "/") for f in declared.feedback)
+
+    message = upload_changes(up_shape, broadcast_shapes(algorithm, context), lambda path, leaf: not fed_back(path),
+                             declared.references)
+    released = {p: leaf for p, leaf in flat_leaves(up_shape).items() if p in message.paths}
+    for leaf in released.values():
+        values = leaf.values if isinstance(leaf, SPARSE_LEAVES) else leaf
+        if isinstance(values, PRICED_LEAVES) or not jnp.issubdtype(values.dtype, jnp.floating):
+            raise ValueError(f"--dp-clip: {name}'s upload holds integer, quantized or coded leaves (counts, QSGD's "
+                             f"levels, masks), which clipping and noise cannot cover; its privacy could not be "
+                             f"accounted (uplink compression under it: topk or randk)")
+    if options.dp_noise == "local" and declared.feedback:
+        raise ValueError(f"--dp-noise local: {name}'s clients also send what its server chooses by "
+                         f"({', '.join(declared.feedback)}), which local noise would leave unnoised; use --dp-noise "
+                         f"central (a trusted server)")
+    if options.dp_noise == "local" and any(isinstance(x, SparseArray) for x in released.values()):
+        raise ValueError(f"--dp-noise local: {name}'s upload holds client-chosen indexes (sparse leaves: top-k's), "
+                         f"which noise on the values sent would leave unnoised; use --dp-noise central")
+    if declared.clip_layers is None:
+        layer_of = {p: _layer(p) for p in message.paths}
+    elif options.dp_clipping == "flat":
+        raise ValueError(f"--dp-clipping flat: {name}'s sums move by at most {declared.sensitivity:g} C per client "
+                         f"only with each of its layers clipped on its own (the clients it displaces differ from "
+                         f"layer to layer, and flat clipping would let them add up to C sqrt(layers)); use "
+                         f"--dp-clipping per_layer")
+    else:
+        layer_of = dict(declared.clip_layers)
+        unknown = [p for p in message.paths if p not in layer_of]
+        if unknown:
+            raise ValueError(f"--dp-clip: {name} declares no clipping layer for its upload's {unknown[0]}")
+    layers = sorted({layer_of[p] for p in message.paths})
     share = {p: 1 / len(layers) ** 0.5 if options.dp_clipping == "per_layer" else 1.0 for p in message.paths}
     adaptive = options.dp_target_quantile is not None
     count_noise = options.dp_count_noise or expected_clients / 20
     # adaptive clipping spends part of the budget on the count (Andrew et al. 2021, section 3.1): the update's
     # noise z_delta and the count's sigma_b together cost one Gaussian of multiplier z
     update_z = adaptive_update_noise(z, count_noise) if adaptive else z
+    # the noise the accountant's z stands for, in clip norms: the algorithm's sensitivity over the plain sum's
+    sensitivity = (declared.sensitivity if relation == "add_or_remove" else declared.replace_sensitivity) \
+        / ACCOUNTED_SENSITIVITY[relation]
+    masked = declared.denominator is not None
+    denominator = declared.denominator if masked else expected_clients
+    noised_paths = [p for p in message.order if p in message.paths]  # the treedef's order: one key each
     if adaptive:
         server_shape = jax.eval_shape(lambda v: algorithm.init(jax.random.key(0), v, context.num_clients)[0],
                                       jax.eval_shape(context.local.model.init, jax.random.key(0)))
@@ -131,29 +216,31 @@ def privatize(algorithm: FederatedAlgorithm, context: BuildContext, options: Dif
 
     def clipped(changes, clip):
         """The changes within their bounds, the update's norm before clipping, and whether a bound bound."""
-        squares = {p: jnp.sum(jnp.square(x.astype(jnp.float32))) for p, x in changes.items()}
+        squares = {p: jnp.sum(jnp.square(_dense(x).astype(jnp.float32))) for p, x in changes.items()}
         norm = jnp.sqrt(sum(squares.values()))
         if options.dp_clipping == "flat":
             over = {p: norm for p in changes}
         else:
-            layer_norm = {layer: jnp.sqrt(sum(squares[p] for p in changes if _layer(p) == layer)) for layer in layers}
-            over = {p: layer_norm[_layer(p)] for p in changes}
+            layer_norm = {layer: jnp.sqrt(sum(squares[p] for p in changes if layer_of[p] == layer))
+                          for layer in layers}
+            over = {p: layer_norm[layer_of[p]] for p in changes}
         scale = {p: jnp.minimum(1.0, clip * share[p] / jnp.maximum(over[p], 1e-30)) for p in changes}
         binding = jnp.any(jnp.stack([scale[p] < 1.0 for p in changes]))
-        return {p: (x * scale[p]).astype(x.dtype) for p, x in changes.items()}, norm, binding
+        return {p: on_values(lambda v, s=scale[p]: (v * s).astype(v.dtype), x) for p, x in changes.items()}, norm, \
+            binding
 
-    def gaussian(tree, key, std):
-        """N(0, std^2) shaped like every leaf of `tree`."""
-        flat, structure = jax.tree_util.tree_flatten(tree)
-        keys = jax.random.split(jax.random.fold_in(key, NOISE_STREAM), len(flat))
-        draws = [(std * jax.random.normal(k, x.shape, jnp.float32)).astype(x.dtype) for k, x in zip(keys, flat)]
-        return jax.tree_util.tree_unflatten(structure, draws)
+    def gaussian(shapes, key, std):
+        """N(0, std^2) shaped like each of `shapes` (arrays), one key each, in their order."""
+        keys = jax.random.split(jax.random.fold_in(key, NOISE_STREAM), len(shapes))
+        return [(std * jax.random.normal(k, x.shape, jnp.float32)).astype(x.dtype) for k, x in zip(keys, shapes)]
 
     def private_upload(down, up, key, clip):
         changes, rest = message.split(up, down)
         changes, norm, binding = clipped(changes, clip)
         if options.dp_noise == "local" and update_z > 0:
-            changes = jax.tree_util.tree_map(jnp.add, changes, gaussian(changes, key, update_z * clip))
+            values = [x.values if isinstance(x, SPARSE_LEAVES) else x for x in changes.values()]
+            drawn = gaussian(values, key, update_z * clip)
+            changes = {p: on_values(lambda v, d=d: v + d, x) for (p, x), d in zip(changes.items(), drawn)}
             binding = jnp.bool_(True)
         # where no bound binds (and no noise is added) the upload as the algorithm made it, bit for bit
         sent = jax.tree_util.tree_map(lambda new, old: jnp.where(binding, new, old),
@@ -165,19 +252,46 @@ def privatize(algorithm: FederatedAlgorithm, context: BuildContext, options: Dif
         sent, norm = private_upload(down, up, key, clip)
         return sent, state, {**metrics, "update_norm": norm, "update_clipped": (norm > clip).astype(jnp.float32)}
 
+    def fixed_denominator(server_state, ups, present, info):
+        """The uploads whose mean, as the algorithm takes it, is the sum of the changes over the fixed
+        denominator: each change times (its senders / denominator); the uploads as they are where that is 1."""
+        downs = jax.vmap(lambda c: algorithm.broadcast(server_state, c, info))(info.client_ids)
+        changes, rest = message.split(ups, downs)
+        if not masked:  # every slot taking part sends every entry: one factor, K' / K
+            factor = jnp.sum(present).astype(jnp.float32) / expected_clients
+            return message.rebuild({p: on_values(lambda v: (v * factor).astype(v.dtype), x)
+                                    for p, x in changes.items()}, rest, downs)
+        factors = {}
+        for p, x in changes.items():
+            carried = x.mask if isinstance(x, SPARSE_LEAVES) else jnp.ones(x.shape, bool)
+            senders = jnp.sum(carried & present.reshape((-1,) + (1,) * (carried.ndim - 1)), axis=0)
+            factors[p] = senders.astype(jnp.float32) / denominator
+        scaled = flat_leaves(message.rebuild({p: on_values(lambda v, f=factors[p]: (v * f[None]).astype(v.dtype), x)
+                                              for p, x in changes.items()}, rest, downs))
+        flat = flat_leaves(ups)
+
+        def kept(p):  # an entry whose senders are the denominator keeps its upload bit for bit
+            old = flat[p].values if isinstance(flat[p], SPARSE_LEAVES) else flat[p]
+            return on_values(lambda v: jnp.where(factors[p][None] == 1.0, old, v), scaled[p])
+
+        return jax.tree_util.tree_unflatten(message.structure, [kept(p) if p in factors else flat[p]
+                                                                for p in message.order])
+
     def private_server_update(server_state, ups, weights, info, clip):
         present = jnp.ones(weights.shape, bool) if info.participating is None else info.participating
-        if info.participating is not None:
-            # the mean over the K' present becomes the sum over K, the expected number (a fixed denominator)
-            downs = jax.vmap(lambda c: algorithm.broadcast(server_state, c, info))(info.client_ids)
-            changes, rest = message.split(ups, downs)
-            factor = jnp.sum(present).astype(jnp.float32) / expected_clients
-            ups = message.rebuild({p: (x * factor).astype(x.dtype) for p, x in changes.items()}, rest, downs)
+        if info.participating is not None or masked:
+            ups = fixed_denominator(server_state, ups, present, info)
         if options.dp_noise == "central" and update_z > 0:
-            # one draw added to every slot: the mean the algorithm takes gains N(0, (z C)^2) / K
-            one = jax.tree_util.tree_map(lambda x: x[0], ups)
-            drawn = gaussian(one, info.server_key, update_z * clip / expected_clients)
-            ups = jax.tree_util.tree_map(lambda x, d: x + d[None], ups, drawn)
+            # one draw added to every slot: the mean the algorithm takes gains N(0, (s z C)^2) / denominator, s the
+            # algorithm's sensitivity; a sparse leaf whose zeros count in the mean is sent dense (the noise is)
+            flat = flat_leaves(ups)
+            if not masked:
+                flat = {p: _dense(x) if p in message.paths else x for p, x in flat.items()}
+            one = [(flat[p].values if isinstance(flat[p], SPARSE_LEAVES) else flat[p])[0] for p in noised_paths]
+            drawn = dict(zip(noised_paths, gaussian(one, info.server_key,
+                                                    update_z * clip * sensitivity / denominator)))
+            flat = {p: on_values(lambda v, d=drawn[p]: v + d[None], x) if p in drawn else x for p, x in flat.items()}
+            ups = jax.tree_util.tree_unflatten(message.structure, [flat[p] for p in message.order])
         return algorithm.server_update(server_state, ups, present.astype(weights.dtype), info)
 
     if not adaptive:
@@ -217,5 +331,11 @@ def privatize(algorithm: FederatedAlgorithm, context: BuildContext, options: Dif
         new = {**new, CLIP_KEY: clip_now * jnp.exp(-options.dp_clip_lr * (under - options.dp_target_quantile))}
         return ServerStep(new, step_metrics) if step_metrics else new
 
+    select_uploads = None
+    if algorithm.select_uploads is not None:  # the server's choice reads the algorithm's own upload
+        def select_uploads(ups, weights, info):
+            return {**ups, "update": algorithm.select_uploads(ups["update"], weights, info)}
+
     return dataclasses.replace(algorithm, init=init, broadcast=broadcast, client_update=adaptive_client_update,
-                               server_update=adaptive_server_update, stale_upload=None)
+                               server_update=adaptive_server_update, select_uploads=select_uploads,
+                               stale_upload=None)

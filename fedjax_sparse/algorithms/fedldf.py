@@ -45,6 +45,28 @@ FedLDF's ranking then is exactly the ranking of a round without the absent clien
 baselines draw among the present too, each n-subset of them equally likely, as in such a round; but
 their draw is over the round's K slots, so it is not the same draw as a round of the present alone
 (the same only where n >= the clients present, when every one of them uploads).
+
+Under client-level differential privacy (`--dp-clip C`, `algorithms.differential_privacy`), FedLDF
+declares its sums (`PrivateSum`); the wrapper clips each client's layers, noises, and counts every
+client equally. What the server releases is, per layer l, s_l = the sum over its chosen set Sel_l of the
+clients' clipped changes of layer l, plus Gaussian noise, over the fixed n (not min(n, clients present):
+a count that depended on who took part would need privacy too). Its sensitivity, each layer clipped to
+C / sqrt(L) (so a client's whole change is within C):
+  * adding a client x changes each Sel_l by at most x in and one client d_l out (x ranks among the others
+    as it would, their order unchanged; fewer than n present: x in, nobody out), so s_l moves by
+    a_l - b_l with a_l x's layer or 0 and b_l d_l's layer or 0. Over all layers,
+    ||a|| <= sqrt(sum_l C^2 / L) = C and ||b|| <= C as well, although the d_l differ from layer to
+    layer, since each is one layer of one client: the sums move by at most 2 C (removing: the same);
+  * replacing x by x' moves s_l by a_l - b_l with a_l one of x's layer, d_l's layer or 0 and b_l one of
+    x''s layer, d_l's layer or 0: 2 C again (twice a plain sum's C, as the accountant counts a
+    replaced client, so no more noise than FedAvg's there).
+Flat clipping gives no such bound: the displaced clients' layers could each carry all of their C, up to
+C sqrt(L) together; it is refused (`--dp-clipping per_layer`, over these layers: each is one of this
+module's layers, with its bias and normalization). The divergences choose Sel_l and are never released
+(the server is trusted: central noise); noise on each client (`--dp-noise local`) would leave them bare
+and is refused, as secure aggregation is (the choice needs each client's divergence). The divergences are
+those of the unclipped changes, so the choice ranks the clients as FedLDF does. The random baselines
+declare nothing (their draw over the slots moves when a client is added) and are refused.
 """
 
 from __future__ import annotations
@@ -57,12 +79,13 @@ import jax.numpy as jnp
 
 from fedjax_sparse.algorithms.fedavg import fedavg
 from fedjax_sparse.core.aggregation import masked_mean
-from fedjax_sparse.core.algorithm import AlgorithmSpec, FederatedAlgorithm
+from fedjax_sparse.core.algorithm import AlgorithmSpec, FederatedAlgorithm, PrivateSum
 from fedjax_sparse.core.layer_groups import LayerGroups, model_layer_groups
 from fedjax_sparse.core.local_training import LocalSGD
 from fedjax_sparse.core.messages import SparseArray
 from fedjax_sparse.core.options import option
 from fedjax_sparse.core.server_optimizer import ServerOptimizer, ServerOptimizerOptions, from_options, server_optimizer
+from fedjax_sparse.core.wrapping import flat_leaves
 
 tree_map = jax.tree_util.tree_map
 
@@ -167,9 +190,14 @@ def fedldf(local: LocalSGD, clients_per_layer: int, clients_per_round: int,
     check_clients_per_layer(clients_per_layer, clients_per_round, "fedldf")
     groups = model_layer_groups(local.model)
     n = clients_per_layer
-    return _layer_upload_algorithm("fedldf", local, groups,
-                                   lambda divergence, key, participating: top_n_present(divergence, n, participating),
-                                   server)
+    algorithm = _layer_upload_algorithm("fedldf", local, groups, lambda divergence, key, participating: top_n_present(
+        divergence, n, participating), server)
+    # differential privacy: the sums of the chosen layers move by 2 C per client, clipped per layer (the module
+    # docstring); each layer's mean is over the fixed n; the divergences only choose
+    layers = tuple((f"variables/{path}", groups.names[l]) for path, l in flat_leaves(groups.index).items())
+    return dataclasses.replace(algorithm, private_sum=PrivateSum(
+        sensitivity=2.0, replace_sensitivity=2.0, clip_layers=layers, denominator=n, feedback=("divergence",),
+        references=(("variables", ""),)))
 
 
 def fedldf_random(local: LocalSGD, clients_per_layer: int, clients_per_round: int,

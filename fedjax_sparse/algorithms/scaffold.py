@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 
 from fedjax_sparse.core.aggregation import uniform_mean
-from fedjax_sparse.core.algorithm import AlgorithmSpec, FederatedAlgorithm, StaleUpload, replicate
+from fedjax_sparse.core.algorithm import AlgorithmSpec, FederatedAlgorithm, PrivateSum, StaleUpload, replicate
 from fedjax_sparse.core.control_variates import control_update, corrected_gradients, server_control_update
 from fedjax_sparse.core.local_training import LocalObjective, LocalSGD
 from fedjax_sparse.core.server_optimizer import (STATE_KEY, ServerOptimizer, ServerOptimizerOptions, from_options,
@@ -93,6 +93,8 @@ def scaffold(local: LocalSGD, num_clients: int, server: ServerOptimizer | None =
         global_variables=lambda server_state: server_state["variables"],
         aggregates_mean=True,  # its control update sums the present clients': their number times the mean
         stale_upload=STALE_UPLOAD,
+        # differential privacy clips each upload as a change: the deltas are, the statistics are new values
+        private_sum=PrivateSum(references=(("batch_stats", "variables/batch_stats"),)),
     )
 
 

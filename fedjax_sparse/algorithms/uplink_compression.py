@@ -36,6 +36,22 @@ states (evaluation's `client_variables`, `client_diagnostics`, `evaluation_clien
 algorithm's own part (`reading_inner_state`), so the wrapper composes with `--personal` and with
 SpaFL, whose thresholds are a dense upload.
 
+Under client-level differential privacy (`--dp-clip`, `algorithms.differential_privacy`) the privacy
+wrapper sits outside this one (`run.experiment` composes them so): it clips the message the client
+sends, after compression, so a top-k message keeps its k entries (and its sparse price) and its values
+are scaled to norm C with the dense leaves' changes. Where the algorithm reads its uploads through their
+plain mean, this wrapper's server reads them through the plain mean of the decompressed messages (it
+rebuilds each as broadcast + change, linear in the message), so it declares a plain sum
+(`PrivateSum`: one client moves it by its clipped message, C; 2 C replaced) whose dense leaves are new
+values of the broadcast's at the same path under `dense`. The server adds the noise to the dense sum,
+every entry, sent or not. Error feedback's residual is computed before the clipping, from the message
+compressed: what the clipping cuts is lost (as in DP-FedAvg), not carried into later rounds, where a
+client whose updates stay above C would grow it without bound; the residual never leaves the client.
+Under `--dp-noise local` top-k is refused: the noise would cover the values sent, not the client-chosen
+indexes (random-k's entries come from the round's key, which the server shares, not from the data).
+`qsgd` is refused under `--dp-clip` (its integer levels and per-bucket norms are not clipped here).
+Secure aggregation stays refused for top-k: masks cannot hide client-chosen indexes in a sum.
+
 Refused in one line: algorithms whose upload is already priced per entry (sparse or known-mask
 leaves: FedLDF, the sub-model family, SPATL, FedPM, ...) or chosen by the server after the
 clients answer (`select_uploads`).
@@ -48,7 +64,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from fedjax_sparse.core.algorithm import BuildContext, FederatedAlgorithm, replicate
+from fedjax_sparse.core.algorithm import BuildContext, FederatedAlgorithm, PrivateSum, replicate
 from fedjax_sparse.core.compression import (COMPRESSORS, decompressed, error_feedback, random_k,
                                             stochastic_quantization, top_k)
 from fedjax_sparse.core.messages import PRICED_LEAVES
@@ -138,6 +154,8 @@ def compress_uplink(algorithm: FederatedAlgorithm, context: BuildContext,
         stacked = message.rebuild(decompressed(ups["compressed"]), ups["dense"], downs)
         return algorithm.server_update(server_state, stacked, weights, info)
 
+    # differential privacy: the plain mean of the decompressed messages (the module docstring)
+    private_sum = PrivateSum(references=(("dense", ""),)) if algorithm.aggregates_mean else None
     return dataclasses.replace(algorithm, init=init, init_clients=init_clients, client_update=client_update,
                                server_update=server_update, select_uploads=None, stale_upload=None, aggregates_mean=False,
-                               **reading_inner_state(algorithm))
+                               private_sum=private_sum, **reading_inner_state(algorithm))

@@ -104,6 +104,10 @@ class FederatedAlgorithm:
         slots taking part (each leaf's, whatever the weights), so that a server given every slot the
         same mean computes what it computes from the uploads themselves: the privatized mean of
         differential privacy, the sum that secure aggregation reveals. False: it needs each upload.
+    private_sum: `PrivateSum`, optional: how a server that does not read its uploads through their plain mean
+        (`aggregates_mean` False) still reads them through sums of the clients' changes whose movement by one
+        client is bounded (FedLDF's per-layer choice, a compressed upload), so that differential privacy can
+        noise them (`algorithms.differential_privacy`); None: it cannot (or it reads the plain mean).
     """
 
     name: str
@@ -123,6 +127,7 @@ class FederatedAlgorithm:
     evaluation_clients: Callable[[ServerState, ClientState], ClientState] | None = None
     stale_upload: "StaleUpload | None" = None
     aggregates_mean: bool = False
+    private_sum: "PrivateSum | None" = None
 
 
 @flax.struct.dataclass
@@ -164,6 +169,36 @@ def _add(increment, down):
 
 # the upload is the client's trained copy of the model it received (FedAvg, FedProx)
 MODEL_UPLOAD = StaleUpload(_subtract, _add)
+
+
+@dataclasses.dataclass(frozen=True)
+class PrivateSum:
+    """What client-level differential privacy must know of a server whose aggregate is made of sums of the
+    clients' released changes, each clipped to L2 norm C (a server reading the plain mean is the default:
+    `PrivateSum()`). The algorithm's file states why its figures hold.
+
+    sensitivity: how far, in L2 and in units of C, adding or removing one client can move those sums
+        taken together (1 for a plain sum: the client's own change);
+    replace_sensitivity: the same for replacing one client's data (2 for a plain sum);
+    clip_layers: (upload path, layer) pairs over the released leaves, where the bound holds only with each
+        layer clipped on its own to C / sqrt(layers) (FedLDF: its selection units); None: any clipping;
+    denominator: None: each entry's mean is over the slots taking part, a sparse leaf counting as zeros where
+        it sends nothing (a compressed message: the server must then accept the dense array in place of the
+        sparse leaf, what it stands for); n: each entry's mean is over the uploads whose sparse leaf carries
+        it (a masked mean), which privacy makes a sum over the fixed count n;
+    feedback: upload paths (or their prefixes) the server reads only to choose what it aggregates, which it
+        never releases: neither clipped nor noised (FedLDF's divergences);
+    references: (upload prefix, broadcast prefix) pairs: an upload leaf under the first is the new value of
+        the broadcast's leaf at the same rest of the path under the second, where one of its shape and dtype
+        is there, and its change is what is clipped; any other released leaf is a change already.
+    """
+
+    sensitivity: float = 1.0
+    replace_sensitivity: float = 2.0
+    clip_layers: tuple[tuple[str, str], ...] | None = None
+    denominator: int | None = None
+    feedback: tuple[str, ...] = ()
+    references: tuple[tuple[str, str], ...] = (("", ""),)
 
 
 class NeedsDeviceData(ValueError):

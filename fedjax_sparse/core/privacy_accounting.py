@@ -14,6 +14,9 @@ for clip norm C); the rounds compose. The events given to the accountant:
   local noise (each client noises its own update; the server sees who took part, so sampling amplifies
       nothing): Gaussian(z / 2) composed over every round (any two updates of one client are 2 C apart),
       a client's worst case of taking part in all.
+These are a plain sum's sensitivities (`ACCOUNTED_SENSITIVITY`). An algorithm whose sums move further (FedLDF's
+by 2 C where a client is added: `core.algorithm.PrivateSum`) is noised by the privacy wrapper in proportion,
+so that the events above, of multiplier z, stay true of it.
 
 `accountant` 'rdp' (Renyi DP, Mironov 2017; Mironov et al. 2019 for the subsampled Gaussian) or 'pld'
 (privacy loss distributions, tighter; `dp-accounting` supports it for Poisson sampling and local noise
@@ -27,15 +30,15 @@ import dataclasses
 import logging
 import math
 
-import dp_accounting
-from dp_accounting import dp_event
-from dp_accounting.pld import pld_privacy_accountant
-from dp_accounting.rdp import rdp_privacy_accountant
-
 from fedjax_sparse.core.quiet_logs import quieted
 
 ACCOUNTANTS = ("rdp", "pld")
 SAMPLINGS = ("poisson", "uniform", "local")
+# the neighbouring relation each sampling is accounted under, and the sensitivity (in clip norms) of the sum that a
+# noise of standard deviation z C is accounted against in it: a plain sum of clipped updates moves by C where a
+# client is added or removed, by 2 C where one is replaced. An algorithm whose sums move otherwise (FedLDF's,
+# `core.algorithm.PrivateSum`) scales its noise by its own sensitivity over this one.
+ACCOUNTED_SENSITIVITY = {"add_or_remove": 1.0, "replace_one": 2.0}
 MAX_NOISE_MULTIPLIER = 1e4
 
 
@@ -68,10 +71,16 @@ class PrivacyLedger:
         if not self.noise_multiplier >= 0:
             raise ValueError(f"--dp-noise-multiplier must be >= 0, got {self.noise_multiplier}")
 
-    def event(self, rounds: int) -> dp_event.DpEvent:
+    @property
+    def relation(self) -> str:
+        """The neighbouring relation the run is accounted under (`ACCOUNTED_SENSITIVITY`)."""
+        return "replace_one" if self.sampling in ("uniform", "local") else "add_or_remove"
+
+    def event(self, rounds: int) -> "dp_accounting.DpEvent":
+        from dp_accounting import dp_event  # imported where used: its SciPy costs every run 0.6 s to start
+
         # the noise over the sum's sensitivity: C where a client is added or removed, 2 C where it is replaced
-        replaced = self.sampling in ("uniform", "local")
-        gaussian = dp_event.GaussianDpEvent(self.noise_multiplier / 2 if replaced else self.noise_multiplier)
+        gaussian = dp_event.GaussianDpEvent(self.noise_multiplier / ACCOUNTED_SENSITIVITY[self.relation])
         if self.sampling == "poisson":
             one = dp_event.PoissonSampledDpEvent(self.clients_per_round / self.num_clients, gaussian)
         elif self.sampling == "uniform":
@@ -87,9 +96,14 @@ class PrivacyLedger:
         if self.noise_multiplier == 0:
             return math.inf
         if self.accountant == "pld":
+            from dp_accounting.pld import pld_privacy_accountant
+
             accountant = pld_privacy_accountant.PLDAccountant()
         else:
-            relation = (dp_accounting.NeighboringRelation.REPLACE_ONE if self.sampling in ("uniform", "local")
+            import dp_accounting
+            from dp_accounting.rdp import rdp_privacy_accountant
+
+            relation = (dp_accounting.NeighboringRelation.REPLACE_ONE if self.relation == "replace_one"
                         else dp_accounting.NeighboringRelation.ADD_OR_REMOVE_ONE)
             accountant = rdp_privacy_accountant.RdpAccountant(neighboring_relation=relation)
         # dp-accounting logs each Renyi order whose series does not converge (it leaves the order out, and the

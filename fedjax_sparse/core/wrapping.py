@@ -3,28 +3,45 @@
 A wrapper keeps the algorithm's own math and changes what travels: it reads the algorithm's messages as
 shapes (`broadcast_shapes`, `upload_shapes`), takes an upload apart into the client's changes of what the
 server sent and the rest (`UploadChanges`), and hands the evaluations the algorithm's own part of a
-wrapped client state (`reading_inner_state`).
+wrapped client state (`reading_inner_state`). A priced message leaf (`core.messages`: a sparse leaf, a
+quantized one) is one leaf here, not its parts; a sparse leaf's change is that of its values, its mask
+(what it sends) kept.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
 
 from fedjax_sparse.core.algorithm import BuildContext, FederatedAlgorithm
+from fedjax_sparse.core.messages import PRICED_LEAVES, KnownMaskArray, SparseArray
 from fedjax_sparse.core.round import round_info
 from fedjax_sparse.data.federated import ClientData
 
 tree_map = jax.tree_util.tree_map
 
 
+def _is_message_leaf(x) -> bool:
+    return isinstance(x, PRICED_LEAVES)
+
+
 def flat_leaves(tree: Any) -> dict[str, Any]:
-    """{'a/b/c': leaf} of a pytree of dicts."""
+    """{'a/b/c': leaf} of a pytree of dicts (a priced message leaf is one leaf)."""
     return {"/".join(str(getattr(e, "key", e)) for e in path): leaf
-            for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]}
+            for path, leaf in jax.tree_util.tree_flatten_with_path(tree, is_leaf=_is_message_leaf)[0]}
+
+
+def on_values(f: Callable[[jax.Array], jax.Array], leaf: Any) -> Any:
+    """`f` of an array, or of a sparse leaf's values (its mask kept)."""
+    return leaf.replace(values=f(leaf.values)) if isinstance(leaf, (SparseArray, KnownMaskArray)) else f(leaf)
+
+
+def _shape_dtype(leaf: Any) -> tuple | None:
+    leaf = leaf.values if isinstance(leaf, (SparseArray, KnownMaskArray)) else leaf
+    return None if _is_message_leaf(leaf) else (leaf.shape, leaf.dtype)
 
 
 def reading_inner_state(algorithm: FederatedAlgorithm) -> dict:
@@ -70,33 +87,55 @@ def upload_shapes(algorithm: FederatedAlgorithm, context: BuildContext) -> Any:
 @dataclasses.dataclass(frozen=True)
 class UploadChanges:
     """An upload as the client's changes: `paths` are the leaves taken; a leaf the server sent at the same
-    path, shape and dtype (`referenced`: a model upload, FedAvg's variables) is taken as upload - broadcast,
-    and rebuilt by the server as broadcast + change (it knows what it sent); any other (SCAFFOLD's delta,
-    a control variate) is already a change and is taken as it is."""
+    path (or the path `references` maps it to), shape and dtype (a model upload, FedAvg's variables) is taken
+    as upload - broadcast, and rebuilt by the server as broadcast + change (it knows what it sent); any other
+    (SCAFFOLD's delta, a control variate) is already a change and is taken as it is."""
 
     paths: tuple[str, ...]
-    referenced: frozenset[str]
+    references: dict[str, str]  # {upload path: the broadcast path it is a new value of}
     structure: Any  # the upload's treedef
     order: tuple[str, ...]  # every leaf's path, in the treedef's order
 
     def split(self, up: Any, down: Any) -> tuple[dict, dict]:
         """(the changes {path: leaf}, the other leaves {path: leaf}) of one upload or of stacked ones."""
         flat_up, flat_down = flat_leaves(up), flat_leaves(down)
-        return ({p: flat_up[p] - flat_down[p] if p in self.referenced else flat_up[p] for p in self.paths},
+        return ({p: on_values(lambda x: x - flat_down[self.references[p]], flat_up[p]) if p in self.references
+                 else flat_up[p] for p in self.paths},
                 {p: x for p, x in flat_up.items() if p not in self.paths})
 
     def rebuild(self, changes: dict, rest: dict, down: Any) -> Any:
         """The upload of these changes, given the broadcast they are changes of."""
         flat_down = flat_leaves(down)
-        leaves = {**rest, **{p: changes[p] + flat_down[p] if p in self.referenced else changes[p] for p in changes}}
+        leaves = {**rest, **{p: on_values(lambda x: x + flat_down[self.references[p]], changes[p])
+                             if p in self.references else changes[p] for p in changes}}
         return jax.tree_util.tree_unflatten(self.structure, [leaves[p] for p in self.order])
 
 
-def upload_changes(up_shape: Any, down_shape: Any, take: Callable[[str, Any], bool]) -> UploadChanges:
+def _referenced(path: str, prefixes: Sequence[tuple[str, str]]) -> list[str]:
+    """The broadcast paths `path` may be a new value of: for each (upload prefix, broadcast prefix), the rest
+    of `path` after the first, under the second."""
+    out = []
+    for up, down in prefixes:
+        if up and not path.startswith(up + "/"):
+            continue
+        rest = path[len(up) + 1:] if up else path
+        out.append(f"{down}/{rest}" if down else rest)
+    return out
+
+
+def upload_changes(up_shape: Any, down_shape: Any, take: Callable[[str, Any], bool],
+                   prefixes: Sequence[tuple[str, str]] = (("", ""),)) -> UploadChanges:
     """The `UploadChanges` of an upload shaped `up_shape` (`upload_shapes`) whose leaves `take(path, leaf)`
-    selects, given the broadcast's shapes."""
+    selects, given the broadcast's shapes. `prefixes`: (upload prefix, broadcast prefix) pairs under which an
+    upload leaf may be a new value of a broadcast leaf (by default, at its own path)."""
     up_leaves, down_leaves = flat_leaves(up_shape), flat_leaves(down_shape)
     paths = tuple(sorted(p for p, leaf in up_leaves.items() if take(p, leaf)))
-    referenced = frozenset(p for p in paths if p in down_leaves and (down_leaves[p].shape, down_leaves[p].dtype)
-                           == (up_leaves[p].shape, up_leaves[p].dtype))
-    return UploadChanges(paths, referenced, jax.tree_util.tree_structure(up_shape), tuple(up_leaves))
+    references = {}
+    for p in paths:
+        like = _shape_dtype(up_leaves[p])
+        matches = [d for d in _referenced(p, prefixes)
+                   if like is not None and d in down_leaves and _shape_dtype(down_leaves[d]) == like]
+        if matches:
+            references[p] = matches[0]
+    return UploadChanges(paths, references, jax.tree_util.tree_structure(up_shape, is_leaf=_is_message_leaf),
+                         tuple(up_leaves))

@@ -181,12 +181,13 @@ def build_experiment(config: RunConfig, progress: bool = True, *, process: Proce
 
 def with_patterns(algorithm, context: BuildContext, config: RunConfig, privacy: PrivacyLedger | None = None):
     """The algorithm with the run's personal layers, uplink compression and differential privacy, where asked
-    for (`privacy`: the run's ledger, whose noise multiplier the clients and server use)."""
+    for (`privacy`: the run's ledger, whose noise multiplier and neighbouring relation the clients and server
+    use). Privacy wraps the compression, so that it clips the message the client sends."""
     algorithm = compress_uplink(personalize(algorithm, context, config), context, config)
     if privacy is None:
         return algorithm
     return privatize(algorithm, context, config, noise_multiplier=privacy.noise_multiplier,
-                     expected_clients=config.clients_per_round)
+                     expected_clients=config.clients_per_round, relation=privacy.relation)
 
 
 def check_local_sizes(config: RunConfig, largest_client: int, input_shape: tuple, clients_at_once: int) -> None:
