@@ -46,12 +46,12 @@ def test_a_resumed_writer_replaces_the_rounds_after_the_checkpoint(tmp_path):
     TensorBoard shows each round once, round 3 as the resumed run computed it."""
     first = TensorBoardWriter(tmp_path)
     for r in (1, 2, 3):
-        first.write({"round": r, "train_loss": float(r), "density_per_layer": {"fc": 0.5}})
-    first.close()
+        first.log_metrics(r, {"train_loss": float(r), "density_per_layer": {"fc": 0.5}})
+    first.finish("interrupted")
     resumed = TensorBoardWriter(tmp_path, first_round=3)
     for r in (3, 4):
-        resumed.write({"round": r, "train_loss": 10.0 * r, "density_per_layer": {"fc": 0.25}})
-    resumed.close()
+        resumed.log_metrics(r, {"train_loss": 10.0 * r, "density_per_layer": {"fc": 0.25}})
+    resumed.finish("completed")
     got = read_scalars(tmp_path)
     assert got["train_loss"] == [(1, 1.0), (2, 2.0), (3, 30.0), (4, 40.0)]
     assert got["density_per_layer/fc"] == [(1, 0.5), (2, 0.5), (3, 0.25), (4, 0.25)]

@@ -5,7 +5,8 @@ Modules, one concern each: `config` (RunConfig: the run's and the chosen algorit
 client store, round and evaluators), `loop` (the rounds, evaluations and the records they leave),
 `folder` (a run folder's lock and its files), `checkpoints` (whole-run checkpoints for exact resume),
 `signals` (SIGINT/SIGTERM), `outputs` and `tensorboard` (config, metrics, summary, plot, events),
-`faults` (test-only fault injection) and `cli` (`fedjax-sparse run`).
+`trackers` (`--logger`: TensorBoard, MLflow, W&B), `faults` (test-only fault injection) and `cli`
+(`fedjax-sparse run`).
 
     from fedjax_sparse.run import RunConfig, run_experiment
     summary = run_experiment(RunConfig.create(algorithm="fedavg", rounds=5, out="runs/a"))

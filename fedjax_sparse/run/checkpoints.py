@@ -62,7 +62,7 @@ from fedjax_sparse.run.outputs import replace_atomically
 # store (the run refuses the others, and `auto` picks disk then). Sharding the clients over the
 # devices changes the order of the sum over them, hence the results' last bits: it may not change.
 RESUMABLE_CHANGES = ("rounds", "out", "checkpoint_every", "compilation_cache", "data_dir", "download", "tensorboard",
-                     "client_store", "cpu_devices")
+                     "client_store", "cpu_devices", "logger", "mlflow_tracking_uri", "wandb_project")
 ASYNC_TIMEOUT_S = 60  # orbax's waits on its background save (its default: 20 minutes)
 KEEP = 2  # checkpoints kept; the disk client store never overwrites the rows they refer to
 CLIENT_STATES = "client_states"  # the checkpoint's item holding the client-state snapshots

@@ -18,15 +18,18 @@ from fedjax_sparse.data.partition import METHODS, NATURAL
 from fedjax_sparse.data.sources import has_own_clients
 from fedjax_sparse.models import MODEL_ALIASES, MODEL_NAMES, REFUSED, model_names
 from fedjax_sparse.run.federation import FederationOptions
+from fedjax_sparse.run.trackers import TrackerOptions, check_trackers
 
 
 @dataclasses.dataclass(frozen=True)
-class RunConfig(FederationOptions, DifferentialPrivacyOptions, UplinkCompressionOptions, PersonalizationOptions):
+class RunConfig(TrackerOptions, FederationOptions, DifferentialPrivacyOptions, UplinkCompressionOptions,
+                PersonalizationOptions):
     """A run: the options every algorithm shares, and the chosen algorithm's own options.
 
     Two patterns apply to any algorithm they fit, from the run's options: uplink compression
     (`algorithms.uplink_compression`) and personal layers (`algorithms.personalization`). The
-    federation's options (sampler, devices, stragglers) are `run.federation.FederationOptions`.
+    federation's options (sampler, devices, stragglers) are `run.federation.FederationOptions`, the
+    trackers' (`--logger`) `run.trackers.TrackerOptions`.
 
     The shared options are the fields below; each algorithm declares its own
     beside its math (e.g. `algorithms.fedprox.FedProxOptions`). `options` holds
@@ -164,13 +167,14 @@ class RunConfig(FederationOptions, DifferentialPrivacyOptions, UplinkCompression
         if (self.round_deadline is not None or self.over_selection) and self.device_profile is None:
             given = "--round-deadline" if self.round_deadline is not None else "--over-selection"
             raise ValueError(f"{given} needs a clock: give --device-profile (phone, iot, edge or a profile file)")
+        check_trackers(self)
         if self.client_chunk and self.shard_clients:
             raise ValueError(f"--client-chunk {self.client_chunk} and --shard-clients do not combine: "
                              f"sharding splits the vmap of all sampled clients over the devices")
 
     def ignored(self) -> dict[str, str]:
         return {**UplinkCompressionOptions.ignored(self), **FederationOptions.ignored(self),
-                **DifferentialPrivacyOptions.ignored(self)}
+                **DifferentialPrivacyOptions.ignored(self), **TrackerOptions.ignored(self)}
 
     def refuse_unread_values(self) -> None:
         """One line for an option set away from its default that this run would ignore (an unread

@@ -30,9 +30,10 @@ from typing import Callable, Iterator
 from fedjax_sparse.run.outputs import dumps, replace_atomically
 
 LOCK_FILE = ".lock"
-# "client_store": the disk client store's rows (`core.client_store.DiskStore`), part of the run's state
+# "client_store": the disk client store's rows (`core.client_store.DiskStore`), part of the run's state;
+# "trackers.json": the MLflow and W&B runs a resume goes on logging into (`run.trackers`)
 RUN_FILES = ("config.json", "metrics.jsonl", "partition.json", "summary.json", "accuracy.png", "checkpoints",
-             "client_store")
+             "client_store", "trackers.json")
 TENSORBOARD_EVENTS = "events.out.tfevents.*"  # `run.tensorboard.TensorBoardWriter`'s files
 # Visible, not hidden: it is the run's own account of the folder, and a user clearing a folder by hand
 # should see it go with the rest.

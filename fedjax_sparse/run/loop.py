@@ -39,7 +39,7 @@ from fedjax_sparse.run.outputs import RunWriteError, RunWriter, device_descripti
 from fedjax_sparse.run.privacy import privacy_record, privacy_totals
 from fedjax_sparse.run.resume import check_resume, restore
 from fedjax_sparse.run.signals import StopAfterRound
-from fedjax_sparse.run.tensorboard import TensorBoardWriter
+from fedjax_sparse.run.trackers import Trackers
 
 
 class DivergenceError(RuntimeError):
@@ -336,7 +336,7 @@ def _run_rounds(exp: Experiment, config: RunConfig, out: Path, counters: Counter
     checkpointer = None
     # saved: rounds done -> the checkpoint this process wrote of them (a resumed run's starting one too)
     saved = {counters.rounds_done: out / "checkpoints" / str(counters.rounds_done)} if counters.rounds_done else {}
-    writer = board = None
+    writer = trackers = None
     round_seconds = []  # a round: its step and its loss on the host
     bar = progress_bar(config.rounds, f"{config.algorithm} on {config.dataset}", enabled=progress,
                        initial=counters.rounds_done)
@@ -354,11 +354,9 @@ def _run_rounds(exp: Experiment, config: RunConfig, out: Path, counters: Counter
         return saved[counters.rounds_done]
 
     def finish(status: str, **extra) -> dict:
-        nonlocal board
         bar.close()
-        if board is not None:
-            board, closing = None, board
-            closing.close()
+        if trackers is not None:
+            trackers.close_event_files(status)
         stopped = {"last_checkpoint": max(saved)} if saved and status != "completed" else {}  # where to resume
         first_round_seconds = round_seconds[0] if round_seconds else None
         totals = {**_totals(counters), **federation_totals(exp.round_fn.conditions, counters),
@@ -368,15 +366,14 @@ def _run_rounds(exp: Experiment, config: RunConfig, out: Path, counters: Counter
                    "status": status, **stopped, **extra}
         if lead and writer is not None:
             writer.write_summary(summary)
-            writer.plot(history, title=title)
+            plot = writer.plot(history, title=title)
+            if trackers is not None:
+                trackers.finish(status, [out / "summary.json", plot])
         return summary
 
     def failed(error: RunFailed) -> RunFailed:
-        nonlocal board
-        if board is not None:  # (its own failure may be the one reported)
-            board, closing = None, board
-            with contextlib.suppress(RunWriteError):
-                closing.close()
+        if trackers is not None:  # (its own failure may be the one reported)
+            trackers.close_event_files("failed", quietly=True)
         try:  # the summary says so, where it still can be written
             finish("failed", error=str(error))
         except (RunWriteError, OSError):
@@ -388,13 +385,13 @@ def _run_rounds(exp: Experiment, config: RunConfig, out: Path, counters: Counter
         return DivergenceError(message)
 
     try:
-        if lead:
+        if lead:  # the trackers outside the folder first: one that cannot start stops the run before its files
+            trackers = Trackers.start(config, out, history, manifest, resume=counters.rounds_done > 0)
             writer = RunWriter(out, manifest)
             writer.start_metrics(history)
             writer.write_config(config.to_dict())
             writer.write_partition(exp.federation.summary())
-            if config.tensorboard:
-                board = TensorBoardWriter(out, first_round=counters.rounds_done + 1, manifest=manifest)
+            trackers.open_event_files(first_round=counters.rounds_done + 1)
         counts = exp.train_counts
         dense_forward = forward_flops(exp.model.structure)
         start_round = counters.rounds_done
@@ -457,8 +454,8 @@ def _run_rounds(exp: Experiment, config: RunConfig, out: Path, counters: Counter
                 history.append(record)
                 if lead:
                     writer.append_metrics(record)
-                if board is not None:
-                    board.write(record)
+                if trackers is not None:
+                    trackers.log_metrics(record)
                 if record["test_loss"] is not None and not math.isfinite(record["test_loss"]):
                     raise diverged(f"round {r + 1}: the test loss is {record['test_loss']}; the run diverged "
                                    f"({likely_culprit(config)})")
@@ -490,6 +487,9 @@ def _run_rounds(exp: Experiment, config: RunConfig, out: Path, counters: Counter
                    + (f"resume from round {max(saved)} with --resume {out}" if saved else
                       "no checkpoint was saved: start again with --overwrite (and --checkpoint-every)"))
         raise failed(ProcessLost(message)) from None
+    finally:  # the trackers elsewhere end their runs whatever ended this one (a no-op where `finish` did)
+        if trackers is not None:
+            trackers.finish("failed", [])
 
 
 def _totals(counters: Counters) -> dict:

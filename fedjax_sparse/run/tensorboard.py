@@ -1,6 +1,7 @@
 """A run's per-round figures as TensorBoard event files (read by TensorBoard; tensorboardX's protocol buffers).
 
-The event files lie in the run folder itself, so `tensorboard --logdir runs`
+TensorBoard is one of the run's trackers (`run.trackers`), the default one, and the one whose files
+are the run's own. The event files lie in the run folder itself, so `tensorboard --logdir runs`
 shows every run under `runs/` by its folder name. Each number of a metrics
 record becomes a scalar at step = the record's round; a dict of numbers
 (e.g. SpaFL's `density_per_layer`) becomes one scalar per key under the
@@ -44,7 +45,8 @@ def scalars(record: dict, prefix: str = "") -> Iterator[tuple[str, float]]:
 
 
 class TensorBoardWriter:
-    """Appends each round's metrics record to a new event file of the run folder `out`.
+    """Appends each round's figures to a new event file of the run folder `out` (a `run.trackers.Tracker`;
+    the config and the plots stay in the run folder, as config.json and accuracy.png).
 
     `first_round` is the first round this process will write (a resumed run's
     rounds_done + 1): events a previous process wrote for that round or later
@@ -95,13 +97,17 @@ class TensorBoardWriter:
         except OSError:
             pass  # the buffer is dropped; the write's own error is the one reported
 
-    def write(self, record: dict) -> None:
-        values = [self._summary.Value(tag=tag, simple_value=value)
-                  for tag, value in scalars({k: v for k, v in record.items() if k != "round"})]
-        self._append([self._event(wall_time=time.time(), step=int(record["round"]),
-                                  summary=self._summary(value=values))])
+    def start(self, config: dict) -> None:
+        """Nothing: TensorBoard shows the figures; the config is config.json beside them."""
 
-    def close(self) -> None:
+    def log_metrics(self, round: int, metrics: dict) -> None:
+        values = [self._summary.Value(tag=tag, simple_value=value) for tag, value in scalars(metrics)]
+        self._append([self._event(wall_time=time.time(), step=int(round), summary=self._summary(value=values))])
+
+    def log_artifacts(self, paths) -> None:
+        """Nothing: the plot is accuracy.png beside the events."""
+
+    def finish(self, status: str) -> None:
         if self._file is not None:
             with writing(self.path, FAULT_POINT):
                 file, self._file = self._file, None
