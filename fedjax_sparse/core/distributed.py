@@ -110,6 +110,20 @@ def _tasks_per_node(spec: str) -> list[int]:
     return counts
 
 
+def _gpus_per_task(env) -> int | None:
+    """The GPUs each task asked for (`--gpus-per-task`), None where it asked for none: SLURM_GPUS_PER_TASK
+    ('[type:]N', or a list of them), which sbatch sets and its steps inherit, else SLURM_TRES_PER_TASK
+    ('gres/gpu[:type]=N' among other resources), which srun sets."""
+    if env.get("SLURM_GPUS_PER_TASK"):
+        counts = [re.fullmatch(r"(?:[^:]+:)?(\d+)", part.strip()) for part in env["SLURM_GPUS_PER_TASK"].split(",")]
+    else:
+        counts = [re.fullmatch(r"(?:gres[/:])?gpu(?::[^=:]+)?[=:](\d+)", part.strip())
+                  for part in env.get("SLURM_TRES_PER_TASK", "").split(",") if "gpu" in part]
+    if not counts or None in counts:
+        return None
+    return sum(int(match.group(1)) for match in counts)
+
+
 def slurm_local_devices(env=os.environ) -> list[int] | None:
     """The GPUs this SLURM task should use, as JAX's `local_device_ids` ([]: every GPU it sees; None:
     not a SLURM job, or no GPU information: JAX's own choice).
@@ -117,23 +131,50 @@ def slurm_local_devices(env=os.environ) -> list[int] | None:
     JAX's SLURM detection gives each task the one GPU numbered by its SLURM_LOCALID, which wastes
     all but one GPU of a node run with one task per node, and fails where SLURM binds GPUs to tasks
     (each task then sees its own, numbered from 0). Here: one task on the node, or GPUs bound to the
-    task (it sees fewer than the node has): every GPU it sees; several tasks sharing a node's GPUs:
-    an equal contiguous share by SLURM_LOCALID, refused in one line when the GPUs do not divide.
+    task: every GPU it sees; several tasks sharing a node's GPUs: an equal contiguous share by
+    SLURM_LOCALID, refused in one line when the GPUs do not divide.
+
+    A task is bound to its GPUs where it asked for some per task (`--gpus-per-task`, which binds each
+    task to its own: `--tres-bind=gres/gpu:per_task:N` implied, srun(1)) and sees that many, or where it
+    sees fewer GPUs than SLURM_GPUS_ON_NODE counts. That variable counts the GPUs of the *step* on this
+    node, not the task's: srun(1), OUTPUT ENVIRONMENT VARIABLES, "SLURM_GPUS_ON_NODE: Number of GPUs
+    available to the step on this node" (https://slurm.schedmd.com/srun.html; sbatch(1): "Number of GPUs
+    allocated to the batch step"), and Slurm's GPU plugin sets it in every task to the step's GPUs on the
+    node while CUDA_VISIBLE_DEVICES lists the task's own (src/plugins/gres/common/gres_common.c,
+    `gres_common_gpu_set_env`; the variable exists since Slurm 21.08). The per-task request is read first,
+    so a Slurm that counted the task's GPUs instead, or one before 21.08 without the variable, binds the
+    same tasks.
+
+    Every process of a run needs the same number of devices, so tasks split unevenly over the nodes
+    (SLURM_STEP_TASKS_PER_NODE '3,2': 3 tasks on one node, 2 on the other) and sharing their node's GPUs
+    are refused in one line, the same on every node, from SLURM's variables alone, before any task waits
+    for the others. Every node is taken to hold this node's GPUs, as a request per node or per task
+    gives them; where the job asked for GPUs in total (`--gpus`, SLURM_GPUS), which SLURM may place
+    unevenly, differing counts are found once the processes meet (`check_devices_per_process`).
     """
     if not all(name in env for name in ("SLURM_JOB_ID", "SLURM_PROCID", "SLURM_LOCALID")):
         return None
     spec = env.get("SLURM_STEP_TASKS_PER_NODE") or env.get("SLURM_TASKS_PER_NODE")
+    per_node = _tasks_per_node(spec) if spec else None
     tasks_here = int(env["SLURM_NTASKS_PER_NODE"]) if "SLURM_NTASKS_PER_NODE" in env else None
-    if spec:
-        per_node = _tasks_per_node(spec)
+    if per_node:
         tasks_here = per_node[min(int(env.get("SLURM_NODEID", 0)), len(per_node) - 1)]
     visible = [d for d in env.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
     on_node = int(env["SLURM_GPUS_ON_NODE"]) if env.get("SLURM_GPUS_ON_NODE", "").isdigit() else None
-    seen = len(visible) if visible else on_node
-    if tasks_here == 1 or (visible and on_node is not None and len(visible) < on_node):
+    per_task = _gpus_per_task(env)
+    if visible and (len(visible) == per_task or (on_node is not None and len(visible) < on_node)):
         return []
+    seen = len(visible) if visible else on_node
     if seen is None or tasks_here is None:
-        return None
+        return [] if tasks_here == 1 else None
+    if per_node and len(set(per_node)) > 1 and "SLURM_GPUS" not in env:
+        raise LaunchError(f"--cluster: SLURM split the {sum(per_node)} tasks {','.join(map(str, per_node))} over "
+                          f"{len(per_node)} nodes, and the tasks of a node share its {seen} GPUs: processes would "
+                          f"hold different numbers of GPUs, and every process of a run needs the same number; run "
+                          f"the same number of tasks on every node (--ntasks-per-node) or one task per GPU "
+                          f"(--gpus-per-task 1)")
+    if tasks_here == 1:
+        return []
     if seen % tasks_here:
         raise LaunchError(f"--cluster: {tasks_here} SLURM tasks on this node share its {seen} GPUs, which do not "
                           f"divide among them; run one task per GPU (--gpus-per-task 1) or one task per node")
