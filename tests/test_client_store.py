@@ -248,6 +248,9 @@ def test_auto_picks_device_then_host_then_disk():
     assert choose_store(10**4, 10**6, 0, device_free=None, host_available=24 * gib)[0] == "device"
     # several processes never use the device store; each needs its share
     assert choose_store(10**4, 10**6, 0, processes=2, device_free=None, host_available=12 * gib)[0] == "host"
+    # data read from its files a round at a time (--dataset mmap:) is never loaded whole into the device store
+    assert choose_store(100, 10**6, 0, device_free=8 * gib, host_available=64 * gib,
+                        data_on_disk=True)[0] == "host"
 
 
 def test_a_snapshot_restores_into_another_store_but_not_into_another_run(setting, tmp_path):

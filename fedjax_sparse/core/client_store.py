@@ -485,7 +485,7 @@ def free_device_memory(device=None) -> int | None:
 
 def choose_store(num_clients: int, row_bytes: int, data_bytes: int, *, processes: int = 1,
                  device_free: int | None = None, host_available: int | None = None,
-                 fraction: float = AUTO_FRACTION) -> tuple[str, str]:
+                 fraction: float = AUTO_FRACTION, data_on_disk: bool = False) -> tuple[str, str]:
     """The `auto` rule: (backend, the reason in one line).
 
     Needed: every client's state (num_clients x row_bytes) plus the clients' training data.
@@ -496,6 +496,8 @@ def choose_store(num_clients: int, row_bytes: int, data_bytes: int, *, processes
     available memory (MemAvailable); else `disk`. Several processes never use the device
     store. The host store may end up holding less (only clients ever sampled); the rule
     assumes a long run samples them all. `row_bytes`: `RowLayout(client_state_shapes(...)).row_bytes`.
+    `data_on_disk`: the clients' data is read from files a round at a time (`--dataset mmap:`), which
+    the device store would load whole: it is never chosen then.
     """
     need = num_clients * row_bytes + data_bytes
     host_available = available_host_memory() if host_available is None else host_available
@@ -505,13 +507,14 @@ def choose_store(num_clients: int, row_bytes: int, data_bytes: int, *, processes
     device_free = host_available if on_cpu else device_free
     gib = lambda b: f"{b / 2 ** 30:.2f} GiB"  # noqa: E731
     what = f"{gib(need)} of client states and data"
-    if processes == 1 and need <= fraction * device_free:
+    if processes == 1 and not data_on_disk and need <= fraction * device_free:
         where = "available host memory (a CPU's device memory)" if on_cpu else "free device memory"
         return "device", f"device: {what} fit in {fraction:.0%} of the {gib(device_free)} of {where}"
     share = need / processes
     if share <= fraction * host_available:
         return "host", (f"host: {gib(share)} of client states and data per process fit in {fraction:.0%} of the "
                         f"{gib(host_available)} of available host memory"
-                        + ("" if processes > 1 else f", but not in {fraction:.0%} of the device's {gib(device_free)}"))
+                        + ("" if processes > 1 else ", the data read from its files" if data_on_disk else
+                           f", but not in {fraction:.0%} of the device's {gib(device_free)}"))
     return "disk", (f"disk: {gib(share)} of client states and data per process exceed {fraction:.0%} of the "
                     f"{gib(host_available)} of available host memory")

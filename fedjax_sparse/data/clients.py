@@ -15,6 +15,7 @@ import numpy as np
 
 from fedjax_sparse.data.dataset import Dataset
 from fedjax_sparse.data.federated import FederatedSplit, federated_split
+from fedjax_sparse.data.mapped import MappedDataset
 from fedjax_sparse.data.partition import NATURAL, local_test_split, natural_partition, partition, partition_summary
 from fedjax_sparse.data.process_layout import ProcessLayout
 from fedjax_sparse.data.synthetic import Synthetic
@@ -56,6 +57,8 @@ class Federation:
 
     def on_host(self, process: ProcessLayout) -> tuple[ClientWindows, ClientWindows]:
         d = self.dataset
+        if isinstance(d, MappedDataset):  # the examples stay in their files until a round reads them
+            return d.on_host(self.train_indices, self.test_indices, process)
         return (host_data(d.x_train, d.y_train, self.train_indices, d.mean, d.std, augment=d.augment,
                           process=process),
                 host_data(d.x_test, d.y_test, self.test_indices, d.mean, d.std, process=process))

@@ -23,7 +23,7 @@ import os
 
 import numpy as np
 
-from fedjax_sparse.data import leaf, synthetic, tfds_build
+from fedjax_sparse.data import leaf, mapped, synthetic, tfds_build
 from fedjax_sparse.data.array_cache import channel_stats
 from fedjax_sparse.data.dataset import ImageDataset
 from fedjax_sparse.data.image_folder import load_image_folder
@@ -194,7 +194,7 @@ class DataError(ValueError):
 
 
 DATASET_SPECS = ("digits", *TFDS_DATASETS, "imagefolder:PATH", "femnist", "shakespeare", "leaf:PATH",
-                 synthetic.SPEC)
+                 synthetic.SPEC, "mmap:FOLDER")
 
 
 def is_generated(spec: str) -> bool:
@@ -204,6 +204,8 @@ def is_generated(spec: str) -> bool:
 
 def has_own_clients(spec: str) -> bool:
     """Whether the data set `spec` names has its own clients (`--partition natural`), told from the spec."""
+    if spec.startswith(mapped.PREFIX):
+        return mapped.has_clients(spec[len(mapped.PREFIX):])
     return is_generated(spec) or spec in leaf.HUGGING_FACE or spec.startswith("leaf:")
 
 
@@ -219,7 +221,8 @@ def load_dataset(
     population_seed=None,
 ) -> ImageDataset | synthetic.Synthetic:
     """Loads a data set by spec: 'digits', 'cifar10', 'cifar100', 'fashion_mnist', 'emnist', 'mnist',
-    'imagefolder:PATH', 'femnist', 'shakespeare', 'leaf:PATH' or 'synthetic:ALPHA,BETA'.
+    'imagefolder:PATH', 'femnist', 'shakespeare', 'leaf:PATH', 'synthetic:ALPHA,BETA' or 'mmap:FOLDER'
+    (a data set converted to memory-mapped files, `data.mapped`).
 
     `seed` only affects 'digits' (its train/test split); `data_dir` is the tfds
     data directory and `download` whether a tfds data set not prepared there is
@@ -236,6 +239,8 @@ def load_dataset(
                 raise ValueError(f"{spec} is a generated population: give its number of clients")
             return synthetic.Synthetic(alpha, beta, 0 if population_seed is None else population_seed,
                                        int(num_clients))
+        if spec.startswith(mapped.PREFIX) and spec[len(mapped.PREFIX):]:
+            return mapped.open_mapped(spec[len(mapped.PREFIX):])
         if spec in leaf.HUGGING_FACE:
             return leaf.load_hugging_face(spec, data_dir, download=download)
         if spec.startswith("leaf:") and spec[len("leaf:"):]:

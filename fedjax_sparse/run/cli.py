@@ -119,6 +119,9 @@ def _parser() -> argparse.ArgumentParser:
                                                       "--list`)")
     sub.add_parser("benchmark", add_help=False, help="measure the library on this machine (`fedjax-sparse benchmark "
                                                      "--list`)")
+    # listed for --help only: `_main` hands it to data.convert
+    sub.add_parser("convert", add_help=False, help="write a data set as memory-mapped files for --dataset mmap:FOLDER "
+                                                   "(`fedjax-sparse convert --help`)")
     return parser
 
 
@@ -209,6 +212,10 @@ def _main(argv: list[str] | None) -> int:
                 registered()
             _warn_refused()
         return installed(argv[0], argv[1:])
+    if argv[:1] == ["convert"]:
+        from fedjax_sparse.data.convert import main as convert
+
+        return convert(argv[1:])
     from fedjax_sparse.run.sweep import follow_parent
 
     follow_parent()

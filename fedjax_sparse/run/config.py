@@ -43,8 +43,9 @@ class RunConfig(TrackerOptions, FederationOptions, DifferentialPrivacyOptions, U
                                       "installed package's)")
     dataset: str = option("digits", "digits, cifar10, cifar100, fashion_mnist, emnist, mnist (TFDS: prepared on "
                                     "first use), imagefolder:PATH, femnist, shakespeare (Flower's Hugging Face "
-                                    "copies: prepared on first use), leaf:PATH (LEAF's JSON) or synthetic:ALPHA,BETA "
-                                    "(FedProx's, generated per client)")
+                                    "copies: prepared on first use), leaf:PATH (LEAF's JSON), synthetic:ALPHA,BETA "
+                                    "(FedProx's, generated per client) or mmap:FOLDER (a data set converted to files "
+                                    "read a round at a time: fedjax-sparse convert)")
     data_dir: str | None = option(None, "TFDS data directory (default: TFDS's own, $TFDS_DATA_DIR or "
                                         "~/tensorflow_datasets); femnist and shakespeare are prepared under "
                                         "DIR/leaf (default: ~/.cache/fedjax_sparse/leaf)")

@@ -36,6 +36,7 @@ from fedjax_sparse.core.streams import stream_key, stream_seed
 from fedjax_sparse.core.wrapping import upload_shapes
 from fedjax_sparse.data import load_dataset
 from fedjax_sparse.data.clients import federate
+from fedjax_sparse.data.mapped import PREFIX as MAPPED
 from fedjax_sparse.models import get_model
 from fedjax_sparse.run.checkpoints import KEEP
 from fedjax_sparse.run.config import RunConfig
@@ -225,7 +226,8 @@ def client_store_backend(config: RunConfig, process: ProcessLayout, needs_device
         backend, reason = "disk", "disk: the checkpoint's client states are rows in the disk store's files"
     else:
         row_bytes = RowLayout(client_state_shapes(algorithm, key, variables, config.num_clients)).row_bytes
-        backend, reason = choose_store(config.num_clients, row_bytes, data_bytes, processes=process.count)
+        backend, reason = choose_store(config.num_clients, row_bytes, data_bytes, processes=process.count,
+                                       data_on_disk=config.dataset.startswith(MAPPED))
     if backend == "device" and process.count > 1:
         raise ValueError(f"--client-store device keeps every client on one process's device; with {process.count} "
                          f"processes use host, disk or auto")

@@ -13,6 +13,7 @@ import hashlib
 import numpy as np
 
 from fedjax_sparse.data.clients import Federation, GeneratedFederation
+from fedjax_sparse.data.mapped import MappedDataset
 
 
 def _digest(*arrays: np.ndarray) -> str:
@@ -38,7 +39,11 @@ def data_fingerprint(federation: Federation | GeneratedFederation) -> dict:
     dataset, client_indices, test_indices = federation.dataset, federation.train_indices, federation.test_indices
     sizes = np.asarray([len(ix) for ix in client_indices] + [len(ix) for ix in test_indices], np.int64)
     flat = [np.asarray(ix, np.int64) for ix in (*client_indices, *test_indices)]
-    return {"train": _digest(dataset.x_train, dataset.y_train), "test": _digest(dataset.x_test, dataset.y_test),
+    if isinstance(dataset, MappedDataset):  # the same digests, computed as the folder was written: none read now
+        train, test = dataset.digests["train"], dataset.digests["test"]
+    else:
+        train, test = _digest(dataset.x_train, dataset.y_train), _digest(dataset.x_test, dataset.y_test)
+    return {"train": train, "test": test,
             "partition": _digest(sizes, *flat),
             "examples": [int(len(dataset.y_train)), int(len(dataset.y_test))]}
 
