@@ -194,14 +194,6 @@ def test_each_process_keeps_the_states_of_its_own_clients(cli_runs):
     assert sorted(held) == sorted(sampled)
 
 
-def test_a_two_process_checkpoint_resumes_only_with_two_processes(cli_runs, capsys):
-    _, two, _, _ = cli_runs
-    assert main(["run", "--resume", str(two), "--rounds", "5", "--no-progress"]) == 2
-    err = capsys.readouterr().err
-    assert err.count("\n") == 1 and (f"--resume {two}: the checkpoint holds the client states of 2 processes, "
-                                      f"each its own clients'; resume it with --num-processes 2") in err
-
-
 def test_a_missing_process_fails_with_one_line_within_the_timeout(tmp_path):
     """Process 0 of 2 started alone through the command line: one line on stderr and exit status 3
     after the 3 s --launch-timeout, nothing written in the run folder."""

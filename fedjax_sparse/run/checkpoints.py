@@ -14,6 +14,15 @@ under the run folder. Device and host snapshots restore into any store; a disk
 snapshot only into the disk store. With several processes orbax saves the
 replicated server state once and every process takes part in each save.
 
+Elastic resume: a checkpoint that P processes wrote restores on P' (a lost node's
+survivors, or more machines). The server state is replicated, so it restores as
+it is; each process gathers its clients' rows (id % P' == its index) from the P
+snapshots (a disk store's from its files) into a host store's snapshot under its
+temporary folder, which its store restores (`store_snapshots.replace_rows`). The
+rows are bytes, so the states are exactly the saved ones; with P' == P nothing
+changes. The old processes' rows files stay in the run's `client_store` folder
+for the checkpoints that still refer to them.
+
 A save either commits a checkpoint that reads back or raises `CheckpointError`:
 orbax silently skips a step that is not above the latest one on disk, which
 would leave a run believing it had saved.
@@ -45,15 +54,16 @@ import os
 import re
 import shutil
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
 import jax
 import orbax.checkpoint as ocp
 
-from fedjax_sparse.core.client_store import ClientStore, DeviceStore
+from fedjax_sparse.core.client_store import ClientStore, DeviceStore, DiskStore
 from fedjax_sparse.core.quiet_logs import quieted
-from fedjax_sparse.core.store_snapshots import SnapshotError, damaged, file_crc32
+from fedjax_sparse.core.store_snapshots import SnapshotError, damaged, file_crc32, replace_rows
 from fedjax_sparse.run.faults import fault_point
 from fedjax_sparse.run.outputs import replace_atomically
 
@@ -67,18 +77,27 @@ ASYNC_TIMEOUT_S = 60  # orbax's waits on its background save (its default: 20 mi
 KEEP = 2  # checkpoints kept; the disk client store never overwrites the rows they refer to
 CLIENT_STATES = "client_states"  # the checkpoint's item holding the client-state snapshots
 CHECKSUMS = "checksums.json"  # in a checkpoint's folder: the CRC-32 of each of orbax's files there
+ROWS_FOLDER = "client_store"  # in the run folder: the disk client stores' rows files (`run.experiment`)
 
 
 class ClientStatesHandler(ocp.CheckpointHandler):
     """A checkpoint's client states: each process saves its store's snapshot into the item's
-    folder (durable before orbax commits the checkpoint) and restores its store from it."""
+    folder (durable before orbax commits the checkpoint) and restores its store from it, or,
+    from a checkpoint of another number of processes, from its clients' rows re-placed."""
 
     def save(self, directory, args: "ClientStatesSave") -> None:
         args.store.snapshot(Path(directory))
 
     def restore(self, directory, args: "ClientStatesRestore") -> str:
-        args.store.restore(Path(directory))
-        return args.store.backend
+        store = args.store
+        if args.written_by == store.process.count:
+            store.restore(Path(directory))
+            return store.backend
+        # beside a disk store's rows (the space the run was given for them), else in the system's temporary folder
+        near = store.directory if isinstance(store, DiskStore) else None
+        with tempfile.TemporaryDirectory(prefix=f".replaced-{store.process.tag()}-", dir=near) as into:
+            store.restore(replace_rows(directory, args.written_by, store.process, args.rows_dir, Path(into)))
+        return store.backend
 
 
 @ocp.args.register_with_handler(ClientStatesHandler, for_save=True)
@@ -91,6 +110,8 @@ class ClientStatesSave(ocp.args.CheckpointArgs):
 @dataclasses.dataclass
 class ClientStatesRestore(ocp.args.CheckpointArgs):
     store: ClientStore
+    written_by: int = 1  # the number of processes that wrote the checkpoint
+    rows_dir: Path | None = None  # where their disk stores' rows files are (the run's client_store folder)
 
 
 class CheckpointError(RuntimeError):
@@ -305,7 +326,8 @@ class RunCheckpointer:
                                     f"to make one")
         self._verify(rounds_done)
         like = {"server_state": server_like}
-        items = {CLIENT_STATES: ClientStatesRestore(store)}
+        written_by = (self.read_meta() or {}).get("processes", 1)
+        items = {CLIENT_STATES: ClientStatesRestore(store, written_by, self.run_dir / ROWS_FOLDER)}
         if self.client_states_dir() is None:  # saved before the client stores: client states beside the server's
             if not isinstance(store, DeviceStore):
                 raise CheckpointError(f"the checkpoint {self.directory / str(rounds_done)} keeps the client states "

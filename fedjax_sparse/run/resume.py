@@ -1,10 +1,16 @@
 """Continuing a run from its latest checkpoint: what is refused, and what is restored.
 
 Refused, each in one line naming what to do: a resume without a checkpoint, with a config that would
-change the results, with fewer rounds than done, with another number of processes, on other data
-(the checkpoint keeps a fingerprint of the data: `run.fingerprint`; `--allow-data-change` accepts it),
-or with `--shard-clients` over another number of devices (the sum over the sampled clients takes
-another order, and the results differ in their last bits).
+change the results, with fewer rounds than done, on other data (the checkpoint keeps a fingerprint of
+the data: `run.fingerprint`; `--allow-data-change` accepts it), or with `--shard-clients` over another
+number of devices (the sum over the sampled clients takes another order, and the results differ in
+their last bits).
+
+Another number of processes is an elastic resume (the survivors of a lost node, or more machines):
+each process takes its clients' rows from every process's snapshot in the checkpoint
+(`run.checkpoints`), refused in one line naming the file where one of them, or a disk store's rows
+file, is missing. Where the figures do not depend on the layout (`docs/scale.md`), they are the ones
+the uninterrupted run writes.
 
 Restored: the server and client states, the counters and the metrics records. A checkpoint keeps
 every record of the rounds it covers, so metrics.jsonl is rewritten from it whatever happened to the
@@ -20,9 +26,9 @@ from typing import Any, Callable
 
 import jax
 
-from fedjax_sparse.core.store_snapshots import snapshot_backend
+from fedjax_sparse.core.store_snapshots import SnapshotError, snapshot_backend, written_snapshots
 from fedjax_sparse.core.distributed import ProcessLayout, agree, replicated
-from fedjax_sparse.run.checkpoints import RunCheckpointer, config_mismatches, has_checkpoints
+from fedjax_sparse.run.checkpoints import ROWS_FOLDER, RunCheckpointer, config_mismatches, has_checkpoints
 from fedjax_sparse.run.config import RunConfig
 from fedjax_sparse.run.experiment import Experiment
 from fedjax_sparse.run.fingerprint import data_changes
@@ -32,7 +38,8 @@ from fedjax_sparse.run.outputs import say
 
 def check_resume(config: RunConfig, out: Path, process: ProcessLayout) -> str | None:
     """Refuses a resume that cannot continue the run in `out` as it was; the backend of this process's
-    client-state snapshot in its latest checkpoint (None: a checkpoint from before the client stores)."""
+    client-state snapshot in its latest checkpoint (None: a checkpoint from before the client stores;
+    'host' where another number of processes wrote it: the rows re-placed are a host store's snapshot)."""
     check_run_files(out)
     checkpointer = RunCheckpointer(out) if has_checkpoints(out) else None
     saved_meta = checkpointer.read_meta() if checkpointer is not None else None
@@ -54,18 +61,21 @@ def check_resume(config: RunConfig, out: Path, process: ProcessLayout) -> str | 
         raise ValueError(f"--resume {out}: the run's noise was calibrated for --dp-target-epsilon "
                          f"{config.dp_target_epsilon} over its {planned} rounds; other --rounds would change the noise "
                          f"its rounds so far had (or spend more than the target): resume with --rounds {planned}")
-    processes = saved_meta.get("processes", 1)
-    if processes != process.count:
-        raise ValueError(f"--resume {out}: the checkpoint holds the client states of {processes} process"
-                         f"{'es' if processes > 1 else ''}, each its own clients'; resume it with --num-processes "
-                         f"{processes}")
     devices = saved_meta.get("sharded_devices")
     if config.shard_clients and devices is not None and devices != jax.device_count():
         raise ValueError(f"--resume {out}: the run sharded its clients over {devices} devices and {jax.device_count()} "
                          f"are here; the sum over the clients would take another order and the results would "
                          f"differ; resume where {devices} devices are visible")
     states = checkpointer.client_states_dir()
-    return None if states is None else snapshot_backend(states, process)
+    processes = saved_meta.get("processes", 1)
+    if states is None or processes == process.count:
+        return None if states is None else snapshot_backend(states, process)
+    try:  # every snapshot there, before any process builds its store
+        written_snapshots(states, processes, out / ROWS_FOLDER)
+    except SnapshotError as err:
+        raise ValueError(f"--resume {out} on {process.count} process{'es' if process.count > 1 else ''}: {err}") \
+            from None
+    return "host"
 
 
 def reconcile_records(path: Path, history: list | None, rounds_done: int, logged: Callable[[int], bool],
