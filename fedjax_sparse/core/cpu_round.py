@@ -5,6 +5,7 @@ core busy whatever the host has. With several CPU devices (`use_cpu_cores`, set 
 its backends) the round is jitted calls on each instead of `core.round.build_round`'s one:
 
     device 0:      sample, gather the K clients' states, cut them into contiguous shares of whole chunks
+                   (in slot order, or balanced by local steps: `core.device_split`)
     every device:  `client_phase` over its share, all dispatched before any is waited for
     device 0:      the shares' outputs, copied back in client order -> `server_phase` -> scatter
 
@@ -38,6 +39,7 @@ import numpy as np
 
 from fedjax_sparse.core.algorithm import FederatedAlgorithm
 from fedjax_sparse.core.compilation import jit
+from fedjax_sparse.core.device_split import balanced_order, device_groups
 from fedjax_sparse.core.round import (RoundConditions, RoundOutput, client_flops, check_clients_per_round,
                                       client_keys, client_phase, default_conditions, keep_absent, round_info,
                                       server_phase)
@@ -137,17 +139,32 @@ class CpuRound:
         self._train = jit(client_phase(algorithm, client_chunk))
         server = server_phase(algorithm, k, seed, conditions)
 
-        def prepare(client_states, round_index):
+        split = conditions.split
+        groups = device_groups(k, client_chunk=client_chunk, num_devices=len(self.devices))
+
+        def trained_order(counts, ids):
+            """The slots in the order the devices' shares hold them: balanced (`core.device_split`), or as drawn."""
+            return None if split is None else balanced_order(split.steps(counts[ids]), ids, *groups)
+
+        def prepare(client_states, counts, round_index):
             drawn = conditions.sampler(seed, round_index)
             ids = drawn.ids
             sampled = jax.tree_util.tree_map(lambda a: a[ids], client_states)
             clients = (sampled, ids, client_keys(seed, round_index, ids))
+            order = trained_order(counts, ids)
+            if order is not None:
+                clients = jax.tree_util.tree_map(lambda a: a[order], clients)
             return drawn, round_info(seed, round_index, ids), [jax.tree_util.tree_map(lambda a: a[start:stop], clients)
                                                                for start, stop in shares]
 
         def finish(server_state, client_states, counts, drawn, info, shares):
             ids = drawn.ids
             ups, new_states, metrics, down_bytes = jax.tree_util.tree_map(lambda *x: jnp.concatenate(x), *shares)
+            order = trained_order(counts, ids)
+            if order is not None:  # back in client order
+                back = jnp.argsort(order)
+                ups, new_states, metrics, down_bytes = jax.tree_util.tree_map(lambda x: x[back],
+                                                                              (ups, new_states, metrics, down_bytes))
             # as in core.round.round_step: the server's update compiles apart from what feeds it (a sum
             # over a concatenation would otherwise become a sum of the shares' sums)
             weights = counts[ids].astype(jnp.float32)
@@ -171,7 +188,8 @@ class CpuRound:
         # committed to the first device from the first round on, as the rounds return them (else the
         # second round would compile again)
         server_state, client_states = jax.device_put((server_state, client_states), self.devices[0])
-        drawn, info, shares = self._prepare(client_states, jnp.asarray(round_index, jnp.int32))
+        drawn, info, shares = self._prepare(client_states, self._data[0].counts,
+                                            jnp.asarray(round_index, jnp.int32))
         outputs = []
         for device, data, share in zip(self.devices, self._data, shares):
             # dispatched without waiting: the devices train their shares at once

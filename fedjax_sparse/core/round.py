@@ -27,6 +27,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from fedjax_sparse.core.algorithm import FederatedAlgorithm, RoundInfo, server_step
 from fedjax_sparse.core.clock import DeviceProfile, Returns, Stragglers, client_seconds, failed_clients, round_returns
 from fedjax_sparse.core.compilation import jit
+from fedjax_sparse.core.device_split import BalancedSplit, balanced_order, device_groups
 from fedjax_sparse.core.messages import message_bytes
 from fedjax_sparse.core.participation import Sampler, check_slots, uniform_sampler
 from fedjax_sparse.core.secure_aggregation import SecureAggregation, secure_bytes
@@ -75,6 +76,9 @@ class RoundConditions:
     dense_flops_per_example: float = 0.0
     secure: SecureAggregation | None = None
     upload_entries: int = 0  # with `secure`: the entries a client's upload is summed as (its masked input)
+    # a sharded round's placement of the clients on its devices (`core.device_split`; None: in slot order);
+    # a layout, not the federation: the figures are the same either way
+    split: BalancedSplit | None = None
 
     @property
     def varies(self) -> bool:
@@ -293,6 +297,7 @@ def round_step(algorithm: FederatedAlgorithm, clients_per_round: int, *, seed: i
     varies = conditions is not None and conditions.varies
     timed = conditions is not None and conditions.timed
     reads = conditions is not None and conditions.reads_clients
+    split = conditions.split if conditions is not None and mesh is not None else None
 
     def constrain(tree, spec):
         if mesh is None:
@@ -320,8 +325,19 @@ def round_step(algorithm: FederatedAlgorithm, clients_per_round: int, *, seed: i
         dispatched = jnp.ones(ids.shape, bool) if dispatched is None else jnp.asarray(dispatched, bool)
         keys = client_keys(seed, round_index, ids)
         info = round_info(seed, round_index, ids)
-        ids_sharded, positions, keys, sampled = shard((ids, jnp.asarray(positions, jnp.int32), keys, sampled_states))
-        ups, new_states, metrics, down_bytes = train(server_state, sampled, ids_sharded, positions, keys, data, info)
+        positions = jnp.asarray(positions, jnp.int32)
+        clients = (ids, positions, keys, sampled_states)
+        if split is not None:  # the devices train the clients in the balanced order, given back in client order
+            order = balanced_order(split.steps(data.counts[positions]), ids,
+                                   *device_groups(clients_per_round, mesh_size=mesh.size))
+            clients = jax.tree_util.tree_map(lambda x: x[order], clients)
+        ids_sharded, trained_positions, keys, sampled = shard(clients)
+        ups, new_states, metrics, down_bytes = train(server_state, sampled, ids_sharded, trained_positions, keys, data,
+                                                     info)
+        if split is not None:
+            back = jnp.argsort(order)
+            ups, new_states, metrics, down_bytes = jax.tree_util.tree_map(lambda x: x[back],
+                                                                          (ups, new_states, metrics, down_bytes))
         weights = data.counts[positions].astype(jnp.float32)
         # what the clock reads of the clients (None where the round has none: nothing more is moved)
         clocked = gathered((client_flops(metrics, weights, conditions) if timed else None, down_bytes)) if reads \
@@ -336,7 +352,8 @@ def round_step(algorithm: FederatedAlgorithm, clients_per_round: int, *, seed: i
         else:
             server_state, server_metrics, up_bytes, priced_down, seconds, returns = server(*args)
         if varies:
-            new_states = keep_absent(new_states, sampled, shard(returns.returned))
+            old_states = sampled if split is None else sampled_states  # in client order
+            new_states = keep_absent(new_states, old_states, shard(returns.returned))
         down_bytes = down_bytes if priced_down is None else priced_down
         return server_state, new_states, RoundOutput(ids, up_bytes, down_bytes, metrics, dispatched, seconds, returns,
                                                      server_metrics=server_metrics)

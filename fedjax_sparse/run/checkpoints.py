@@ -70,9 +70,10 @@ from fedjax_sparse.run.outputs import replace_atomically
 # Config fields a resumed run may change without changing its results. The client store may change
 # (each holds the same states), except that a disk store's checkpoint restores only into the disk
 # store (the run refuses the others, and `auto` picks disk then). Sharding the clients over the
-# devices changes the order of the sum over them, hence the results' last bits: it may not change.
+# devices changes the order of the sum over them, hence the results' last bits: it may not change. Which
+# device trains which client (`device_split`) may: every device reduces the uploads in client order.
 RESUMABLE_CHANGES = ("rounds", "out", "checkpoint_every", "compilation_cache", "data_dir", "download", "tensorboard",
-                     "client_store", "cpu_devices", "logger", "mlflow_tracking_uri", "wandb_project")
+                     "client_store", "cpu_devices", "device_split", "logger", "mlflow_tracking_uri", "wandb_project")
 ASYNC_TIMEOUT_S = 60  # orbax's waits on its background save (its default: 20 minutes)
 KEEP = 2  # checkpoints kept; the disk client store never overwrites the rows they refer to
 CLIENT_STATES = "client_states"  # the checkpoint's item holding the client-state snapshots

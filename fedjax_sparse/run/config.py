@@ -12,6 +12,7 @@ from fedjax_sparse.algorithms.differential_privacy import DifferentialPrivacyOpt
 from fedjax_sparse.algorithms.personalization import PersonalizationOptions
 from fedjax_sparse.algorithms.uplink_compression import UplinkCompressionOptions
 from fedjax_sparse.core.client_store import BACKENDS
+from fedjax_sparse.core.device_split import SPLITS
 from fedjax_sparse.core.options import (check_value, coerce, option, option_fields, refuse_unread_values, spec_of,
                                         validate)
 from fedjax_sparse.data.partition import METHODS, NATURAL
@@ -91,6 +92,10 @@ class RunConfig(TrackerOptions, FederationOptions, DifferentialPrivacyOptions, U
                                            "many JAX CPU devices at once, one per core (default: as many as pay, up "
                                            "to one per usable core; 1: one device); the figures are the same for any "
                                            "number", low=1)
+    device_split: str = option("balanced", "how a sharded round (--shard-clients, --cpu-devices, several processes) "
+                                           "places the sampled clients on its devices: balanced (by local steps, "
+                                           "fewer padded steps) or id (in the order drawn); the figures are the "
+                                           "same either way, and one device is not affected", choices=SPLITS)
     max_train_examples: int | None = option(None, "use a random subset of this many training examples", low=1)
     max_test_examples: int | None = option(None, "use a random subset of this many test examples", low=1)
     checkpoint_every: int | None = option(None, "save the whole run state every R rounds and at the end (an "

@@ -25,6 +25,7 @@ from fedjax_sparse.core.client_rows import RowLayout
 from fedjax_sparse.core.client_store import (available_host_memory, choose_store, client_state_shapes, free_device_memory,
                                              initial_server_state, make_store)
 from fedjax_sparse.core.distributed import ProcessLayout, current_process, process_mesh
+from fedjax_sparse.core.device_split import BalancedSplit
 from fedjax_sparse.core.evaluation import AUTO, default_evaluation_chunk, global_evaluator, split_evaluator
 from fedjax_sparse.core.flops import forward_flops
 from fedjax_sparse.core.local_training import LocalSGD
@@ -165,6 +166,8 @@ def build_experiment(config: RunConfig, progress: bool = True, *, process: Proce
     if asynchronous is not None and (config.cpu_devices or 1) > 1:
         raise ValueError(ONE_DEVICE)
     cpu_devices = round_cpu_devices(config, backend, mesh, chunk, slots) if asynchronous is None else []
+    if config.device_split == "balanced" and (mesh is not None or len(cpu_devices) > 1):
+        conditions = dataclasses.replace(conditions, split=BalancedSplit(config.batch_size))
     round_fn = round_driver(algorithm, store, train, config.clients_per_round, seed=config.seed, mesh=mesh,
                             client_chunk=chunk, conditions=conditions, counts=federation.train_counts,
                             buffering=asynchronous, cpu_devices=cpu_devices)

@@ -21,6 +21,7 @@ import numpy as np
 
 from fedjax_sparse.core.client_store import DeviceStore
 from fedjax_sparse.core.compilation import release_compiler_memory
+from fedjax_sparse.core.device_split import balanced_padded_step_fraction, device_groups
 from fedjax_sparse.core.distributed import (agree, broadcast_text, current_process, gather_texts, max_over_processes,
                                            process_local)
 from fedjax_sparse.core.evaluation import all_finite, client_accuracy_figures, population_diagnostics
@@ -400,6 +401,9 @@ def _run_rounds(exp: Experiment, config: RunConfig, out: Path, counters: Counter
         # fraction is thus a figure of the layout (like the seconds), the one metric that may differ
         # between process counts
         together = exp.client_chunk or (config.clients_per_round // mesh.size if mesh is not None else None)
+        split, slots = exp.round_fn.conditions.split, exp.round_fn.conditions.sampler.slots
+        groups = (None if split is None else device_groups(slots, mesh_size=mesh.size) if mesh is not None
+                  else device_groups(slots, client_chunk=exp.client_chunk, num_devices=len(exp.round_fn.cpu_devices)))
         for r in range(counters.rounds_done, config.rounds):
             stop.round, stop.waiting_for = r + 1, f"round {r + 1} to finish"
             t0 = time.perf_counter()
@@ -410,7 +414,7 @@ def _run_rounds(exp: Experiment, config: RunConfig, out: Path, counters: Counter
                 raise
             ids, dispatched = np.asarray(round_out.client_ids), np.asarray(round_out.dispatched, bool)
             check_drawn(exp.round_fn.conditions.sampler, r, int(round_out.clients_drawn))
-            ids = ids[dispatched]  # the clients that trained (a slot not dispatched holds no client this round)
+            slot_ids, ids = ids, ids[dispatched]  # the clients that trained (a slot not dispatched holds no client this round)
             # None: no client was sampled (a Poisson draw can be empty), so nothing trained
             train_loss = (float(np.average(np.asarray(round_out.metrics["loss"])[dispatched], weights=counts[ids]))
                           if ids.size else None)
@@ -434,7 +438,9 @@ def _run_rounds(exp: Experiment, config: RunConfig, out: Path, counters: Counter
                                                                np.float64)[dispatched].sum())
             else:  # clients that report no figure of their own trained the dense model
                 counters.train_flops_total += float(dense_flops)
-            counters.padded_step_fractions.append(padded_step_fraction(counts[ids], config.batch_size, together))
+            counters.padded_step_fractions.append(
+                padded_step_fraction(counts[ids], config.batch_size, together) if split is None
+                else balanced_padded_step_fraction(split, counts[slot_ids], slot_ids, dispatched, *groups))
             federation = federation_record(round_out, exp.round_fn.conditions, counters)
             if (r + 1) % config.eval_every == 0 or r + 1 == config.rounds:
                 figures, finite = evaluate(exp, server_state)
