@@ -3,7 +3,7 @@ folder once the package is installed (this folder ships inside it as `fedjax_spa
 import each other relatively, as `.common`, so that either name works).
 """
 
-HELPERS = ("common", "fault_probes", "plugin_dists")  # modules the benchmarks use, no command of their own
+HELPERS = ("common", "fault_probes", "host_devices", "plugin_dists")  # modules the benchmarks use, no command of their own
 # Benchmarks that run from a clone only, and why: `fedjax-sparse benchmark NAME` says this line instead.
 CLONE_ONLY = {
     "before_after": "it unpacks an earlier commit from the clone's git history",

@@ -12,19 +12,14 @@ MLP, K clients a round sharded over every device (on a CPU, `--devices D` makes 
 
 from __future__ import annotations
 
-import os
 import sys
 
-
-def _host_devices(argv) -> None:
-    """Sets the host device count before JAX starts (a CPU has one device otherwise)."""
-    count = argv[argv.index("--devices") + 1] if "--devices" in argv else "2"
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={count}")
+from .host_devices import force_host_devices
 
 
 def main(argv=None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
-    _host_devices(argv)
+    force_host_devices(argv)
     import jax
 
     from .common import (best, command_line, environment, environment_markdown, finish, fmt, interleaved,
