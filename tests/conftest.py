@@ -1,3 +1,4 @@
+import functools
 import os
 import tempfile
 
@@ -5,14 +6,26 @@ import tempfile
 # XLA compiling: its cheapest settings cut the suite by about a third (every test passes either way).
 os.environ["XLA_FLAGS"] = " ".join([os.environ.get("XLA_FLAGS", ""), "--xla_backend_optimization_level=0",
                                     "--xla_llvm_disable_expensive_passes=true"]).strip()
-# Runs started through the command line keep their compiled rounds in a cache of this session only, one for
-# both of pytest-xdist's workers (many tests run the same small round: the second worker loads it).
+# Everything compiled, by runs and by tests alike, goes to a JAX persistent cache of this session only, one for
+# both of pytest-xdist's workers: many tests compile the same program again (an algorithm's round on the same
+# model, rebuilt from fresh functions; the same eager operations), and the second compilation is a file read.
 _SESSION = os.environ.get("PYTEST_XDIST_TESTRUNUID")
 if _SESSION:
     os.environ["FEDJAX_SPARSE_CACHE"] = os.path.join(tempfile.gettempdir(), f"fedjax_sparse_test_cache_{_SESSION}")
     os.makedirs(os.environ["FEDJAX_SPARSE_CACHE"], exist_ok=True)
 else:
     os.environ["FEDJAX_SPARSE_CACHE"] = tempfile.mkdtemp(prefix="fedjax_sparse_test_cache_")
+
+import jax  # noqa: E402
+
+
+def _cache_everything():
+    jax.config.update("jax_compilation_cache_dir", os.environ["FEDJAX_SPARSE_CACHE"])
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
+
+
+_cache_everything()
 
 import socket  # noqa: E402
 
@@ -21,7 +34,7 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
 from fedjax_sparse.data.federated import federated_split  # noqa: E402
-from fedjax_sparse.models import Model, ModelStructure  # noqa: E402
+from fedjax_sparse.models import Model, ModelStructure, get_model  # noqa: E402
 
 
 def synthetic_split(counts, seed=0, shape=(8, 8, 1), num_classes=10):
@@ -33,6 +46,14 @@ def synthetic_split(counts, seed=0, shape=(8, 8, 1), num_classes=10):
     bounds = np.concatenate([[0], np.cumsum(counts)])
     indices = [np.arange(bounds[i], bounds[i + 1]) for i in range(len(counts))]
     return federated_split(x, y, indices, mean=[0.5] * shape[-1], std=[0.25] * shape[-1])
+
+
+@pytest.fixture(autouse=True)
+def _session_compilation_cache():
+    """The session's cache again after a test whose run set its own (`use_compilation_cache`: runs cache only
+    what compiles for longer, or nothing with --no-compilation-cache)."""
+    yield
+    _cache_everything()
 
 
 @pytest.fixture
@@ -70,6 +91,20 @@ def linear_model() -> Model:
     """A linear softmax model on 2x2x1 inputs with 3 classes, simple enough to differentiate by hand."""
     return Model(name="linear", module=_Linear(LINEAR_CLASSES), input_shape=(2, 2, 1), num_classes=LINEAR_CLASSES,
                  structure=ModelStructure(()))
+
+
+@functools.cache
+def _initialized(name, input_shape, num_classes):
+    model = get_model(name, input_shape, num_classes)
+    return model, jax.jit(model.init)(jax.random.key(0))
+
+
+def initialized(name: str, input_shape: tuple[int, ...], num_classes: int) -> tuple[Model, dict]:
+    """(model, variables from key 0) of a zoo model, initialized once per worker and compiled: Flax's eager
+    initialization compiles its operations one at a time (seconds for the larger models, in every test that
+    ran it). The variables' dicts are the caller's own; the arrays, immutable, are shared."""
+    model, variables = _initialized(name, tuple(input_shape), num_classes)
+    return model, jax.tree_util.tree_map(lambda a: a, variables)
 
 
 # A small SCAFFOLD run (its clients keep state) on the device store, uninterrupted: what the run-folder

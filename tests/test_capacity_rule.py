@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 from test_structure import zoo_model
 
+from conftest import initialized
 from fedjax_sparse.algorithms import make_algorithm, make_options
 from fedjax_sparse.core.algorithm import BuildContext
 from fedjax_sparse.core.clock import PRESETS, DeviceProfile, ProfileDistribution, Stragglers, device_profile
@@ -52,7 +53,8 @@ def one_round(algorithm, model, split, profile, deadline):
     """Every client in one round under the clock: (capacities, the clock's seconds, late) per client."""
     n = split.num_clients
     conditions = RoundConditions(uniform_sampler(n, n), profile, Stragglers(deadline=deadline))
-    server, clients = algorithm.init(jax.random.key(1), model.init(jax.random.key(0)), n)
+    server, clients = algorithm.init(jax.random.key(1), initialized(model.name, model.input_shape,
+                                                                    model.num_classes)[1], n)
     _, _, out = build_round(algorithm, split, n, seed=0, conditions=conditions)(server, clients, 0)
     return (np.asarray(out.metrics["capacity"]), np.asarray(out.client_seconds, np.float64),
             np.asarray(out.returns.late))
@@ -88,15 +90,22 @@ def test_hand_computed_levels_of_four_devices(tmp_path, mlp, make_split):
     split = make_split([10, 10, 10, 10])
     profile = device_profile(str(path), 4)
     algorithm = build("heterofl", context(mlp, split, profile, 1.0), capacities=(1.0, 0.5, 0.25))
-    server, _ = algorithm.init(jax.random.key(1), mlp.init(jax.random.key(0)), 4)
     info = round_info(0, 0, jnp.arange(4))
     expected = [1.0, 0.5, 0.25, 0.25]
+
+    @jax.jit  # every client's download one program (eagerly each operation compiles on its own)
+    def downloads(variables):
+        server, _ = algorithm.init(jax.random.key(1), variables, 4)
+        return jax.vmap(lambda c: (lambda down: (down, message_bytes(down)))(algorithm.broadcast(server, c, info)))(
+            jnp.arange(4))
+
+    downs = jax.device_get(downloads(initialized("mlp", (8, 8, 1), 10)[1]))
     for client, beta in enumerate(expected):
-        down = algorithm.broadcast(server, jnp.int32(client), info)
+        down, price = jax.tree_util.tree_map(lambda a: a[client], downs)
         units = {name: int(m.sum()) for name, m in down["unit_masks"].value.items()}
         assert float(down["capacity"].value) == beta
         assert units == {"fc1": 256 * beta, "fc2": 256 * beta, "fc3": 10}
-        assert int(message_bytes(down)) == 4 * mlp_sub_model(int(256 * beta))[0]
+        assert int(price) == 4 * mlp_sub_model(int(256 * beta))[0]
     capacities, seconds, late = one_round(algorithm, mlp, split, profile, 1.0)
     np.testing.assert_array_equal(capacities, expected)
     np.testing.assert_allclose(seconds, [0.7825504, 0.62321568, 0.43672, 1.48256], rtol=1e-6)
@@ -178,7 +187,7 @@ def test_over_the_zoo_the_rule_prices_what_a_random_sub_model_costs(model_name, 
     counts = np.arange(3, 19)
     split = make_split(counts.tolist(), shape=model.input_shape)
     shapes = jax.eval_shape(model.init, jax.random.key(0))
-    variables = jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)  # values are not priced
+    variables = jax.tree_util.tree_map(lambda s: np.zeros(s.shape, s.dtype), shapes)  # values are not priced
 
     def cost(scores, beta):
         masks = keep_top_units(structure, scores, beta)
@@ -207,15 +216,20 @@ def test_over_the_zoo_the_rule_prices_what_a_random_sub_model_costs(model_name, 
     assert np.abs(seconds / deadline - 1).min() > 1e-5, "a device on the deadline: float32 and float64 may disagree"
     assert len(set(fitting.tolist())) >= 2
     algorithm = build("feddropout", context(model, split, profile, deadline), capacities=ZOO_LEVELS)
-    server, _ = algorithm.init(jax.random.key(1), variables, 16)
     info = round_info(0, 0, jnp.arange(16))
 
-    def broadcast(client_id):
-        down = algorithm.broadcast(server, client_id, info)
-        return (down["capacity"].value, message_bytes(down),
-                forward_flops(structure, down["unit_masks"].value, count_inputs=True))
+    @jax.jit  # the server and every download one program (eagerly each operation compiles on its own)
+    def broadcasts(variables):
+        server, _ = algorithm.init(jax.random.key(1), variables, 16)
 
-    capacity, sent, runs = (np.asarray(a, np.float64) for a in jax.jit(jax.vmap(broadcast))(jnp.arange(16)))
+        def broadcast(client_id):
+            down = algorithm.broadcast(server, client_id, info)
+            return (down["capacity"].value, message_bytes(down),
+                    forward_flops(structure, down["unit_masks"].value, count_inputs=True))
+
+        return jax.vmap(broadcast)(jnp.arange(16))
+
+    capacity, sent, runs = (np.asarray(a, np.float64) for a in broadcasts(variables))
     np.testing.assert_array_equal(capacity, np.array(ZOO_LEVELS, np.float32)[fitting])
     np.testing.assert_array_equal(sent, size[fitting])
     np.testing.assert_array_equal(runs, flops[fitting])

@@ -11,26 +11,22 @@ from fedjax_sparse.core.local_training import LocalObjective, LocalSGD
 from fedjax_sparse.data.federated import normalize
 from fedjax_sparse.models import MODEL_NAMES, get_model
 from fedjax_sparse.models.check import check_model
-from test_structure import zoo_model
+from test_models import natural_passes
 
 
 @pytest.mark.parametrize("name", MODEL_NAMES)
 def test_the_features_are_what_the_classifier_reads(name):
     """logits = features @ W + b, W and b the model's last layer: on every model of the zoo, which also meets the
     check an outside model's structure must pass (`models.check`)."""
-    model = zoo_model(name)
+    model, variables, x, passes = natural_passes(name)  # the passes the forward test reads, one program
     check_model(model)
-    variables = model.init(jax.random.key(0))
-    x = (jax.random.randint(jax.random.key(1), (3, *model.input_shape), 0, model.num_classes)
-         if model.input_kind == "tokens" else jax.random.normal(jax.random.key(1), (3, *model.input_shape)))
-    logits, _, features = model.apply(variables, x, train=False, features=True)
-    layer = variables["params"]
+    logits, _, features = passes["features"]
+    layer = jax.device_get(variables["params"])
     for key in model.structure.layers[-1].kernel[:-1]:
         layer = layer[key]
-    assert features.shape == (3, layer["kernel"].shape[0])
+    assert features.shape == (x.shape[0], layer["kernel"].shape[0])
     np.testing.assert_allclose(features @ layer["kernel"] + layer.get("bias", 0.0), logits, rtol=1e-5, atol=1e-5)
-    plain, _ = model.apply(variables, x, train=False)
-    np.testing.assert_array_equal(plain, logits)
+    np.testing.assert_array_equal(passes["eval"][0], logits)
 
 
 def test_a_step_with_a_feature_loss_is_the_hand_written_steps():
@@ -47,8 +43,12 @@ def test_a_step_with_a_feature_loss_is_the_hand_written_steps():
         del trainable
         return 0.1 * jnp.sum(jnp.where(batch.mask[:, None], features ** 2, 0.0)) / jnp.sum(batch.mask)
 
-    trained, _ = local.train(variables, data, jax.random.key(3), objective=LocalObjective(feature_loss=feature_loss))
-    plain, _ = local.train(variables, data, jax.random.key(3))
+    @jax.jit  # both steps one program (eagerly each operation compiles on its own)
+    def steps(variables, data):
+        return (local.train(variables, data, jax.random.key(3), objective=LocalObjective(feature_loss=feature_loss))[0],
+                local.train(variables, data, jax.random.key(3))[0])
+
+    trained, plain = steps(variables, data)
     x = normalize(split.x, split.mean, split.std).reshape(8, -1)
     y = split.y
 
@@ -59,7 +59,7 @@ def test_a_step_with_a_feature_loss_is_the_hand_written_steps():
         task = -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), y[:, None], axis=1))
         return task + 0.1 * jnp.mean(jnp.sum(h2 ** 2, axis=1))
 
-    grads = jax.grad(by_hand)(variables["params"])
+    grads = jax.jit(jax.grad(by_hand))(variables["params"])
     expected = jax.tree_util.tree_map(lambda p, g: p - 0.5 * g, variables["params"], grads)
     jax.tree_util.tree_map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6), trained["params"],
                            expected)

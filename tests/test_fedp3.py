@@ -87,13 +87,11 @@ def test_the_downlink_the_clients_model_and_the_upload_over_the_zoo(name, downli
     model = zoo_model(name)
     structure = model.structure
     shapes = jax.eval_shape(model.init, jax.random.key(0))
-    keys = iter(jax.random.split(jax.random.key(1), len(jax.tree_util.tree_leaves(shapes))))
-    variables = tree_map(lambda s: jax.random.normal(next(keys), s.shape, s.dtype), shapes)  # no ties
+    rng = np.random.default_rng(1)
+    variables = tree_map(lambda s: rng.standard_normal(s.shape, s.dtype), shapes)  # no ties
     own = tree_map(lambda v: v + 3.0, variables)
     keep = 0.9 if downlink == "magnitude" else 0.5
     algorithm = build(model, 8, local=Untrained, fedp3_downlink=downlink, downlink_keep=keep)
-    server, _ = algorithm.init(jax.random.key(1), variables, 8)
-    od = variable_masks(structure, variables, keep_top_units(structure, prefix_scores(structure), 0.5))
     is_kernel = tree_map(lambda _: False, shapes)
     for layer in structure.layers:
         is_kernel = {**is_kernel, "params": set_path(is_kernel["params"], layer.kernel, True)}
@@ -103,17 +101,23 @@ def test_the_downlink_the_clients_model_and_the_upload_over_the_zoo(name, downli
 
     clients = jnp.array([0, 7])
 
-    @jax.jit
-    def exchange(server, own):
+    @jax.jit  # the whole exchange one program: eagerly each operation compiles on its own, per leaf shape
+    def exchange(variables, own):
+        server, _ = algorithm.init(jax.random.key(1), variables, 8)
+
         def one(client):  # as the round runs them: the server's downlink pruning is computed once
             down = algorithm.broadcast(server, client, round_info(0, 0, clients))
-            return (down,) + algorithm.client_update(down, own, data, jax.random.key(2), round_info(0, 0, clients))
-        return jax.vmap(one)(clients)
+            up, state, _ = algorithm.client_update(down, own, data, jax.random.key(2), round_info(0, 0, clients))
+            return (down, up, state, message_bytes(down), message_bytes(up),
+                    assigned_layers(client, 8, classifier))
 
-    exchanged = exchange(server, own)
+        od = variable_masks(structure, variables, keep_top_units(structure, prefix_scores(structure), 0.5))
+        return od, jax.vmap(one)(clients)
+
+    od, exchanged = jax.device_get(exchange(variables, own))
     for i, client in enumerate((0, 7)):
-        down, up, state, _ = tree_map(lambda a: a[i], exchanged)
-        assigned = set(np.flatnonzero(np.asarray(assigned_layers(jnp.int32(client), 8, classifier))))
+        down, up, state, down_price, up_price, assigned = tree_map(lambda a: a[i], exchanged)
+        assigned = set(np.flatnonzero(np.asarray(assigned)))
         down_bytes = up_bytes = 0
         for layer, kernel, value, mine, sent, pruned, start, uploaded in zip(
                 index, jax.tree_util.tree_leaves(is_kernel), leaves(variables), leaves(own),
@@ -139,8 +143,8 @@ def test_the_downlink_the_clients_model_and_the_upload_over_the_zoo(name, downli
             whole = layer in assigned or layer == classifier
             np.testing.assert_array_equal(np.asarray(uploaded.mask), np.full(value.shape, whole), err_msg=where)
             up_bytes += 4 * value.size * whole
-        assert int(message_bytes(down)) == down_bytes
-        assert int(message_bytes(up)) == up_bytes
+        assert int(down_price) == down_bytes
+        assert int(up_price) == up_bytes
 
 
 @pytest.fixture(scope="module")
@@ -161,15 +165,21 @@ def test_the_clients_model_after_the_download_is_the_servers_with_pruned_entries
     assigned): conv1 and conv2 arrive pruned by magnitude to ceil(0.9 n) entries (here the last ones: |w|
     grows with the index), their biases and normalization whole; the client's model is the server's with
     the pruned entries zero, and its own classifier. The message pays the two pruned kernels' index."""
-    server_values = ordered_by_index(cnn.init(jax.random.key(0)))
+    server_values = ordered_by_index(jax.eval_shape(cnn.init, jax.random.key(0)))
     own = tree_map(lambda v: jnp.full_like(v, 7.0), server_values)
     for client_model in ("server", "own"):
         algorithm = build(cnn, 4, local=Untrained, fedp3_client_model=client_model)
-        server, _ = algorithm.init(jax.random.key(1), server_values, 4)
-        info = round_info(0, 0, jnp.array([1, 2]))
-        down = algorithm.broadcast(server, 2, info)
-        _, start, _ = algorithm.client_update(down, own, types.SimpleNamespace(count=jnp.int32(3)),
-                                             jax.random.key(2), info)
+
+        @jax.jit  # one program (eagerly each operation compiles on its own, per leaf shape)
+        def download(server_values, own):
+            server, _ = algorithm.init(jax.random.key(1), server_values, 4)
+            info = round_info(0, 0, jnp.array([1, 2]))
+            down = algorithm.broadcast(server, 2, info)
+            _, start, _ = algorithm.client_update(down, own, types.SimpleNamespace(count=jnp.int32(3)),
+                                                 jax.random.key(2), info)
+            return start, message_bytes(down)
+
+        start, down_price = jax.device_get(download(server_values, own))
         for name, size in (("conv1", 3 * 3 * 1 * 64), ("conv2", 3 * 3 * 64 * 128)):
             pruned = size - (9 * size + 9) // 10  # 57 and 7372: the entries of least magnitude
             kernel = np.asarray(start["params"][name]["kernel"]).reshape(-1)
@@ -186,7 +196,7 @@ def test_the_clients_model_after_the_download_is_the_servers_with_pruned_entries
     conv2 = 4 * 66356 + min(66356 * 4, 9216)  # 73728 entries (> 65536: 4-byte indices), 66356 kept
     whole = (64 + 64 * 4) + (128 + 128 * 4) + (3 * 3 * 128 * 256 + 256 * 5) \
         + (3 * 3 * 256 * 512 + 512 * 5)  # conv1's and conv2's bias and norm (scale, bias, mean, var); conv3, conv4
-    assert int(message_bytes(down)) == conv1 + conv2 + 4 * whole
+    assert int(down_price) == conv1 + conv2 + 4 * whole
 
 
 def test_local_pruning_keeps_each_kernels_largest_entries_through_training(cnn):
@@ -197,13 +207,18 @@ def test_local_pruning_keeps_each_kernels_largest_entries_through_training(cnn):
     dense model's."""
     from conftest import synthetic_split
     split = synthetic_split([10, 20, 10, 30])
-    server_values = ordered_by_index(cnn.init(jax.random.key(0)))
+    server_values = ordered_by_index(jax.eval_shape(cnn.init, jax.random.key(0)))
     algorithm = build(cnn, 4, split, fedp3_local_keep=0.5)
-    server, _ = algorithm.init(jax.random.key(1), server_values, 4)
-    info = round_info(0, 0, jnp.array([1, 2]))
-    down = algorithm.broadcast(server, 2, info)
-    up, trained, metrics = jax.jit(algorithm.client_update)(down, server_values, split.client(2), jax.random.key(2),
-                                                            info)
+
+    @jax.jit  # one program (eagerly each operation compiles on its own, per leaf shape)
+    def exchange(server_values, data):
+        server, _ = algorithm.init(jax.random.key(1), server_values, 4)
+        info = round_info(0, 0, jnp.array([1, 2]))
+        up, trained, metrics = algorithm.client_update(algorithm.broadcast(server, 2, info), server_values, data,
+                                                       jax.random.key(2), info)
+        return up, trained, metrics, message_bytes(up)
+
+    up, trained, metrics, up_price = jax.device_get(exchange(server_values, split.client(2)))
     layers = {l.name: l for l in cnn.structure.layers}
     sent_bytes = 0
     for name, layer in layers.items():
@@ -221,7 +236,7 @@ def test_local_pruning_keeps_each_kernels_largest_entries_through_training(cnn):
     others = sum(4 * np.asarray(leaf.values).size for leaf in leaves(up)
                  if np.asarray(leaf.mask).all())  # biases, normalization and statistics of the uploaded layers
     assert others == 4 * (256 * 5 + 512 * 5 + 10)
-    assert int(message_bytes(up)) == sent_bytes + others
+    assert int(up_price) == sent_bytes + others
     dense = sum(layer_forward_flops(cnn.structure).values())
     assert float(metrics["train_flops"]) == pytest.approx(3 * 10 * 0.5 * dense, rel=1e-6)  # 10 examples, 1 epoch
 
@@ -230,10 +245,24 @@ def test_local_pruning_keeps_each_kernels_largest_entries_through_training(cnn):
 def cnn_clients(cnn):
     """Four cnn4 clients (10, 20, 10, 30 examples) and FedP3 built for them with default options."""
     from conftest import synthetic_split
+    from conftest import initialized, synthetic_split
     split = synthetic_split([10, 20, 10, 30])
     algorithm = build(cnn, 4, split)
-    server, clients = algorithm.init(jax.random.key(1), cnn.init(jax.random.key(0)), 4)
+    _, variables = initialized("cnn4", (8, 8, 1), 10)
+    server, clients = jax.device_get(jax.jit(algorithm.init, static_argnums=2)(jax.random.key(1), variables, 4))
     return split, algorithm, server, clients
+
+
+def uploads(algorithm, server, states, split, info):
+    """[(download, upload, trained model, metrics, the upload's bytes)] of the clients `states` holds ({id: state}),
+    on their data: one program for every client (eagerly each operation compiles on its own, per leaf shape)."""
+    @jax.jit
+    def exchange(server, client_id, state, data):
+        down = algorithm.broadcast(server, client_id, info)
+        up, trained, metrics = algorithm.client_update(down, state, data, jax.random.key(client_id), info)
+        return down, up, trained, metrics, message_bytes(up)
+
+    return [jax.device_get(exchange(server, c, state, split.client(c))) for c, state in states.items()]
 
 
 def test_each_layer_and_the_classifier_are_the_data_weighted_mean_of_their_uploaders(cnn, cnn_clients):
@@ -244,19 +273,18 @@ def test_each_layer_and_the_classifier_are_the_data_weighted_mean_of_their_uploa
     split, algorithm, server, clients = cnn_clients
     ids = jnp.array([0, 3])
     info = round_info(0, 0, ids)
-    update = jax.jit(algorithm.client_update)
-    ups = [update(algorithm.broadcast(server, c, info), tree_map(lambda a: a[c], clients), split.client(c),
-                  jax.random.key(c), info)[0] for c in (0, 3)]
+    exchanged = uploads(algorithm, server, {c: tree_map(lambda a: a[c], clients) for c in (0, 3)}, split, info)
+    ups = [up for _, up, _, _, _ in exchanged]
     classifier = 512 * 10 + 10  # fc's kernel and bias
-    for up, layers in zip(ups, (("conv1", "conv2"), ("conv4", "conv1"))):
+    for (_, up, _, _, price), layers in zip(exchanged, (("conv1", "conv2"), ("conv4", "conv1"))):
         assert all(isinstance(leaf, KnownMaskArray) for leaf in leaves(up))  # both sides know the layers
         entries = sum(np.asarray(leaf.values).size for name in layers for leaf in leaves(up["params"][name]))
         norms = sum(np.asarray(leaf.values).size for name in layers
                     for leaf in leaves({c: up[c].get(f"bn{name[-1]}", {}) for c in ("params", "batch_stats")}))
-        assert int(message_bytes(up)) == 4 * (entries + norms + classifier)
-    stacked = tree_map(lambda *leaves: KnownMaskArray(jnp.stack([l.values for l in leaves]),
-                                                      jnp.stack([l.mask for l in leaves])), *ups, is_leaf=is_sent)
-    new = algorithm.server_update(server, stacked, jnp.array([10.0, 30.0]), info)["variables"]["params"]
+        assert int(price) == 4 * (entries + norms + classifier)
+    stacked = tree_map(lambda *leaves: KnownMaskArray(np.stack([l.values for l in leaves]),
+                                                      np.stack([l.mask for l in leaves])), *ups, is_leaf=is_sent)
+    new = jax.jit(algorithm.server_update)(server, stacked, jnp.array([10.0, 30.0]), info)["variables"]["params"]
     kernel = lambda tree, layer: np.asarray(tree[cnn.structure.layers[layer].kernel[0]]["kernel"])  # noqa: E731
     first, last = [tree_map(lambda l: l.values, up, is_leaf=is_sent)["params"] for up in ups]
     for layer in (0, 4):
@@ -266,10 +294,9 @@ def test_each_layer_and_the_classifier_are_the_data_weighted_mean_of_their_uploa
     np.testing.assert_allclose(kernel(new, 3), kernel(last, 3), rtol=1e-5, atol=1e-7)
     np.testing.assert_array_equal(kernel(new, 2), kernel(server["variables"]["params"], 2))
     no_classifier = build(cnn, 4, local=Untrained, fedp3_upload_classifier=False)  # what is sent, not its values
-    up = no_classifier.client_update(no_classifier.broadcast(server, 0, info), tree_map(lambda a: a[0], clients),
-                                     split.client(0), jax.random.key(0), info)[0]
+    ((_, up, _, _, price),) = uploads(no_classifier, server, {0: tree_map(lambda a: a[0], clients)}, split, info)
     assert not any(np.asarray(leaf.mask).any() for leaf in leaves(up["params"]["fc"]))
-    assert int(message_bytes(up)) == int(message_bytes(ups[0])) - 4 * classifier
+    assert int(price) == int(exchanged[0][-1]) - 4 * classifier
 
 
 def test_spafls_reading_sends_ordered_dropout_and_keeps_what_was_not_sent(cnn, cnn_clients):
@@ -280,15 +307,14 @@ def test_spafls_reading_sends_ordered_dropout_and_keeps_what_was_not_sent(cnn, c
     algorithm = build(cnn, 4, split, **SPAFL_READING)
     own = tree_map(lambda v: v + 0.5, tree_map(lambda a: a[2], clients))  # a client model unlike the global one
     info = round_info(0, 0, jnp.array([1, 2]))
-    down = algorithm.broadcast(server, 2, info)
+    ((down, up, state, metrics, price),) = uploads(algorithm, server, {2: own}, split, info)
     assert all(isinstance(leaf, KnownMaskArray) for leaf in leaves(down["variables"]))
-    up, state, metrics = jax.jit(algorithm.client_update)(down, own, split.client(2), jax.random.key(2), info)
     groups = model_layer_groups(cnn)
     for layer, leaf in zip(jax.tree_util.tree_leaves(groups.index), leaves(up)):
         assert np.asarray(leaf.mask).all() == (layer in (2, 3)) and np.asarray(leaf.mask).any() == (layer in (2, 3))
     uploaded = sum(np.asarray(leaf.mask).sum() for leaf in leaves(up))
-    assert int(message_bytes(up)) == 4 * uploaded
-    received = tree_map(lambda d, o: jnp.where(d.mask, d.values, o), down["variables"], own, is_leaf=is_sent)
+    assert int(price) == 4 * uploaded
+    received = tree_map(lambda d, o: np.where(d.mask, d.values, o), down["variables"], own, is_leaf=is_sent)
     units = np.asarray(down["variables"]["params"]["conv1"]["kernel"].mask)[0, 0, 0]
     np.testing.assert_array_equal(units, np.arange(64) < 32)  # the first half of conv1's units
     np.testing.assert_array_equal(np.asarray(received["params"]["conv1"]["kernel"])[..., 32:],

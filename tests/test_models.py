@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 
 import flax.linen as nn
@@ -10,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from conftest import initialized
 from fedjax_sparse.models import MODEL_NAMES, Model, ModelStructure, get_model
 from fedjax_sparse.models import layers as L
 from fedjax_sparse.models.batch_norm import normalize
@@ -71,31 +73,49 @@ def test_registry_names():
 
 # ---------------------------------------------------------------- forward passes
 
+@functools.cache
+def natural_passes(name: str):
+    """(model, variables, x, passes): a zoo model at its natural input, its variables and a batch x of 2, and
+    what one compiled program computes (eagerly, Flax compiles every operation on its own: seconds on the larger
+    models), for the forward test here and tests/test_feature_loss.py: 'train' (logits, statistics) with the
+    second row padding, 'eval' (logits, statistics), 'features' (logits, statistics, features), and
+    'eval_returns_its_statistics': whether the evaluation pass handed back the very statistics it was given."""
+    shape, classes = NATURAL[name]
+    model, variables = initialized(name, shape, classes)
+    x = sample_input(model, jax.random.key(1), 2)
+    returned = []
+
+    @jax.jit
+    def forward(variables, x, mask):
+        evaluation = model.apply(variables, x, train=False)
+        returned.append(evaluation[1] is variables["batch_stats"])  # as traced: the same object
+        return {"train": model.apply(variables, x, train=True, mask=mask), "eval": evaluation,
+                "features": model.apply(variables, x, train=False, features=True)}
+
+    passes = jax.device_get(forward(variables, x, jnp.array([True, False])))
+    return model, variables, x, {**passes, "eval_returns_its_statistics": returned == [True]}
+
+
 @pytest.mark.parametrize("name", MODEL_NAMES)
 def test_forward_train_and_eval(name):
-    model = _model(name)
-    shape, classes = NATURAL[name]
-    # The 'rbg' PRNG compiles much faster on CPU than threefry; init is the same code.
-    variables = model.init(jax.random.key(0, impl="rbg"))
-    x = sample_input(model, jax.random.key(1), 2)
-    mask = jnp.array([True, False])
-
-    logits, stats = model.apply(variables, x, train=True, mask=mask)
+    _, classes = NATURAL[name]
+    _, variables, _, passes = natural_passes(name)
+    logits, stats = passes["train"]
     assert logits.shape == (2, classes) and logits.dtype == jnp.float32
-    assert bool(jnp.all(jnp.isfinite(logits)))
+    assert np.all(np.isfinite(logits))
     assert (jax.tree_util.tree_structure(stats)
             == jax.tree_util.tree_structure(variables["batch_stats"]))
-    assert all(bool(jnp.all(jnp.isfinite(a))) for a in jax.tree_util.tree_leaves(stats))
+    assert all(np.all(np.isfinite(a)) for a in jax.tree_util.tree_leaves(stats))
     if jax.tree_util.tree_leaves(stats):
         # Training moved the running statistics.
-        changed = jax.tree_util.tree_map(lambda a, b: bool(jnp.any(a != b)), stats,
-                                         variables["batch_stats"])
+        changed = jax.tree_util.tree_map(lambda a, b: bool(np.any(a != b)), stats,
+                                         jax.device_get(variables["batch_stats"]))
         assert any(jax.tree_util.tree_leaves(changed))
 
-    logits, stats = model.apply(variables, x, train=False)
-    assert logits.shape == (2, classes)
-    assert bool(jnp.all(jnp.isfinite(logits)))
-    assert stats is variables["batch_stats"]
+    eval_logits, _ = passes["eval"]
+    assert eval_logits.shape == (2, classes)
+    assert np.all(np.isfinite(eval_logits))
+    assert passes["eval_returns_its_statistics"]
 
 
 # ---------------------------------------------------------------- structure
@@ -345,56 +365,71 @@ class _TinyBN(nn.Module):
 
 @pytest.mark.parametrize("shape", [(6, 3, 3, 4), (6, 4)])
 def test_masked_batchnorm_uses_only_valid_examples(shape):
-    x = 3.0 * jax.random.normal(jax.random.key(0), shape) + 1.0
-    mask = jnp.array([True, False, True, True, False, False])
+    x = 3 * np.random.default_rng(0).standard_normal(shape, np.float32) + 1
+    mask = np.array([True, False, True, True, False, False])
     bn = _TinyBN()
     v = bn.init(jax.random.key(1), x, False)
-    y, upd = bn.apply(v, x, True, mask, mutable=["batch_stats"])
-    valid = x[np.asarray(mask)]
+    valid = x[mask]
+
+    @jax.jit  # one program for every pass (eagerly each operation compiles on its own)
+    def passes(x, mask, valid):
+        return {"masked": bn.apply(v, x, True, mask, mutable=["batch_stats"]),
+                "valid": bn.apply(v, valid, True, mutable=["batch_stats"]),
+                "plain": bn.apply(v, x, True, mutable=["batch_stats"])[1],
+                "ones": bn.apply(v, x, True, jnp.ones(6, bool), mutable=["batch_stats"])[1],
+                "eval_masked": bn.apply(v, x, False, mask), "eval": bn.apply(v, x, False)}
+
+    out = passes(x, mask, valid)
+    y, upd = out["masked"]
     axes = tuple(range(x.ndim - 1))
     mean, var = valid.mean(axes), valid.var(axes)
     np.testing.assert_allclose(upd["batch_stats"]["bn"]["mean"], 0.1 * mean, rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(upd["batch_stats"]["bn"]["var"], 0.9 + 0.1 * var, rtol=1e-5)
     # Valid rows are normalized exactly as if the batch held only them.
-    y_valid, upd_valid = bn.apply(v, valid, True, mutable=["batch_stats"])
-    np.testing.assert_allclose(y[np.asarray(mask)], y_valid, rtol=1e-4, atol=1e-5)
+    y_valid, upd_valid = out["valid"]
+    np.testing.assert_allclose(y[mask], y_valid, rtol=1e-4, atol=1e-5)
     jax.tree_util.tree_map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6),
                            upd, upd_valid)
     # mask=None and an all-True mask are plain BatchNorm over the batch.
-    _, plain = bn.apply(v, x, True, mutable=["batch_stats"])
-    _, ones = bn.apply(v, x, True, jnp.ones(6, bool), mutable=["batch_stats"])
+    plain, ones = out["plain"], out["ones"]
     np.testing.assert_allclose(plain["batch_stats"]["bn"]["mean"], 0.1 * x.mean(axes),
                                rtol=1e-5, atol=1e-6)
     jax.tree_util.tree_map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6), plain, ones)
     # Eval mode ignores the mask and uses the running averages.
-    np.testing.assert_allclose(bn.apply(v, x, False, mask), bn.apply(v, x, False), rtol=1e-6)
+    np.testing.assert_allclose(out["eval_masked"], out["eval"], rtol=1e-6)
 
 
 @pytest.mark.parametrize("shape", [(5, 3, 4, 6), (5, 6)])
 def test_channel_sum_and_scale_channels_match_plain_jax(shape):
-    x = jax.random.normal(jax.random.key(0), shape)
-    weights = jnp.array([1.0, 0.0, 2.0, 1.0, 0.5])
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal(shape, np.float32)
+    weights = np.array([1.0, 0.0, 2.0, 1.0, 0.5], np.float32)
     axes = tuple(range(x.ndim - 1))
     wide = weights.reshape((-1,) + (1,) * (x.ndim - 1))
-    np.testing.assert_allclose(channel_sum(x, weights), jnp.sum(x * wide, axes), rtol=1e-5, atol=1e-6)
-    np.testing.assert_allclose(channel_sum(x), jnp.sum(x, axes), rtol=1e-5, atol=1e-6)
-    v = jax.random.normal(jax.random.key(1), shape[-1:])
-    g = jax.random.normal(jax.random.key(2), shape)
+    v = rng.standard_normal(shape[-1:], np.float32)
+    g = rng.standard_normal(shape, np.float32)
     def loss(fn):
         return lambda x, v: jnp.sum(jnp.sin(fn(x, v)) * g)
 
     plain = lambda x, v: x * v  # noqa: E731
-    np.testing.assert_allclose(scale_channels(x, v), plain(x, v), rtol=1e-6)
-    got = jax.jit(jax.grad(loss(scale_channels), argnums=(0, 1)))(x, v)
-    want = jax.grad(loss(plain), argnums=(0, 1))(x, v)
-    for a, b in zip(got, want):
-        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
-    # Under vmap (clients side by side), as an accelerator's round runs them.
-    xs, vs = jnp.stack([x, 2 * x]), jnp.stack([v, -v])
-    got = jax.vmap(jax.grad(loss(scale_channels), argnums=(0, 1)))(xs, vs)
-    want = jax.vmap(jax.grad(loss(plain), argnums=(0, 1)))(xs, vs)
-    for a, b in zip(got, want):
-        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+
+    @jax.jit  # one program for every comparison (eagerly each operation compiles on its own)
+    def compare(x, v, weights):
+        # under vmap too (clients side by side), as an accelerator's round runs them
+        xs, vs = jnp.stack([x, 2 * x]), jnp.stack([v, -v])
+        return {"sums": (channel_sum(x, weights), jnp.sum(x * wide, axes), channel_sum(x), jnp.sum(x, axes)),
+                "scaled": (scale_channels(x, v), plain(x, v)),
+                "grads": [jax.grad(loss(fn), argnums=(0, 1))(x, v) for fn in (scale_channels, plain)],
+                "vmapped": [jax.vmap(jax.grad(loss(fn), argnums=(0, 1)))(xs, vs) for fn in (scale_channels, plain)]}
+
+    out = compare(x, v, weights)
+    weighted, weighted_by_hand, summed, summed_by_hand = out["sums"]
+    np.testing.assert_allclose(weighted, weighted_by_hand, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(summed, summed_by_hand, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(*out["scaled"], rtol=1e-6)
+    for got, want in (out["grads"], out["vmapped"]):
+        for a, b in zip(got, want):
+            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match=r"one value per channel.*shape \(3,\)"):
         scale_channels(x, jnp.ones(3))
 
@@ -404,39 +439,44 @@ def test_channel_sum_and_scale_channels_match_plain_jax(shape):
 def test_batch_norm_normalize_and_its_gradient_match_autodiff_of_the_textbook_formula(shape, valid):
     """`batch_norm.normalize` (sums as products, hand-written gradient) against jnp reductions under autodiff,
     with a loss that reads the normalized output and the statistics, and against Flax's BatchNorm."""
-    x = 3.0 * jax.random.normal(jax.random.key(0), shape) + 1.0
-    scale = jnp.linspace(0.5, 1.5, shape[-1])
-    bias = jnp.linspace(-1.0, 1.0, shape[-1])
-    weights = (jnp.arange(shape[0]) < valid).astype(jnp.float32)
-    g = jax.random.normal(jax.random.key(1), shape)
-    a, b = jnp.linspace(-2.0, 2.0, shape[-1]), jnp.linspace(1.0, 3.0, shape[-1])
+    rng = np.random.default_rng(0)
+    x = 3 * rng.standard_normal(shape, np.float32) + 1
+    scale = np.linspace(0.5, 1.5, shape[-1], dtype=np.float32)
+    bias = np.linspace(-1.0, 1.0, shape[-1], dtype=np.float32)
+    g = rng.standard_normal(shape, np.float32)
+    a, b = np.linspace(-2.0, 2.0, shape[-1], dtype=np.float32), np.linspace(1.0, 3.0, shape[-1], dtype=np.float32)
     axes = tuple(range(x.ndim - 1))
 
-    def textbook(x, scale, bias):
-        m = weights.reshape((-1,) + (1,) * (x.ndim - 1)) > 0
-        mean = jnp.mean(x, axes, where=m)
-        var = jnp.maximum(0.0, jnp.mean(x * x, axes, where=m) - mean * mean)
-        return (x - mean) * jax.lax.rsqrt(var + L.BN_EPSILON) * scale + bias, mean, var
+    @jax.jit  # one program for every comparison (eagerly each operation compiles on its own)
+    def compare(x, scale, bias, weights):
+        def textbook(x, scale, bias):
+            m = weights.reshape((-1,) + (1,) * (x.ndim - 1)) > 0
+            mean = jnp.mean(x, axes, where=m)
+            var = jnp.maximum(0.0, jnp.mean(x * x, axes, where=m) - mean * mean)
+            return (x - mean) * jax.lax.rsqrt(var + L.BN_EPSILON) * scale + bias, mean, var
 
-    def loss(fn):
-        def f(x, scale, bias):
-            y, mean, var = fn(x, scale, bias)
-            return jnp.sum(jnp.tanh(y) * g) + jnp.sum(a * mean) + jnp.sum(b * var)
-        return f
+        def loss(fn):
+            def f(x, scale, bias):
+                y, mean, var = fn(x, scale, bias)
+                return jnp.sum(jnp.tanh(y) * g) + jnp.sum(a * mean) + jnp.sum(b * var)
+            return f
 
-    library = lambda x, scale, bias: normalize(x, scale, bias, weights, L.BN_EPSILON)  # noqa: E731
-    for got, want in zip(library(x, scale, bias), textbook(x, scale, bias)):
-        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
-    got = jax.jit(jax.grad(loss(library), argnums=(0, 1, 2)))(x, scale, bias)
-    want = jax.grad(loss(textbook), argnums=(0, 1, 2))(x, scale, bias)
+        library = lambda x, scale, bias: normalize(x, scale, bias, weights, L.BN_EPSILON)  # noqa: E731
+        flax_bn = nn.BatchNorm(use_running_average=False, epsilon=L.BN_EPSILON)
+        variables = {"params": {"scale": scale, "bias": bias},
+                     "batch_stats": {"mean": jnp.zeros(shape[-1]), "var": jnp.ones(shape[-1])}}
+        flax_y, _ = flax_bn.apply(variables, x, mask=weights.reshape((-1,) + (1,) * (x.ndim - 1)) > 0,
+                                  mutable=["batch_stats"])
+        return (library(x, scale, bias), textbook(x, scale, bias), jax.grad(loss(library), argnums=(0, 1, 2))(
+            x, scale, bias), jax.grad(loss(textbook), argnums=(0, 1, 2))(x, scale, bias), flax_y)
+
+    weights = (np.arange(shape[0]) < valid).astype(np.float32)
+    library, textbook, got, want, flax_y = compare(x, scale, bias, weights)
+    for got_value, want_value in zip(library, textbook):
+        np.testing.assert_allclose(got_value, want_value, rtol=1e-5, atol=1e-5)
     for gd, wt in zip(got, want):
         np.testing.assert_allclose(gd, wt, rtol=1e-4, atol=1e-5 * float(jnp.max(jnp.abs(wt))))
-    flax_bn = nn.BatchNorm(use_running_average=False, epsilon=L.BN_EPSILON)
-    variables = {"params": {"scale": scale, "bias": bias},
-                 "batch_stats": {"mean": jnp.zeros(shape[-1]), "var": jnp.ones(shape[-1])}}
-    flax_y, _ = flax_bn.apply(variables, x, mask=weights.reshape((-1,) + (1,) * (x.ndim - 1)) > 0,
-                              mutable=["batch_stats"])
-    np.testing.assert_allclose(library(x, scale, bias)[0], flax_y, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(library[0], flax_y, rtol=1e-5, atol=1e-5)
 
 
 def test_masked_batchnorm_all_padded_batch_is_a_finite_no_op():
@@ -458,15 +498,18 @@ def test_masked_batchnorm_all_padded_batch_is_a_finite_no_op():
 
 def test_model_mask_excludes_padded_examples():
     """A whole model with BN: padded rows change neither the valid logits nor the statistics."""
-    model = get_model("cnn4", (8, 8, 1), 10)
-    variables = model.init(jax.random.key(0, impl="rbg"))
+    model, variables = initialized("cnn4", (8, 8, 1), 10)
     x = jax.random.normal(jax.random.key(1), (8, 8, 8, 1))
     mask = jnp.array([True, False, True, True, False, True, False, False])
     valid = np.asarray(mask)
-    logits, stats = model.apply(variables, x, train=True, mask=mask)
-    junk = jnp.where(mask[:, None, None, None], x, 100.0)
-    logits_junk, stats_junk = model.apply(variables, junk, train=True, mask=mask)
-    logits_valid, stats_valid = model.apply(variables, x[valid], train=True)
+
+    @jax.jit  # one program (eager Flax compiles its operations one at a time)
+    def forward(variables, x, mask):
+        junk = jnp.where(mask[:, None, None, None], x, 100.0)
+        return (model.apply(variables, x, train=True, mask=mask), model.apply(variables, junk, train=True, mask=mask),
+                model.apply(variables, x[valid], train=True))
+
+    (logits, stats), (logits_junk, stats_junk), (logits_valid, stats_valid) = forward(variables, x, mask)
     np.testing.assert_allclose(logits[valid], logits_valid, rtol=1e-3, atol=1e-4)
     np.testing.assert_allclose(logits_junk[valid], logits_valid, rtol=1e-3, atol=1e-4)
     for a, b, c in zip(*(jax.tree_util.tree_leaves(s) for s in (stats, stats_junk, stats_valid))):
@@ -533,9 +576,9 @@ def test_conv2d_gradients_equal_jax_differentiating_lax_conv(size, kernel, strid
     convolution, tap products (output smaller than the kernel), and the frame of stride-1 gradients
     padded by 2 or more (spafl_cnn's conv3 shape, a non-square input, 3x3 and cropped 5x5 kernels)."""
     height, width = size if isinstance(size, tuple) else (size, size)
-    kx, kw, kg = jax.random.split(jax.random.key(height * kernel + stride), 3)
-    x = jax.random.normal(kx, (3, 2, height, width, 3))
-    w = jax.random.normal(kw, (3, kernel, kernel, 3, 4))
+    rng = np.random.default_rng(height * kernel + stride)
+    x = rng.standard_normal((3, 2, height, width, 3), np.float32)
+    w = rng.standard_normal((3, kernel, kernel, 3, 4), np.float32)
 
     def reference(x, w):
         return jax.lax.conv_general_dilated(x, w, (stride, stride), [(padding, padding)] * 2,
@@ -544,13 +587,15 @@ def test_conv2d_gradients_equal_jax_differentiating_lax_conv(size, kernel, strid
     def ours(x, w):
         return conv2d(x, w, stride, padding)
 
-    g = jax.random.normal(kg, jax.vmap(reference)(x, w).shape)
+    g = rng.standard_normal(jax.eval_shape(jax.vmap(reference), x, w).shape, np.float32)
 
-    def grads(fn):
+    def grads(fn, x, w, g):
         loss = lambda x, w: jnp.sum(fn(x, w) * g)  # noqa: E731
         return jax.vmap(fn)(x, w), jax.vmap(jax.grad(loss, argnums=(0, 1)))(x, w)
 
-    (y_ref, (dx_ref, dw_ref)), (y, (dx, dw)) = grads(reference), grads(ours)
+    # one program for both (eagerly each operation compiles on its own)
+    (y_ref, (dx_ref, dw_ref)), (y, (dx, dw)) = jax.jit(lambda *args: (grads(reference, *args), grads(ours, *args)))(
+        x, w, g)
     for a, b in ((y, y_ref), (dx, dx_ref), (dw, dw_ref)):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
 
@@ -567,12 +612,13 @@ def test_input_gradient_frame_equals_the_one_convolution_on_every_platform(in_hw
     assert uses_frame(k, out_hw, 1, padding, "cpu") and not uses_frame(k, out_hw, 1, padding, "gpu")
     assert not uses_frame((3, 3), (8, 8), 1, 1, "cpu") and not uses_frame((5, 5), (8, 8), 2, 0, "cpu")
     assert not uses_frame((5, 5), (4, 4), 1, 0, "cpu")  # smaller than the kernel: tap products
-    kd, kw = jax.random.split(jax.random.key(kernel + padding))
-    dy = jax.random.normal(kd, (2, *out_hw, 4))
-    w = jax.random.normal(kw, (kernel, kernel, 3, 4))
-    frame = _input_gradient_by_frame(dy, w, padding)
+    rng = np.random.default_rng(kernel + padding)
+    dy = rng.standard_normal((2, *out_hw, 4), np.float32)
+    w = rng.standard_normal((kernel, kernel, 3, 4), np.float32)
+    frame, convolution = jax.jit(lambda dy, w: (_input_gradient_by_frame(dy, w, padding),  # one program
+                                                _input_gradient_by_convolution(dy, w, 1, padding, in_hw)))(dy, w)
     assert frame.shape == (2, *in_hw, 3)
-    np.testing.assert_allclose(frame, _input_gradient_by_convolution(dy, w, 1, padding, in_hw), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(frame, convolution, rtol=1e-5, atol=1e-5)
 
 
 def test_conv2d_refuses_what_it_does_not_implement():
@@ -631,7 +677,7 @@ def test_char_lstm_is_tensorflows_basic_lstm_cell_written_out_in_numpy():
     model = get_model("char_lstm", (3,), 5)
     rng = np.random.default_rng(0)
     params = jax.tree_util.tree_map(lambda a: rng.normal(0, 0.3, a.shape).astype(np.float32),
-                                    jax.device_get(model.init(jax.random.key(0))["params"]))
+                                    jax.eval_shape(model.init, jax.random.key(0))["params"])
     tokens = np.array([[4, 0, 2]], np.int32)
 
     def sigmoid(z):
@@ -651,17 +697,20 @@ def test_char_lstm_is_tensorflows_basic_lstm_cell_written_out_in_numpy():
         return h_seq[-1] @ params["fc"]["kernel"] + params["fc"]["bias"]
 
     full = {l.name: np.ones(l.num_units, np.float32) for l in model.structure.layers}
-    logits, _ = model.apply({"params": params, "batch_stats": {}}, jnp.asarray(tokens), train=False)
-    np.testing.assert_allclose(logits[0], by_hand(full), rtol=2e-4, atol=2e-5)
     masks = {**full, "lstm1": np.where(np.arange(256) == 3, 0.0, 1.0).astype(np.float32)}
-    masked, _ = model.apply({"params": params, "batch_stats": {}, "unit_masks": masks}, jnp.asarray(tokens),
-                            train=False)
-    np.testing.assert_allclose(masked[0], by_hand(masks), rtol=2e-4, atol=2e-5)
-    assert not np.allclose(masked, logits)
     # the dropped unit's weights (its gate columns, its row read back) take no part
     changed = {**params, "lstm1": {"kernel": params["lstm1"]["kernel"].copy(), "bias": params["lstm1"]["bias"]}}
     changed["lstm1"]["kernel"][:, :, 3] += 5.0
     changed["lstm1"]["kernel"][:, 8 + 3, :] += 5.0
-    again, _ = model.apply({"params": changed, "batch_stats": {}, "unit_masks": masks}, jnp.asarray(tokens),
-                           train=False)
+
+    @jax.jit  # one program (eagerly each operation compiles on its own)
+    def forward(params, changed, masks, tokens):
+        return (model.apply({"params": params, "batch_stats": {}}, tokens, train=False)[0],
+                model.apply({"params": params, "batch_stats": {}, "unit_masks": masks}, tokens, train=False)[0],
+                model.apply({"params": changed, "batch_stats": {}, "unit_masks": masks}, tokens, train=False)[0])
+
+    logits, masked, again = forward(params, changed, masks, tokens)
+    np.testing.assert_allclose(logits[0], by_hand(full), rtol=2e-4, atol=2e-5)
+    np.testing.assert_allclose(masked[0], by_hand(masks), rtol=2e-4, atol=2e-5)
+    assert not np.allclose(masked, logits)
     np.testing.assert_array_equal(again, masked)

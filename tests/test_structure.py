@@ -89,11 +89,17 @@ def mask_draws(structure, seed: int) -> dict[str, dict]:
     fractions = jnp.asarray(FRACTIONS, jnp.float32)
     draws = {}
     prefix = prefix_scores(structure)
-    for label, layers in (("submodel", None), ("spatl", encoder), ("ordered", None)):
-        scores = {l.name: (np.broadcast_to(prefix[l.name], (len(FRACTIONS), l.num_units)) if label == "ordered" else
-                           rng.standard_normal((len(FRACTIONS), l.num_units), np.float32)) for l in structure.layers}
-        select = jax.jit(jax.vmap(lambda s, f: keep_top_units(structure, s, f, layers=layers)))
-        masks = jax.device_get(select(scores, fractions))
+    selections = (("submodel", None), ("spatl", encoder), ("ordered", None))
+    scores = [{l.name: (np.broadcast_to(prefix[l.name], (len(FRACTIONS), l.num_units)) if label == "ordered" else
+                        rng.standard_normal((len(FRACTIONS), l.num_units), np.float32)) for l in structure.layers}
+              for label, _ in selections]
+
+    @jax.jit  # every selection one program
+    def select(scores, fractions):
+        return [jax.vmap(lambda s, f: keep_top_units(structure, s, f, layers=layers))(score, fractions)
+                for (_, layers), score in zip(selections, scores)]
+
+    for (label, _), masks in zip(selections, jax.device_get(select(scores, fractions))):
         for i, fraction in enumerate(FRACTIONS):
             draws[f"{label}@{fraction}"] = {k: m[i] for k, m in masks.items()}
     for keep in UNTIED_KEEP:
@@ -117,7 +123,7 @@ def zoo_run(request):
     model = zoo_model(request.param)
     variables = positive_variables(model, 1)
     draws = list(mask_draws(model.structure, 2).items())
-    stacked = jax.tree_util.tree_map(lambda *m: jnp.stack(m), *[m for _, m in draws])
+    stacked = jax.tree_util.tree_map(lambda *m: np.stack(m), *[m for _, m in draws])
     rng = np.random.default_rng(3)  # each draw its own positive input and projection of the logits
     x = positive_inputs(model, rng, len(draws))
     projection = rng.standard_normal((len(draws), 1, 10), np.float32)
@@ -134,8 +140,8 @@ def zoo_run(request):
                 "input_units": input_unit_masks(structure, masks),
                 "flops": {c: layer_forward_flops(structure, masks, count_inputs=c) for c in (True, False)}}
 
-    out = jax.jit(jax.vmap(run, in_axes=(None, 0, 0, 0)))(variables, stacked, x, projection)
-    return model, [(label, masks, jax.tree_util.tree_map(lambda a: np.asarray(a[d]), out))
+    out = jax.device_get(jax.jit(jax.vmap(run, in_axes=(None, 0, 0, 0)))(variables, stacked, x, projection))
+    return model, [(label, masks, jax.tree_util.tree_map(lambda a: a[d], out))
                    for d, (label, masks) in enumerate(draws)]
 
 

@@ -11,6 +11,7 @@ import numpy as np
 import optax
 import pytest
 
+from conftest import initialized, synthetic_split
 from fedjax_sparse.algorithms import fedavg, make_algorithm, make_options
 from fedjax_sparse.algorithms.fedgse import (public_set, similar_batch, top_labels,
                                              unit_gradient_scores)
@@ -43,37 +44,73 @@ def build(name, ctx, **options):
     return make_algorithm(name, ctx, make_options(name, options))
 
 
+def start(algorithm, variables, num_clients):
+    """The server state `algorithm.init` makes of `variables`, compiled (eagerly each operation compiles on its
+    own, per leaf shape)."""
+    return jax.jit(lambda v: algorithm.init(jax.random.key(1), v, num_clients)[0])(variables)
+
+
+def exchanges(algorithm):
+    """(server, client, data, info, seed=2) -> (download, upload, their bytes): the broadcast and the client's
+    update with key `seed`, one program for every client and round."""
+    @jax.jit
+    def run(server, client, data, info, key):
+        down = algorithm.broadcast(server, client, info)
+        up, _, _ = algorithm.client_update(down, {}, data, key, info)
+        return down, up, message_bytes(down), message_bytes(up)
+
+    return lambda server, client, data, info, seed=2: jax.device_get(run(server, jnp.int32(client), data, info,
+                                                                         jax.random.key(seed)))
+
+
 @pytest.fixture(scope="module")
 def mlp():
     return get_model("mlp", (8, 8, 1), 10)
 
 
+def mlp_variables():
+    return initialized("mlp", (8, 8, 1), 10)[1]
+
+
+def after_two_rounds(algorithm, split, variables):
+    server, clients = algorithm.init(jax.random.key(1), variables, split.num_clients)
+    round_fn = build_round(algorithm, split, 2, seed=3)
+    for r in range(2):
+        server, clients, _ = round_fn(server, clients, r)
+    return algorithm.global_variables(server)["params"]
+
+
+def capacity_one_setting():
+    """The MLP, four clients (9, 17, 12, 30 examples), momentum 0.5, and its variables."""
+    model, variables = initialized("mlp", (8, 8, 1), 10)
+    split = synthetic_split([9, 17, 12, 30])
+    return context(model, split, momentum=0.5), split, variables
+
+
+@functools.cache
+def fedavg_after_two_rounds():
+    """FedAvg's model after two rounds of `capacity_one_setting`, once for every rule compared with it."""
+    ctx, split, variables = capacity_one_setting()
+    return after_two_rounds(fedavg(ctx.local), split, variables)
+
+
 @pytest.mark.parametrize("name,extra", [("heterofl", {}), ("fedrolex", {}), ("feddropout", {}),
                                         ("fedgse", {"similar_labels": "csl"}),
                                         ("fedgse", {"similar_labels": "spl"})])
-def test_every_rule_at_capacity_one_is_fedavg(make_split, mlp, name, extra):
+def test_every_rule_at_capacity_one_is_fedavg(name, extra):
     """All capacities 1: every unit kept, nothing frozen, the data-weighted mean over holders is
     FedAvg's mean: the same model after two rounds."""
-    split = make_split([9, 17, 12, 30])
-    ctx = context(mlp, split, momentum=0.5)
-    variables = mlp.init(jax.random.key(0))
-    finals = []
-    for algorithm in (fedavg(ctx.local), build(name, ctx, capacities=(1.0,), **extra)):
-        server, clients = algorithm.init(jax.random.key(1), variables, 4)
-        round_fn = build_round(algorithm, split, 2, seed=3)
-        for r in range(2):
-            server, clients, out = round_fn(server, clients, r)
-        finals.append(algorithm.global_variables(server)["params"])
-    assert_trees_close(finals[0], finals[1])
+    ctx, split, variables = capacity_one_setting()
+    assert_trees_close(fedavg_after_two_rounds(),
+                       after_two_rounds(build(name, ctx, capacities=(1.0,), **extra), split, variables))
 
 
 def test_capacity_one_is_fedavg_with_batchnorm_statistics_too(make_split):
     """cnn4 (BatchNorm) without static BN: running statistics travel and average like FedAvg's."""
-    model = get_model("cnn4", (8, 8, 1), 10)
+    model, variables = initialized("cnn4", (8, 8, 1), 10)
     # equal full batches: BatchNorm over a partial batch of 2 (a 1x1 map at conv4) would amplify
     # float reordering between any two programs to ~1e-4
     split = make_split([8, 8, 8])
-    variables = model.init(jax.random.key(0))
     finals = []
     ctx = context(model, split, batch_size=8)
     for algorithm in (fedavg(ctx.local), build("heterofl", ctx, capacities=(1.0,), static_bn=False)):
@@ -93,28 +130,30 @@ def test_submodel_messages_cost_the_papers_parameter_counts(name, counts):
     model = get_model(name, (32, 32, 3), 10)
     split = federated_split(np.zeros((4, 32, 32, 3), np.uint8), np.arange(4) % 10, [np.arange(2), np.arange(2, 4)],
                             [0.5] * 3, [0.25] * 3)
-    variables = model.init(jax.random.key(0))
+    variables = tree_map(lambda s: np.zeros(s.shape, s.dtype), jax.eval_shape(model.init, jax.random.key(0)))
     info = round_info(0, 3, jnp.array([0, 1]))
-    for beta, count in zip((1.0, 0.5, 0.25, 0.125, 0.0625), counts):
-        for rule in ("heterofl", "fedrolex") if beta == 0.5 else ("heterofl",):
-            algorithm = build(rule, context(model, split), capacities=(beta,))
-            server, _ = algorithm.init(jax.random.key(1), variables, 2)
-            assert int(message_bytes(algorithm.broadcast(server, 0, info))) == 4 * count, (rule, beta)
+    cases = [(rule, beta, count) for beta, count in zip((1.0, 0.5, 0.25, 0.125, 0.0625), counts)
+             for rule in (("heterofl", "fedrolex") if beta == 0.5 else ("heterofl",))]
+    algorithms = [build(rule, context(model, split), capacities=(beta,)) for rule, beta, _ in cases]
+
+    @jax.jit  # every case one program (eagerly each operation compiles on its own, per leaf shape)
+    def prices(variables):
+        return [message_bytes(a.broadcast(a.init(jax.random.key(1), variables, 2)[0], 0, info)) for a in algorithms]
+
+    for (rule, beta, count), price in zip(cases, prices(variables)):
+        assert int(price) == 4 * count, (rule, beta)  # values are not priced: zeros will do
 
 
 def test_a_dropped_entry_is_unchanged_by_training_with_momentum_and_weight_decay(make_split):
     """cnn4 at beta = 1/2 with momentum 0.9 and weight decay: every entry outside the sub-model
     (kernel entries of dropped output or input units, their biases, BN parameters and running
     statistics) leaves local training exactly as it came, and is not in the upload; kept ones move."""
-    model = get_model("cnn4", (8, 8, 1), 10)
+    model, variables = initialized("cnn4", (8, 8, 1), 10)
     split = make_split([12, 12])
     ctx = context(model, split, lr=0.05, epochs=2, batch_size=6, momentum=0.9, weight_decay=5e-3)
     algorithm = build("feddropout", ctx, capacities=(0.5,), static_bn=False)
-    variables = model.init(jax.random.key(0))
-    server, _ = algorithm.init(jax.random.key(1), variables, 2)
-    info = round_info(0, 0, jnp.array([0, 1]))
-    down = algorithm.broadcast(server, 1, info)
-    up, _, _ = jax.jit(algorithm.client_update)(down, {}, split.client(1), jax.random.key(2), info)
+    _, up, _, price = exchanges(algorithm)(start(algorithm, variables, 2), 1, split.client(1),
+                                           round_info(0, 0, jnp.array([0, 1])))
     is_known = lambda x: isinstance(x, KnownMaskArray)  # noqa: E731
     masks = tree_map(lambda a: np.asarray(a.mask), up["variables"], is_leaf=is_known)
     after = tree_map(lambda a: np.asarray(a.values), up["variables"], is_leaf=is_known)
@@ -126,7 +165,7 @@ def test_a_dropped_entry_is_unchanged_by_training_with_momentum_and_weight_decay
     assert moved > 0.9 * sum(int(m.sum()) for m in jax.tree_util.tree_leaves(masks["params"]))
     kernel_mask = masks["params"]["conv2"]["kernel"]
     assert 0 < kernel_mask.mean() < 0.3  # output and input units both halved: about a quarter kept
-    assert int(message_bytes(up)) == 4 * sum(int(m.sum()) for m in jax.tree_util.tree_leaves(masks))
+    assert int(price) == 4 * sum(int(m.sum()) for m in jax.tree_util.tree_leaves(masks))
 
 
 def test_fedrolex_window_by_hand_across_a_wrap_around(mlp):
@@ -146,36 +185,38 @@ def test_fedrolex_window_by_hand_across_a_wrap_around(mlp):
 def test_fedgse_scores_are_the_summed_output_gradients_by_hand(mlp):
     """The MLP written out in jnp: h1 = relu(x W1 + b1), h2 = relu(h1 W2 + b2), logits = h2 W3 + b3;
     the score of a unit is sum over examples of |dL/dh| (L = mean cross-entropy of the real examples)."""
-    variables = mlp.init(jax.random.key(0))
-    p = variables["params"]
-    x = jax.random.normal(jax.random.key(1), (5, 8, 8, 1))
+    variables = mlp_variables()
+    x = np.random.default_rng(1).standard_normal((5, 8, 8, 1), np.float32)
     y = jnp.array([1, 3, 3, 7, 0])
     mask = jnp.array([True, True, True, True, False])
-    flat = x.reshape(5, -1)
 
-    def loss_from(h1=None, h2=None):
-        h1 = jax.nn.relu(flat @ p["fc1"]["kernel"] + p["fc1"]["bias"]) if h1 is None else h1
-        h2 = jax.nn.relu(h1 @ p["fc2"]["kernel"] + p["fc2"]["bias"]) if h2 is None else h2
-        logits = h2 @ p["fc3"]["kernel"] + p["fc3"]["bias"]
-        losses = optax.softmax_cross_entropy_with_integer_labels(logits, y)
-        return jnp.sum(jnp.where(mask, losses, 0.0)) / 4
+    @jax.jit  # one program for both (eagerly each operation compiles on its own)
+    def scores_and_by_hand(variables, x):
+        p = variables["params"]
+        flat = x.reshape(5, -1)
 
-    h1 = jax.nn.relu(flat @ p["fc1"]["kernel"] + p["fc1"]["bias"])
-    h2 = jax.nn.relu(h1 @ p["fc2"]["kernel"] + p["fc2"]["bias"])
-    expected = {"fc1": jnp.abs(jax.grad(lambda h: loss_from(h1=h))(h1)).sum(0),
-                "fc2": jnp.abs(jax.grad(lambda h: loss_from(h1, h2=h))(h2)).sum(0)}
-    scores = unit_gradient_scores(mlp, variables, x, y, mask)
+        def loss_from(h1=None, h2=None):
+            h1 = jax.nn.relu(flat @ p["fc1"]["kernel"] + p["fc1"]["bias"]) if h1 is None else h1
+            h2 = jax.nn.relu(h1 @ p["fc2"]["kernel"] + p["fc2"]["bias"]) if h2 is None else h2
+            logits = h2 @ p["fc3"]["kernel"] + p["fc3"]["bias"]
+            losses = optax.softmax_cross_entropy_with_integer_labels(logits, y)
+            return jnp.sum(jnp.where(mask, losses, 0.0)) / 4
+
+        h1 = jax.nn.relu(flat @ p["fc1"]["kernel"] + p["fc1"]["bias"])
+        h2 = jax.nn.relu(h1 @ p["fc2"]["kernel"] + p["fc2"]["bias"])
+        expected = {"fc1": jnp.abs(jax.grad(lambda h: loss_from(h1=h))(h1)).sum(0),
+                    "fc2": jnp.abs(jax.grad(lambda h: loss_from(h1, h2=h))(h2)).sum(0)}
+        return unit_gradient_scores(mlp, variables, x, y, mask), expected
+
+    scores, expected = scores_and_by_hand(variables, x)
     for name, value in expected.items():
         np.testing.assert_allclose(scores[name], value, rtol=1e-5, atol=1e-7)
     assert float(expected["fc1"].max()) > 0
 
 
-@functools.cache
 def small_model(name):
-    """(model, variables) on 8x8x3 images, initialized once per module (jitted: Flax's eager
-    initialization of preresnet18 takes seconds)."""
-    model = get_model(name, (8, 8, 3), 10)
-    return model, jax.jit(model.init)(jax.random.key(0))
+    """(model, variables) on 8x8x3 images."""
+    return initialized(name, (8, 8, 3), 10)
 
 
 def test_group_tied_selection_keeps_residual_sums_consistent_on_preresnet18():
@@ -186,9 +227,9 @@ def test_group_tied_selection_keeps_residual_sums_consistent_on_preresnet18():
                             [np.arange(20), np.arange(20, 40)], [0.5] * 3, [0.25] * 3)
     algorithm = build("fedgse", context(model, split, s=10), capacities=(0.25,), public_fraction=0.5,
                       similar_examples=16)
-    server, _ = algorithm.init(jax.random.key(1), variables, 2)
-    down = jax.jit(algorithm.broadcast)(server, 0, round_info(0, 0, jnp.array([0, 1])))
-    masks = down["unit_masks"].value
+    broadcast = jax.jit(lambda v: algorithm.broadcast(algorithm.init(jax.random.key(1), v, 2)[0], 0,  # one program
+                                                      round_info(0, 0, jnp.array([0, 1]))))
+    masks = jax.device_get(broadcast(variables)["unit_masks"].value)
     groups = {}
     for layer in model.structure.layers:
         if layer.unit_group:
@@ -210,21 +251,23 @@ def test_spl_recovers_the_labels_of_a_client_trained_on_two_classes():
     seen gets random labels."""
     from fedjax_sparse.data import load_digits
     data = load_digits()
-    model = get_model("mlp", data.input_shape, 10)
+    model, variables = initialized("mlp", data.input_shape, 10)
     y = data.y_train
     own = np.flatnonzero((y == 3) | (y == 7))
     rest = np.setdiff1d(np.arange(len(y)), own)
     split = federated_split(data.x_train, y, [own, rest[: len(rest) // 2], rest[len(rest) // 2:]],
                             data.mean, data.std)
-    ctx = context(mlp_model := model, split, lr=0.1, epochs=3, batch_size=16, k=1)
+    ctx = context(model, split, lr=0.1, epochs=3, batch_size=16, k=1)
     algorithm = build("fedgse", ctx, capacities=(1.0,), similar_labels="spl", public_fraction=0.3)
-    server, _ = algorithm.init(jax.random.key(1), mlp_model.init(jax.random.key(0)), 3)
     info = round_info(0, 0, jnp.array([0]))
-    down = algorithm.broadcast(server, 0, info)
-    up, _, _ = jax.jit(algorithm.client_update)(down, {}, split.client(0), jax.random.key(2), info)
-    stacked = tree_map(lambda a: a[None], up)
-    server = algorithm.server_update(server, stacked, jnp.array([float(len(own))]), info)
-    memory = server["memory"]
+
+    @jax.jit  # the round one program (eagerly each operation compiles on its own)
+    def one_round(variables, data):
+        server, _ = algorithm.init(jax.random.key(1), variables, 3)
+        up, _, _ = algorithm.client_update(algorithm.broadcast(server, 0, info), {}, data, jax.random.key(2), info)
+        return algorithm.server_update(server, tree_map(lambda a: a[None], up), jnp.array([float(len(own))]), info)
+
+    memory = jax.device_get(one_round(variables, split.client(0))["memory"])
     assert bool(memory["seen"][0]) and not bool(memory["seen"][1])
     assert sorted(np.asarray(top_labels(memory["class_accuracy"][0], 2)).tolist()) == [3, 7]
 
@@ -232,16 +275,14 @@ def test_spl_recovers_the_labels_of_a_client_trained_on_two_classes():
 def test_csl_uploads_the_clients_top_labels_and_pays_for_them(make_split, mlp):
     split = make_split([30, 30])
     algorithm = build("fedgse", context(mlp, split, s=3), capacities=(0.5,))
-    server, _ = algorithm.init(jax.random.key(1), mlp.init(jax.random.key(0)), 2)
-    info = round_info(0, 0, jnp.array([0, 1]))
-    down = algorithm.broadcast(server, 1, info)
-    up, _, _ = jax.jit(algorithm.client_update)(down, {}, split.client(1), jax.random.key(2), info)
+    _, up, down_bytes, up_bytes = exchanges(algorithm)(start(algorithm, mlp_variables(), 2), 1, split.client(1),
+                                                       round_info(0, 0, jnp.array([0, 1])))
     labels = np.asarray(split.y)[30:]
     counts = np.bincount(labels, minlength=10)
     expected = sorted(np.argsort(-counts, kind="stable")[:3].tolist())
     assert sorted(np.asarray(up["feedback"]["labels"]).tolist()) == expected
     assert up["feedback"]["labels"].dtype == jnp.uint8
-    assert int(message_bytes(up)) == int(message_bytes(down)) + 3  # same sub-model both ways, plus s bytes
+    assert int(up_bytes) == int(down_bytes) + 3  # same sub-model both ways, plus s bytes
 
 
 def test_similar_batches_hold_only_the_clients_labels():
@@ -271,22 +312,30 @@ def test_capacities_are_pure_functions_of_seed_round_and_client():
 
 
 def conv1_outputs(model, variables, split):
-    x = normalize(split.x, split.mean, split.std)
-    _, state = model.module.apply({"params": variables["params"], "batch_stats": variables["batch_stats"]}, x,
-                                  train=False, capture_intermediates=True, mutable=["intermediates"])
-    return np.asarray(state["intermediates"]["conv1"]["__call__"][0])
+    @jax.jit  # one program (eagerly each operation compiles on its own)
+    def outputs(variables, x):
+        _, state = model.module.apply({"params": variables["params"], "batch_stats": variables["batch_stats"]},
+                                      normalize(x, split.mean, split.std), train=False, capture_intermediates=True,
+                                      mutable=["intermediates"])
+        return state["intermediates"]["conv1"]["__call__"][0]
+
+    return np.asarray(outputs(variables, split.x))
+
+
+def population_statistics(model, variables, split, key, batch_size):
+    """`population_batch_stats`, one program (eagerly each operation compiles on its own)."""
+    return jax.jit(lambda v, k: population_batch_stats(model, v, split, k, batch_size))(variables, key)
 
 
 def test_static_batchnorm_statistics_are_the_average_of_batch_statistics():
     """20 examples in batches of 8, 8 and 4 of the key's permutation: bn1's mean and variance are the
     size-weighted averages of the per-batch (biased) moments of conv1's outputs, computed here in NumPy."""
-    model = get_model("cnn4", (8, 8, 1), 10)
+    model, variables = initialized("cnn4", (8, 8, 1), 10)
     rng = np.random.default_rng(0)
     split = federated_split(rng.integers(0, 255, (20, 8, 8, 1), dtype=np.uint8), np.arange(20) % 10,
                             [np.arange(20)], [0.5], [0.25])
-    variables = model.init(jax.random.key(0))
     key = jax.random.key(5)
-    stats = population_batch_stats(model, variables, split, key, batch_size=8)
+    stats = population_statistics(model, variables, split, key, batch_size=8)
     conv1 = conv1_outputs(model, variables, split)[np.asarray(jax.random.permutation(key, 20))]
     batches = [conv1[:8], conv1[8:16], conv1[16:]]
     sizes = np.array([8, 8, 4])
@@ -300,18 +349,17 @@ def test_static_batchnorm_statistics_of_class_sorted_data_are_the_datas_not_one_
     """Two clients of 32 examples each, one class each, the classes' images far apart (dark and
     bright): batches taken in the split's order hold one class and would average within-class
     variances; shuffled, as HeteroFL's code draws them, bn1's variance is near the whole data's."""
-    model = get_model("cnn4", (8, 8, 1), 10)
+    model, variables = initialized("cnn4", (8, 8, 1), 10)
     rng = np.random.default_rng(1)
     dark = rng.integers(0, 40, (32, 8, 8, 1))
     bright = rng.integers(215, 255, (32, 8, 8, 1))
     split = federated_split(np.concatenate([dark, bright]).astype(np.uint8), np.repeat([0, 1], 32),
                             [np.arange(32), np.arange(32, 64)], [0.5], [0.25])
-    variables = model.init(jax.random.key(0))
     conv1 = conv1_outputs(model, variables, split)
     whole = conv1.var(axis=(0, 1, 2))
     within = (conv1[:32].var(axis=(0, 1, 2)) + conv1[32:].var(axis=(0, 1, 2))) / 2
     assert np.median(within / whole) < 0.3  # the classes differ: sorted batches would see a third at most
-    stats = population_batch_stats(model, variables, split, jax.random.key(2), batch_size=16)
+    stats = population_statistics(model, variables, split, jax.random.key(2), batch_size=16)
     ratio = np.asarray(stats["bn1"]["var"]) / whole
     assert 0.8 < np.median(ratio) < 1.05  # batches of 16 of 64 mixed examples: about 15/16 of the variance
 
@@ -323,21 +371,22 @@ def test_heterofl_aggregation_averages_class_rows_over_the_clients_holding_the_l
     split = federated_split(np.zeros((4, 8, 8, 1), np.uint8), np.array([0, 1, 1, 2]),
                             [np.arange(2), np.arange(2, 4)], [0.5], [0.25])
     ctx = context(mlp, split)
-    zeros = tree_map(jnp.zeros_like, mlp.init(jax.random.key(0)))
+    zeros = tree_map(np.zeros_like, mlp_variables())
     info = round_info(0, 0, jnp.array([0, 1]))
     results = {}
     for aggregation in ("masked_mean", "heterofl"):
         algorithm = build("heterofl", ctx, capacities=(1.0,), submodel_aggregation=aggregation)
-        server, _ = algorithm.init(jax.random.key(1), zeros, 2)
+        server = start(algorithm, zeros, 2)
+        exchange = exchanges(algorithm)
         ups = []
         for cid, value in ((0, 1.0), (1, 3.0)):
-            down = algorithm.broadcast(server, cid, info)
-            up = jax.jit(algorithm.client_update)(down, {}, split.client(cid), jax.random.key(cid), info)[0]
-            up = {**up, "variables": tree_map(lambda a: KnownMaskArray(jnp.full_like(a.values, value), a.mask),
+            _, up, _, _ = exchange(server, cid, split.client(cid), info, seed=cid)
+            up = {**up, "variables": tree_map(lambda a: KnownMaskArray(np.full_like(a.values, value), a.mask),
                                               up["variables"], is_leaf=lambda x: isinstance(x, KnownMaskArray))}
             ups.append(up)
-        stacked = tree_map(lambda *a: jnp.stack(a), *ups)
-        results[aggregation] = algorithm.server_update(server, stacked, jnp.array([10.0, 30.0]), info)["variables"]
+        stacked = tree_map(lambda *a: np.stack(a), *ups)
+        results[aggregation] = jax.jit(algorithm.server_update)(server, stacked, jnp.array([10.0, 30.0]),
+                                                                info)["variables"]
     np.testing.assert_allclose(results["masked_mean"]["params"]["fc3"]["kernel"], 2.5)
     het = results["heterofl"]["params"]
     np.testing.assert_allclose(het["fc2"]["kernel"], 2.0)
@@ -385,8 +434,10 @@ def test_fedrolex_counts_is_fedrolexs_code_weighting_and_heterofl_its_papers_pla
     ctx = context(mlp, split, k=3)
     algorithm = build("fedrolex", ctx, capacities=(1.0, 0.5, 0.25), submodel_aggregation="fedrolex_counts")
     plain = build("fedrolex", ctx, capacities=(1.0, 0.5, 0.25), submodel_aggregation="heterofl")
-    variables = mlp.init(jax.random.key(0))
-    server, _ = algorithm.init(jax.random.key(1), variables, 3)
+    variables = mlp_variables()
+    server = start(algorithm, variables, 3)
+    exchange, combine, combine_plainly = exchanges(algorithm), jax.jit(algorithm.server_update), jax.jit(
+        plain.server_update)
     old = {"/".join(p): np.asarray(a) for p, a in layer_paths({"params": variables["params"]})}
     order = ["params/fc1/kernel", "params/fc1/bias", "params/fc2/kernel", "params/fc2/bias", "params/fc3/kernel",
              "params/fc3/bias"]  # torch's state_dict order: the first key is the first layer's weight
@@ -397,9 +448,8 @@ def test_fedrolex_counts_is_fedrolexs_code_weighting_and_heterofl_its_papers_pla
         info = round_info(r, 3, jnp.array([0, 1, 2]))
         ups, values, masks, held = [], [], [], []
         for cid in (0, 1, 2):
-            up = jax.jit(algorithm.client_update)(algorithm.broadcast(server, cid, info), {}, split.client(cid),
-                                                  jax.random.key(cid), info)[0]
-            noisy = tree_map(lambda a: KnownMaskArray(jnp.asarray(rng.standard_normal(a.values.shape), jnp.float32),
+            _, up, _, _ = exchange(server, cid, split.client(cid), info, seed=cid)
+            noisy = tree_map(lambda a: KnownMaskArray(rng.standard_normal(a.values.shape).astype(np.float32),
                                                       a.mask), up["variables"],
                              is_leaf=lambda x: isinstance(x, KnownMaskArray))
             ups.append({**up, "variables": noisy})
@@ -410,10 +460,10 @@ def test_fedrolex_counts_is_fedrolexs_code_weighting_and_heterofl_its_papers_pla
         assert len({m["params/fc1/bias"].sum() for m in masks}) > 1  # sub-models of different widths
         expected, counts = fedrolex_combine(old, values, masks, held, counts, order,
                                             {"params/fc3/kernel", "params/fc3/bias"})
-        stacked = tree_map(lambda *a: jnp.stack(a), *ups)
+        stacked = tree_map(lambda *a: np.stack(a), *ups)
         sizes = jnp.array([3.0, 5.0, 7.0])  # unused by either rule
-        new = algorithm.server_update(server, stacked, sizes, info)
-        mean = plain.server_update(server, stacked, sizes, info)["variables"]["params"]
+        new = combine(server, stacked, sizes, info)
+        mean = combine_plainly(server, stacked, sizes, info)["variables"]["params"]
         got = {"/".join(p): np.asarray(a) for p, a in layer_paths({"params": new["variables"]["params"]})}
         plain_got = {"/".join(p): np.asarray(a) for p, a in layer_paths({"params": mean})}
         for k in old:
@@ -531,7 +581,7 @@ def test_a_half_width_client_counts_the_training_flops_of_its_sub_model(make_spl
     counts = [9, 17, 12, 30]
     split = make_split(counts)
     algorithm = build("heterofl", context(mlp, split), capacities=(0.5,))
-    server, clients = algorithm.init(jax.random.key(1), mlp.init(jax.random.key(0)), 4)
+    server, clients = algorithm.init(jax.random.key(1), mlp_variables(), 4)
     _, _, out = build_round(algorithm, split, 2, seed=3)(server, clients, 0)
     examples = np.asarray(counts)[np.asarray(out.client_ids)]
     np.testing.assert_allclose(out.metrics["train_flops"], 3 * (64 * 128 + 128 * 128 + 128 * 10) * examples,
@@ -596,11 +646,9 @@ def test_the_label_mask_fills_other_logits_as_chosen(mlp, fill):
     lr = 0.1
     algorithm = build("heterofl", context(mlp, split, lr=lr, batch_size=16), capacities=(1.0,), label_mask=True,
                       label_mask_fill=fill)
-    variables = mlp.init(jax.random.key(0))
-    server, _ = algorithm.init(jax.random.key(1), variables, 1)
-    info = round_info(0, 0, jnp.array([0]))
-    up, _, _ = jax.jit(algorithm.client_update)(algorithm.broadcast(server, 0, info), {}, split.client(0),
-                                                 jax.random.key(2), info)
+    variables = mlp_variables()
+    _, up, _, _ = exchanges(algorithm)(start(algorithm, variables, 1), 0, split.client(0),
+                                       round_info(0, 0, jnp.array([0])))
     held = jnp.isin(jnp.arange(10), jnp.array([1, 3]))
     x = normalize(split.x, split.mean, split.std)
 
@@ -609,7 +657,7 @@ def test_the_label_mask_fills_other_logits_as_chosen(mlp, fill):
         logits = jnp.where(held, logits, 0.0 if fill == "zero" else -jnp.inf)
         return -jnp.mean(jax.nn.log_softmax(logits)[jnp.arange(16), split.y])
 
-    grads = jax.grad(loss)(variables["params"])
+    grads = jax.jit(jax.grad(loss))(variables["params"])
     expected = tree_map(lambda w, g: w - lr * g, variables["params"], grads)
     trained = tree_map(lambda a: a.values, up["variables"]["params"], is_leaf=lambda a: isinstance(a, KnownMaskArray))
     assert_trees_close(trained, expected)
@@ -619,8 +667,11 @@ def test_the_label_mask_fills_other_logits_as_chosen(mlp, fill):
 def _public_scores(model, variables, public, labels):
     """{layer: scores} on every public example whose label is in `labels` (the similar batch when it
     is larger than the public set), with the score function tested by hand above."""
-    mask = jnp.isin(public.y, jnp.asarray(labels))
-    return unit_gradient_scores(model, variables, normalize(public.x, public.mean, public.std), public.y, mask)
+    mask = np.isin(public.y, labels)
+    return gradient_scores(model, variables, normalize(public.x, public.mean, public.std), public.y, mask)
+
+
+gradient_scores = jax.jit(unit_gradient_scores, static_argnums=0)  # eagerly each operation compiles on its own
 
 
 def _top_masks(structure, scores, capacity):
@@ -639,9 +690,8 @@ def _top_masks(structure, scores, capacity):
 def four_classes():
     """A 4-class MLP, 3 clients of 40 random examples, half of them in the public set (20 per client)."""
     from conftest import synthetic_split
-    model = get_model("mlp", (8, 8, 1), 4)
-    split = synthetic_split([40, 40, 40], seed=3, num_classes=4)
-    return model, split, model.init(jax.random.key(0))
+    model, variables = initialized("mlp", (8, 8, 1), 4)
+    return model, synthetic_split([40, 40, 40], seed=3, num_classes=4), variables
 
 
 def test_fedgse_keeps_the_top_gradient_units_of_the_clients_own_labels(four_classes):
@@ -696,7 +746,7 @@ def test_spl_broadcasts_the_units_of_its_predicted_labels_and_of_random_ones_for
 def test_federated_dropout_differs_per_client_and_per_round(make_split, mlp):
     split = make_split([10, 10, 10])
     algorithm = build("feddropout", context(mlp, split), capacities=(0.5,))
-    server, _ = algorithm.init(jax.random.key(1), mlp.init(jax.random.key(0)), 3)
+    server, _ = algorithm.init(jax.random.key(1), mlp_variables(), 3)
     broadcast = jax.jit(algorithm.broadcast)
 
     def fc1(client, r):
@@ -716,9 +766,8 @@ def test_fedrolex_bytes_and_entries_at_a_round_where_the_window_has_wrapped(make
     64 x 128 + 128 (fc1), 128 x 128 + 128 (fc2), 128 x 10 + 10 (fc3) float32 values."""
     split = make_split([12, 12])
     algorithm = build("fedrolex", context(mlp, split), capacities=(0.5,))
-    server, _ = algorithm.init(jax.random.key(1), mlp.init(jax.random.key(0)), 2)
-    info = round_info(0, 300, jnp.arange(2))
-    down = algorithm.broadcast(server, 1, info)
+    down, up, down_bytes, up_bytes = exchanges(algorithm)(start(algorithm, mlp_variables(), 2), 1, split.client(1),
+                                                         round_info(0, 300, jnp.arange(2)))
     window = np.zeros(256)
     window[np.r_[212:256, 0:84]] = 1
     masks = down["unit_masks"].value
@@ -727,6 +776,5 @@ def test_fedrolex_bytes_and_entries_at_a_round_where_the_window_has_wrapped(make
     kernel = np.asarray(down["variables"]["params"]["fc2"]["kernel"].mask)
     np.testing.assert_array_equal(kernel, np.outer(window, window).astype(bool))
     count = 64 * 128 + 128 + 128 * 128 + 128 + 128 * 10 + 10
-    assert int(message_bytes(down)) == 4 * count
-    up, _, _ = jax.jit(algorithm.client_update)(down, {}, split.client(1), jax.random.key(2), info)
-    assert int(message_bytes(up)) == 4 * count
+    assert int(down_bytes) == 4 * count
+    assert int(up_bytes) == 4 * count

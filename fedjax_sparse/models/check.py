@@ -48,9 +48,11 @@ def check_model(model: Model) -> None:
             raise ValueError(f"{where}: no normalization at {'/'.join(layer.norm)}")
     x = (jnp.zeros((2, *model.input_shape), jnp.int32) if model.input_kind == "tokens"
          else jnp.zeros((2, *model.input_shape), jnp.float32))
-    variables = model.init(jax.random.key(0))
-    logits, _, features = model.apply(variables, x + 1 if model.input_kind == "tokens" else x + 0.5, train=False,
-                                      features=True)
+    # compiled: eagerly, Flax compiles every operation of the initialization and the pass on its own (seconds
+    # for a large model, at every build of an outside model)
+    variables = jax.jit(model.init)(jax.random.key(0))
+    logits, _, features = jax.jit(lambda v, x: model.apply(v, x, train=False, features=True))(
+        variables, x + 1 if model.input_kind == "tokens" else x + 0.5)
     if logits.shape != (2, model.num_classes):
         raise ValueError(f"model {name!r}: its logits are {list(logits.shape)} for a batch of 2, not "
                          f"[2, {model.num_classes}]")
