@@ -9,7 +9,7 @@ import pytest
 
 from conftest import synthetic_split
 from fedjax_sparse.algorithms import BUILT_IN, fedavg, make_algorithm, make_options
-from fedjax_sparse.core.algorithm import BuildContext
+from fedjax_sparse.core.algorithm import BuildContext, PrivateSum
 from fedjax_sparse.core.contract import ContractError, check_contract
 from fedjax_sparse.core.local_training import LocalSGD
 from fedjax_sparse.models import get_model
@@ -155,3 +155,27 @@ def test_a_step_metric_that_is_not_a_scalar_is_refused(setting):
                                                                                 {"per_client": w}))
     with pytest.raises(ContractError, match="server_update's step metric 'per_client' is float32\\[2\\]"):
         check_contract(bad, variables, 4, 2, split)
+
+
+@pytest.mark.parametrize("declared,words", [
+    (PrivateSum(sensitivity=0.0), "PrivateSum.sensitivity must be a positive number of clip norms, got 0.0"),
+    (PrivateSum(replace_sensitivity=float("inf")), "PrivateSum.replace_sensitivity must be a positive number"),
+    (PrivateSum(denominator=3), "PrivateSum.denominator must be None or a count of uploads from 1 to the round's "
+                                "2 slots, got 3"),
+    (PrivateSum(feedback=("divergence",)), "PrivateSum.feedback names 'divergence', which is no upload leaf"),
+    (PrivateSum(clip_layers=(("params/fc9/kernel", "fc9"),)),
+     "PrivateSum.clip_layers names 'params/fc9/kernel', which is no upload leaf"),
+    (PrivateSum(clip_layers=(("params/fc1/kernel", "fc1"),)),
+     "PrivateSum.clip_layers gives the upload's params/fc1/bias no clipping layer"),
+])
+def test_a_private_sum_that_cannot_describe_the_upload_is_refused(setting, declared, words):
+    """An outside algorithm's `PrivateSum` is checked against its upload before round 1, with or without
+    privacy, in one line; a declaration that fits passes (FedLDF's and SCAFFOLD's, above)."""
+    model, split, local, context, variables = setting
+    with pytest.raises(ContractError) as caught:
+        check_contract(dataclasses.replace(fedavg(local), private_sum=declared), variables, 4, 2, split)
+    message = str(caught.value)
+    assert words in message and "\n" not in message and message.startswith("fedavg: ")
+    layers = tuple((f"params/{layer}/{kind}", layer) for layer in ("fc1", "fc2", "fc3") for kind in ("kernel", "bias"))
+    check_contract(dataclasses.replace(fedavg(local), private_sum=PrivateSum(clip_layers=layers)), variables, 4, 2,
+                   split)

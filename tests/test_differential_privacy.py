@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from fedjax_sparse.algorithms import fedavg
+from fedjax_sparse.algorithms import fedavg, make_algorithm, make_options
 from fedjax_sparse.algorithms.differential_privacy import DifferentialPrivacyOptions, privatize
 from fedjax_sparse.algorithms.fedldf import fedldf_random
 from fedjax_sparse.core.algorithm import BuildContext
@@ -176,6 +176,31 @@ def test_what_cannot_be_accounted_is_refused(setting, tmp_path, capsys):
         assert err.count("\n") == 1 and words in err, err
     assert main(["run", *TINY, "--rounds", "1", "--dp-clipping", "per_layer", "--out", str(tmp_path / "r")]) == 2
     assert "--dp-clipping is read only with --dp-clip" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name", ["scaffold", "spafl", "feddyn"])
+def test_clients_that_keep_state_are_refused_under_sampling_k_of_n(setting, name):
+    """A stateful client's message depends on its unreleased past rounds. Poisson sampling keeps the account
+    (the other clients' sampling and state may be shown to the adversary); sampling K of N cannot show them
+    without revealing who took part, so a noised run there is refused; local noise and a run without noise
+    (which claims no epsilon) are not."""
+    model, split, _ = setting
+    local = LocalSGD(model, 0.1, 1, 8)
+    context = BuildContext(local=local, num_clients=8, clients_per_round=4, train=split, num_classes=10)
+    algorithm = make_algorithm(name, context, make_options(name, {}))
+    options = DifferentialPrivacyOptions(dp_clip=1.0)
+    with pytest.raises(ValueError) as refused:
+        privatize(algorithm, context, options, noise_multiplier=1.0, expected_clients=4, sampling="uniform")
+    assert str(refused.value) == (f"--dp-clip with --sampler uniform: {name}'s clients keep state between rounds, "
+                                  f"and sampling K of N has no privacy account for a message that depends on it "
+                                  f"(the module docstring); use --sampler poisson, or --dp-noise local")
+    privatize(algorithm, context, options, noise_multiplier=1.0, expected_clients=4, sampling="poisson")
+    privatize(algorithm, context, options, noise_multiplier=0.0, expected_clients=4, sampling="uniform")
+    privatize(algorithm, context, dataclasses.replace(options, dp_noise="local"), noise_multiplier=1.0,
+              expected_clients=4, sampling="local")
+    # a stateless client under K of N is accounted as before
+    privatize(fedavg(local, "uniform"), context, options, noise_multiplier=1.0, expected_clients=4,
+              sampling="uniform")
 
 
 def test_adaptive_clipping_steps_the_norm_toward_the_quantile(setting):

@@ -43,11 +43,11 @@ def _context(model, split, lr):
                         num_classes=10)
 
 
-def _private_fedldf(model, split, n, clip, z, lr=0.5, relation="add_or_remove"):
+def _private_fedldf(model, split, n, clip, z, lr=0.5, sampling="poisson"):
     context = _context(model, split, lr)
     plain = fedldf(context.local, n, SLOTS)
     private = privatize(plain, context, DifferentialPrivacyOptions(dp_clip=clip, dp_clipping="per_layer"),
-                        noise_multiplier=z, expected_clients=SLOTS, relation=relation)
+                        noise_multiplier=z, expected_clients=SLOTS, sampling=sampling)
     return plain, private
 
 
@@ -97,14 +97,14 @@ def test_fedldf_sums_move_by_at_most_2C_when_a_client_is_added(setting):
     assert max(moved) > 1.2 * clip, moved
 
 
-@pytest.mark.parametrize("relation,spread", [("add_or_remove", 2.0), ("replace_one", 1.0)])
-def test_fedldf_noise_is_z_times_its_sensitivity_over_n(setting, relation, spread):
+@pytest.mark.parametrize("sampling,spread", [("poisson", 2.0), ("uniform", 1.0)])
+def test_fedldf_noise_is_z_times_its_sensitivity_over_n(setting, sampling, spread):
     """Clients that learn nothing (lr 1e-30) show the noise alone: each layer's mean over the n gains
     N(0, (z 2 C / n)^2) where clients are added or removed (Poisson sampling), N(0, (z C / n)^2) where one is
     replaced (a replaced client also moves the sums by 2 C, which the accountant counts as z / 2)."""
     model, split, variables = setting
     n, clip, z = 3, 0.5, 2.0
-    _, private = _private_fedldf(model, split, n, clip, z, lr=1e-30, relation=relation)
+    _, private = _private_fedldf(model, split, n, clip, z, lr=1e-30, sampling=sampling)
     server, ups, info = _round(private, split, variables)
     moved = _flat(_step(private, server, ups, info, None)["variables"]) - _flat(server["variables"])
     assert moved.size == 85002
@@ -241,8 +241,10 @@ def test_fedldf_and_topk_runs_record_their_epsilon(tmp_path, capsys):
      "--secure-aggregation: fedldf's server chooses each client's upload"),
     (["--uplink-compression", "topk", "--error-feedback", "--dp-noise", "local"],
      "--dp-noise local: fedavg's upload holds client-chosen indexes"),
-    (["--uplink-compression", "topk", "--error-feedback", "--secure-aggregation", "secagg+"],
+    (["--uplink-compression", "topk", "--error-feedback", "--sampler", "poisson", "--secure-aggregation", "secagg+"],
      "--secure-aggregation: fedavg's server reads each client's upload"),
+    (["--uplink-compression", "topk", "--error-feedback", "--sampler", "uniform"],
+     "--dp-clip with --sampler uniform: fedavg's clients keep state between rounds"),
 ])
 def test_what_cannot_be_accounted_is_refused_in_one_line(tmp_path, capsys, flags, words):
     assert main(["run", *TINY, "--rounds", "1", "--dp-clip", "1", *flags, "--out", str(tmp_path / "r")]) == 2

@@ -36,15 +36,17 @@ Each declaration's argument is in its algorithm's file:
 
 Since the algorithm reads the uploads only through those sums, what it releases is a function of the
 noised sums: the subsampled Gaussian mechanism `core.privacy_accounting` accounts, recorded every round. A
-client's message may depend on its own state (SCAFFOLD's control variate, SpaFL's personal model, error
-feedback's residual), so on its own past rounds, which are not released. Under Poisson sampling the
-account still holds: given the released past (and the other clients' sampling, the same in both
-neighbouring federations), a round's output is a mixture, over that hidden state, of subsampled Gaussians
-whose one differing contribution is within s C; Renyi divergence is jointly quasi-convex and the
-hockey-stick divergence jointly convex, so the mixture costs no more than its worst component, and the
-rounds compose as the accountant composes them. Under sampling K of N without replacement (neighbours by
-replacement) the two federations' posteriors over that state differ and the argument does not carry over:
-there the figure presumes a message that depends on the released past alone.
+client's message may depend on its own state (SCAFFOLD's control variate, SpaFL's personal model, FedDyn's
+correction, error feedback's residual), so on its own past rounds, which are not released. Under Poisson
+sampling the account holds against an adversary shown more than the run releases: every other client's
+state, sampling and randomness. Given all it has seen, a round's output with the client is a mixture, over
+that client's hidden state, of subsampled Gaussians whose one differing contribution is within s C, and
+without it one fixed distribution; Renyi and hockey-stick divergences are quasi-convex in either argument with
+the other fixed, so the mixture costs no more than its worst component and the rounds compose as the
+accountant composes them. Sampling K of N without replacement cannot show the others' sampling or state
+(either reveals whether the client took part), and hidden, the neighbouring federations' posteriors over them
+differ: a noised run there is refused for clients that keep state (any leaf in `init`'s client states). Local
+noise keeps its account: each message, whatever the state, is a Gaussian within C of zero.
 
 Where no bound binds and z = 0 the wrapper changes nothing of the upload, bit for bit; the server then
 differs from the algorithm only by its equal weights (and, under varying participation, the fixed
@@ -69,7 +71,9 @@ values. FedLDF's divergences steer the server's choice only (a trusted server's,
 Refused in one line: algorithms whose server needs each upload and declares no `PrivateSum` (the sub-model
 family's masked means, SPATL's selected channels, FedPM's masks, FedNova's normalization, FedLDF's random
 baselines), uploads holding integer, quantized or coded leaves (`qsgd`), local noise where the upload holds
-client-chosen indexes or feedback, and flat clipping where the declaration needs it per layer.
+client-chosen indexes or feedback, flat clipping where the declaration needs it per layer, central noise on
+clients that keep state under sampling K of N, and a `PrivateSum` that cannot describe the upload
+(`core.contract.check_private_sum`).
 """
 
 from __future__ import annotations
@@ -80,9 +84,10 @@ import jax
 import jax.numpy as jnp
 
 from fedjax_sparse.core.algorithm import BuildContext, FederatedAlgorithm, PrivateSum, ServerStep, server_step
+from fedjax_sparse.core.contract import check_private_sum
 from fedjax_sparse.core.messages import PRICED_LEAVES, KnownMaskArray, SparseArray
 from fedjax_sparse.core.options import option
-from fedjax_sparse.core.privacy_accounting import ACCOUNTANTS, ACCOUNTED_SENSITIVITY, adaptive_update_noise
+from fedjax_sparse.core.privacy_accounting import ACCOUNTANTS, ACCOUNTED_SENSITIVITY, RELATION, adaptive_update_noise
 from fedjax_sparse.core.wrapping import broadcast_shapes, flat_leaves, on_values, upload_changes, upload_shapes
 
 NOISE_STREAM = 0x6470  # a client's round key, or the server's, folded with this draws its Gaussian noise
@@ -146,11 +151,12 @@ def private_sum_of(algorithm: FederatedAlgorithm) -> PrivateSum | None:
 
 
 def privatize(algorithm: FederatedAlgorithm, context: BuildContext, options: DifferentialPrivacyOptions, *,
-              noise_multiplier: float, expected_clients: int, relation: str = "add_or_remove") -> FederatedAlgorithm:
+              noise_multiplier: float, expected_clients: int, sampling: str = "poisson") -> FederatedAlgorithm:
     """`algorithm` with its clients' updates clipped and noised (the module docstring); `noise_multiplier`: z,
     resolved by the run (`--dp-target-epsilon` calibrates it); `expected_clients`: K, the mean's denominator;
-    `relation`: the neighbouring relation the run is accounted under (`PrivacyLedger.relation`), which sets the
-    noise of an algorithm whose sums move otherwise than a plain sum's."""
+    `sampling`: how the run is accounted (`PrivacyLedger.sampling`): its neighbouring relation sets the noise of
+    an algorithm whose sums move otherwise than a plain sum's, and sampling K of N refuses clients that keep
+    state."""
     if options.dp_clip is None:
         return algorithm
     name, clip, z = algorithm.name, float(options.dp_clip), float(noise_multiplier)
@@ -159,9 +165,17 @@ def privatize(algorithm: FederatedAlgorithm, context: BuildContext, options: Dif
         raise ValueError(f"--dp-clip: {name}'s server needs each client's upload (a per-client choice or a masked "
                          f"mean), so a noised sum cannot stand in for them; differential privacy applies to fedavg, "
                          f"fedprox, feddyn, scaffold, spafl, fedldf and their top-k or random-k uplink compression")
-    if relation not in ACCOUNTED_SENSITIVITY:
-        raise ValueError(f"privatize: relation must be one of {', '.join(ACCOUNTED_SENSITIVITY)}, got {relation!r}")
+    if sampling not in RELATION:
+        raise ValueError(f"privatize: sampling must be one of {', '.join(RELATION)}, got {sampling!r}")
+    relation = RELATION[sampling]
+    server_shape, client_shape = jax.eval_shape(lambda v: algorithm.init(jax.random.key(0), v, context.num_clients),
+                                                jax.eval_shape(context.local.model.init, jax.random.key(0)))
+    if sampling == "uniform" and options.dp_noise == "central" and z > 0 and jax.tree_util.tree_leaves(client_shape):
+        raise ValueError(f"--dp-clip with --sampler uniform: {name}'s clients keep state between rounds, and sampling "
+                         f"K of N has no privacy account for a message that depends on it (the module docstring); "
+                         f"use --sampler poisson, or --dp-noise local")
     up_shape = upload_shapes(algorithm, context)
+    check_private_sum(name, declared, up_shape, context.clients_per_round)
 
     def fed_back(path):
         return any(path == f or path.startswith(f + "/") for f in declared.feedback)
@@ -191,9 +205,6 @@ def privatize(algorithm: FederatedAlgorithm, context: BuildContext, options: Dif
                          f"--dp-clipping per_layer")
     else:
         layer_of = dict(declared.clip_layers)
-        unknown = [p for p in message.paths if p not in layer_of]
-        if unknown:
-            raise ValueError(f"--dp-clip: {name} declares no clipping layer for its upload's {unknown[0]}")
     layers = sorted({layer_of[p] for p in message.paths})
     share = {p: 1 / len(layers) ** 0.5 if options.dp_clipping == "per_layer" else 1.0 for p in message.paths}
     adaptive = options.dp_target_quantile is not None
@@ -208,8 +219,6 @@ def privatize(algorithm: FederatedAlgorithm, context: BuildContext, options: Dif
     denominator = declared.denominator if masked else expected_clients
     noised_paths = [p for p in message.order if p in message.paths]  # the treedef's order: one key each
     if adaptive:
-        server_shape = jax.eval_shape(lambda v: algorithm.init(jax.random.key(0), v, context.num_clients)[0],
-                                      jax.eval_shape(context.local.model.init, jax.random.key(0)))
         if not isinstance(server_shape, dict) or CLIP_KEY in server_shape:
             raise ValueError(f"--dp-target-quantile keeps the clip norm beside {name}'s server state, which must "
                              f"be a dict without a {CLIP_KEY!r} key")
@@ -299,7 +308,7 @@ def privatize(algorithm: FederatedAlgorithm, context: BuildContext, options: Dif
             return private_server_update(server_state, ups, weights, info, clip)
 
         return dataclasses.replace(algorithm, client_update=client_update, server_update=server_update,
-                                   stale_upload=None)
+                                   stale_upload=None, private_sum=None)
 
     def inner(server_state):
         return {k: v for k, v in server_state.items() if k != CLIP_KEY}
@@ -338,4 +347,4 @@ def privatize(algorithm: FederatedAlgorithm, context: BuildContext, options: Dif
 
     return dataclasses.replace(algorithm, init=init, broadcast=broadcast, client_update=adaptive_client_update,
                                server_update=adaptive_server_update, select_uploads=select_uploads,
-                               stale_upload=None)
+                               stale_upload=None, private_sum=None)

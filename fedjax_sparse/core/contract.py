@@ -15,7 +15,9 @@ refuses, in one line naming the function and the leaf path with both shapes and 
   * where the run's participation varies, a `select_uploads` or `server_update` that fails when
     `RoundInfo.participating` is a [K] bool mask rather than None. That an absent slot changes nothing
     is a matter of values, which shapes cannot show: tests/test_participation_algorithms.py checks it for
-    the shipped algorithms, and an outside algorithm's author checks it the same way.
+    the shipped algorithms, and an outside algorithm's author checks it the same way;
+  * a `PrivateSum` that cannot describe the upload (`check_private_sum`): that its figures are true is the
+    algorithm's argument, which shapes cannot check.
 """
 
 from __future__ import annotations
@@ -25,9 +27,10 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from fedjax_sparse.core.algorithm import FederatedAlgorithm, server_step
+from fedjax_sparse.core.algorithm import FederatedAlgorithm, PrivateSum, server_step
 from fedjax_sparse.core.messages import PRICED_LEAVES
 from fedjax_sparse.core.round import client_keys, round_info
+from fedjax_sparse.core.wrapping import flat_leaves
 
 tree_map = jax.tree_util.tree_map
 
@@ -162,7 +165,38 @@ def check_contract(algorithm: FederatedAlgorithm, variables: Any, num_clients: i
         if not hasattr(value, "shape") or value.shape != ():
             raise ContractError(f"{name}: server_update's step metric {key!r} is {_describe(value)}; metrics are "
                                 f"scalars")
+    if algorithm.private_sum is not None:
+        check_private_sum(name, algorithm.private_sum, up, clients_per_round)
     check_evaluation(algorithm, server, clients)
+
+
+def check_private_sum(name: str, declared: PrivateSum, up: Any, clients_per_round: int) -> None:
+    """Raises ContractError where `declared` (an algorithm's `PrivateSum`) cannot describe uploads shaped `up`
+    (one client's): a sensitivity that is not a positive number, a denominator no round can reach, a feedback
+    path or a clipping layer's path that names no upload leaf, a released leaf without a clipping layer."""
+    for field in ("sensitivity", "replace_sensitivity"):
+        value = getattr(declared, field)
+        if not isinstance(value, (int, float)) or not 0 < value < float("inf"):
+            raise ContractError(f"{name}: PrivateSum.{field} must be a positive number of clip norms, got {value!r}")
+    if declared.denominator is not None and not (isinstance(declared.denominator, int)
+                                                 and 1 <= declared.denominator <= clients_per_round):
+        raise ContractError(f"{name}: PrivateSum.denominator must be None or a count of uploads from 1 to the "
+                            f"round's {clients_per_round} slots, got {declared.denominator!r}")
+    leaves = flat_leaves(up)
+    for prefix in declared.feedback:
+        if not any(p == prefix or p.startswith(prefix + "/") for p in leaves):
+            raise ContractError(f"{name}: PrivateSum.feedback names {prefix!r}, which is no upload leaf or folder "
+                                f"(the upload's leaves: {', '.join(sorted(leaves))})")
+    if declared.clip_layers is None:
+        return
+    layered = dict(declared.clip_layers)
+    for path in layered.keys() - leaves.keys():
+        raise ContractError(f"{name}: PrivateSum.clip_layers names {path!r}, which is no upload leaf (the upload's "
+                            f"leaves: {', '.join(sorted(leaves))})")
+    for path in sorted(leaves.keys() - layered.keys()):
+        if not any(path == f or path.startswith(f + "/") for f in declared.feedback):
+            raise ContractError(f"{name}: PrivateSum.clip_layers gives the upload's {path} no clipping layer (every "
+                                f"released leaf needs one; a leaf the server only chooses by goes in feedback)")
 
 
 def check_evaluation(algorithm: FederatedAlgorithm, server: Any, clients: Any) -> None:

@@ -34,6 +34,7 @@ from fedjax_sparse.core.quiet_logs import quieted
 
 ACCOUNTANTS = ("rdp", "pld")
 SAMPLINGS = ("poisson", "uniform", "local")
+RELATION = {"poisson": "add_or_remove", "uniform": "replace_one", "local": "replace_one"}  # each sampling's neighbours
 # the neighbouring relation each sampling is accounted under, and the sensitivity (in clip norms) of the sum that a
 # noise of standard deviation z C is accounted against in it: a plain sum of clipped updates moves by C where a
 # client is added or removed, by 2 C where one is replaced. An algorithm whose sums move otherwise (FedLDF's,
@@ -74,7 +75,7 @@ class PrivacyLedger:
     @property
     def relation(self) -> str:
         """The neighbouring relation the run is accounted under (`ACCOUNTED_SENSITIVITY`)."""
-        return "replace_one" if self.sampling in ("uniform", "local") else "add_or_remove"
+        return RELATION[self.sampling]
 
     def event(self, rounds: int) -> "dp_accounting.DpEvent":
         from dp_accounting import dp_event  # imported where used: its SciPy costs every run 0.6 s to start

@@ -191,7 +191,7 @@ def with_patterns(algorithm, context: BuildContext, config: RunConfig, privacy: 
     if privacy is None:
         return algorithm
     return privatize(algorithm, context, config, noise_multiplier=privacy.noise_multiplier,
-                     expected_clients=config.clients_per_round, relation=privacy.relation)
+                     expected_clients=config.clients_per_round, sampling=privacy.sampling)
 
 
 def check_local_sizes(config: RunConfig, largest_client: int, input_shape: tuple, clients_at_once: int) -> None:
