@@ -114,6 +114,141 @@ def test_a_tfds_data_set_converts(tmp_path, no_network):
     same_dataset(source, data.load_dataset(f"mmap:{folder}"))
 
 
+def same_files(folder, truth):
+    """The two folders hold the same files, byte for byte (arrays and manifest compared first, to say what
+    differs)."""
+    names = sorted(p.name for p in folder.iterdir())
+    assert names == sorted(p.name for p in truth.iterdir())
+    for name in names:
+        if name.endswith(".npy"):
+            a, b = np.load(folder / name), np.load(truth / name)
+            assert a.dtype == b.dtype and a.shape == b.shape, name
+            np.testing.assert_array_equal(a, b, err_msg=name)
+        else:
+            assert json.loads((folder / name).read_text()) == json.loads((truth / name).read_text())
+        assert (folder / name).read_bytes() == (truth / name).read_bytes(), name
+
+
+def watch_writes(monkeypatch):
+    """([examples decoded], chunks): for every chunk the writer receives, its rows and how many examples had
+    been decoded and not yet written when it came (the decoder under test bumps the count)."""
+    decoded, chunks = [0], []
+    write_split = mapped.write_split
+
+    def watched(folder, split, x_chunks, *args, **kwargs):
+        def passing():
+            for chunk in x_chunks:
+                chunks.append((len(chunk), decoded[0] - sum(n for n, _ in chunks)))
+                yield chunk
+
+        return write_split(folder, split, passing(), *args, **kwargs)
+
+    monkeypatch.setattr(mapped, "write_split", watched)
+    return decoded, chunks
+
+
+def never_whole(monkeypatch):
+    """Loading the source whole (the in-memory loader) fails while the conversion runs."""
+    def whole(spec, **options):
+        raise AssertionError(f"convert loaded {spec} whole")
+
+    monkeypatch.setattr(data.sources, "load_dataset", whole)
+
+
+def write_image_folder(root, colour):
+    """40 images of 6x7 (HxW) in two classes, PNG and JPEG: colour, some grayscale among them ('rgb'), or all
+    grayscale ('gray', a 1-channel set)."""
+    from PIL import Image
+
+    rng = np.random.default_rng(1)
+    for split, n in (("train", 12), ("test", 8)):
+        for name in ("cat", "dog"):
+            (root / split / name).mkdir(parents=True)
+            for i in range(n):
+                gray = colour == "gray" or i % 3 == 2
+                pixels = rng.integers(0, 256, (6, 7) if gray else (6, 7, 3), dtype=np.uint8)
+                Image.fromarray(pixels).save(root / split / name / f"{i:02d}.{'jpg' if i % 2 else 'png'}")
+    return root
+
+
+@pytest.mark.parametrize("colour, channels", [("rgb", 3), ("gray", 1)])
+def test_an_image_folder_streams_into_the_folder_its_loader_writes(tmp_path, monkeypatch, colour, channels):
+    """Never loaded whole, written 5 images a chunk: the files of save_mapped(load_dataset(spec)), byte for
+    byte (order, labels, channels, the training mean/std from the chunks, digests)."""
+    spec = f"imagefolder:{write_image_folder(tmp_path / 'images', colour)}"
+    monkeypatch.setattr(mapped, "_CHUNK_BYTES", 5 * 6 * 7 * channels)
+    with monkeypatch.context() as patched:
+        never_whole(patched)
+        _, chunks = watch_writes(patched)
+        streamed = mapped.convert(spec, tmp_path / "streamed", progress=False)
+    assert [n for n, _ in chunks] == [5, 5, 5, 5, 4, 5, 5, 5, 1]
+    truth = mapped.save_mapped(data.load_dataset(spec, progress=False), tmp_path / "whole")
+    assert json.loads((truth / "manifest.json").read_text())["splits"]["train"]["shape"] == [6, 7, channels]
+    same_files(streamed, truth)
+
+
+@pytest.mark.parametrize("name", ["cifar10", "emnist"])
+def test_a_tfds_data_set_streams_into_the_folder_its_loader_writes(tmp_path, monkeypatch, no_network, name):
+    """The same for TFDS (mocked records; EMNIST's transposed back a chunk at a time), 3 records a chunk."""
+    tfds = pytest.importorskip("tensorflow_datasets")
+    options = dict(data_dir=tmp_path, download=False, progress=False)
+    with tfds.testing.mock_data(num_examples=10):
+        example_bytes = int(np.prod(tfds.builder(data.sources.TFDS_DATASETS[name][0]).info.features["image"].shape))
+        monkeypatch.setattr(mapped, "_CHUNK_BYTES", 3 * example_bytes)
+        with monkeypatch.context() as patched:
+            never_whole(patched)
+            _, chunks = watch_writes(patched)
+            streamed = mapped.convert(name, tmp_path / "streamed", **options)
+        truth = mapped.save_mapped(data.load_dataset(name, **options), tmp_path / "whole")
+    assert [n for n, _ in chunks] == [3, 3, 3, 1] * 2
+    same_files(streamed, truth)
+
+
+class Records:
+    """A tfds data source (random access by index) that counts the records it decodes."""
+
+    def __init__(self, images, labels, decoded):
+        self.images, self.labels, self.decoded = images, labels, decoded
+
+    def __len__(self):
+        return len(self.labels)
+
+    def __getitem__(self, index):
+        self.decoded[0] += 1
+        return {"image": self.images[index].copy(), "label": self.labels[index]}
+
+
+@pytest.mark.parametrize("source", ["imagefolder", "tfds"])
+def test_conversion_holds_at_most_one_chunk_of_decoded_examples(tmp_path, monkeypatch, no_network, source):
+    """With 4 examples a chunk, no more than 4 decoded examples are waiting to be written when a chunk
+    reaches the writer, in either split: the count of images (records) decoded, against those written."""
+    decoded, chunks = watch_writes(monkeypatch)
+    if source == "imagefolder":
+        from fedjax_sparse.data import image_folder
+
+        spec = f"imagefolder:{write_image_folder(tmp_path / 'images', 'rgb')}"
+        read_image = image_folder._read_image
+        monkeypatch.setattr(image_folder, "_read_image",
+                            lambda *args: decoded.__setitem__(0, decoded[0] + 1) or read_image(*args))
+        monkeypatch.setattr(mapped, "_CHUNK_BYTES", 4 * 6 * 7 * 3)
+        mapped.convert(spec, tmp_path / "mapped", progress=False)
+        examples = 40
+    else:
+        tfds = pytest.importorskip("tensorflow_datasets")
+        rng = np.random.default_rng(2)
+        records = {split: Records(rng.integers(0, 256, (n, 28, 28, 1), dtype=np.uint8), rng.integers(0, 10, n),
+                                  decoded) for split, n in (("train", 30), ("test", 13))}
+        monkeypatch.setattr(mapped, "_CHUNK_BYTES", 4 * 28 * 28)
+        with tfds.testing.mock_data(as_data_source_fn=lambda builder, split, **kw: [records[s] for s in split]):
+            folder = mapped.convert("mnist", tmp_path / "mapped", data_dir=tmp_path, download=False, progress=False)
+        opened = data.load_dataset(f"mmap:{folder}")
+        np.testing.assert_array_equal(opened.x_train, records["train"].images)
+        np.testing.assert_array_equal(opened.y_test, records["test"].labels)
+        examples = 43
+    assert decoded[0] == examples and sum(n for n, _ in chunks) == examples and len(chunks) >= 10
+    assert max(held for _, held in chunks) <= 4, chunks
+
+
 def test_a_process_reads_only_its_sampled_clients_rows(tmp_path, monkeypatch):
     source = data.load_digits()
     folder = mapped.save_mapped(source, tmp_path / "digits")

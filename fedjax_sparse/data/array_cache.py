@@ -26,12 +26,23 @@ def channel_stats(x: np.ndarray) -> tuple[tuple[float, ...], tuple[float, ...]]:
 
     Uses a 256-bin histogram per channel, so it needs no float copy of the data.
     """
-    if x.shape[0] == 0:
+    return histogram_stats(channel_histograms(x))
+
+
+def channel_histograms(x: np.ndarray) -> np.ndarray:
+    """[C, 256] int64: how many pixels of each channel of uint8 NHWC images take each value. Counts add
+    exactly, so the sum over consecutive chunks is the whole array's (`data.mapped` streams a split)."""
+    return np.stack([np.bincount(x[..., c].ravel(), minlength=256) for c in range(x.shape[-1])]).astype(np.int64)
+
+
+def histogram_stats(histograms: np.ndarray) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    """`channel_stats` of the images whose `channel_histograms` these are."""
+    if len(histograms) == 0 or histograms[0].sum() == 0:
         raise ValueError("cannot compute mean/std of an empty training split")
     values = np.arange(256, dtype=np.float64)
     means, stds = [], []
-    for c in range(x.shape[-1]):
-        hist = np.bincount(x[..., c].ravel(), minlength=256).astype(np.float64)
+    for counts in histograms:
+        hist = counts.astype(np.float64)
         n = hist.sum()
         mean = float((hist * values).sum() / n)
         var = float((hist * values**2).sum() / n - mean**2)

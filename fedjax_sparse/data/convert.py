@@ -1,5 +1,6 @@
 """`fedjax-sparse convert SPEC FOLDER`: writes a `--dataset` spec as a memory-mapped folder, which a run
-then reads with `--dataset mmap:FOLDER` (`data.mapped`)."""
+then reads with `--dataset mmap:FOLDER` (`data.mapped`); an image folder or a TFDS data set is streamed,
+64 MiB of examples at a time, so it may be larger than memory."""
 
 from __future__ import annotations
 

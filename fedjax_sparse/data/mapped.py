@@ -23,11 +23,19 @@ and stays there until the map closes; measured, 3 rounds over 4 i.i.d. clients o
 0.45 GB of file pages in the resident set. Read, only the rows asked for are copied in. The
 device store and a `--max-train-examples` subset read through the map (they hold their rows).
 
-`convert(spec, folder)` (`fedjax-sparse convert SPEC FOLDER`) writes any `--dataset` spec that loads
-into memory: an image folder (`imagefolder:PATH`), LEAF JSON (`leaf:PATH`, `femnist`,
-`shakespeare`), a TFDS data set (`cifar10`, `mnist`, ...) or `digits`; the source is loaded once by
-its own loader and written in chunks. A source larger than memory is written with `write_split` from
-chunks the caller makes (benchmarks/larger_than_memory.py writes its synthetic set that way).
+`convert(spec, folder)` (`fedjax-sparse convert SPEC FOLDER`) writes a `--dataset` spec: an image
+folder (`imagefolder:PATH`), LEAF JSON (`leaf:PATH`, `femnist`, `shakespeare`), a TFDS data set
+(`cifar10`, `mnist`, ...) or `digits`, into the folder `save_mapped(load_dataset(spec))` writes, byte
+for byte. An image folder and a TFDS data set are streamed, so a source larger than memory converts:
+their loaders' chunk readers (`data.sources.stream_dataset`, a `ChunkedSource`) hold the labels (and an
+image folder's file names) and decode the examples one chunk of `_CHUNK_BYTES` (64 MiB) at a time,
+when `write_source` asks for it, which writes it before asking for the next. The training split's
+per-channel mean/std is then summed from the chunks' pixel histograms (`array_cache.channel_histograms`:
+integer counts, so the figures are `channel_stats`'s on the whole split, bit for bit). `digits` (1797
+8x8 images) and LEAF are loaded whole by their own loaders and written from memory (LEAF's example
+order needs every file first, `data.leaf`). Any other source larger than memory is written with
+`write_split` from chunks the caller makes (benchmarks/larger_than_memory.py writes its synthetic set
+that way).
 The content digests are the run fingerprint's (`run.fingerprint`), computed while writing, so a
 resumed run checks its data without reading the examples.
 """
@@ -39,10 +47,11 @@ import hashlib
 import json
 import os
 from pathlib import Path
-from typing import Iterable
+from typing import Callable, Iterable, Iterator
 
 import numpy as np
 
+from fedjax_sparse.data.array_cache import channel_histograms, histogram_stats
 from fedjax_sparse.data.dataset import Dataset, example_kind
 from fedjax_sparse.data.process_layout import ProcessLayout
 from fedjax_sparse.data.windows import HostData, Windows, fill_windows
@@ -61,12 +70,12 @@ def _digest_header(h, dtype, shape) -> None:
 def write_split(folder: str | os.PathLike, split: str, x_chunks: Iterable[np.ndarray], y: np.ndarray,
                 example_shape: tuple, dtype, clients: np.ndarray | None = None) -> dict:
     """Writes one split's examples (`x_chunks`, consecutive rows adding up to len(y)), labels and clients;
-    returns its manifest entry. Only one chunk is in memory at a time."""
+    returns its manifest entry. Only one chunk is in memory at a time. The labels' values are read once the
+    chunks are written, so a reader may fill `y` as it makes the chunks (`SplitSource`)."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     if split not in SPLITS:
         raise ValueError(f"split {split!r} is not one of {', '.join(SPLITS)}")
-    y = np.asarray(y, np.int32)
     n, shape = len(y), (len(y), *example_shape)
     x = np.lib.format.open_memmap(folder / f"{split}_x.npy", mode="w+", dtype=dtype, shape=shape)
     h = hashlib.blake2b(digest_size=16)
@@ -83,6 +92,7 @@ def write_split(folder: str | os.PathLike, split: str, x_chunks: Iterable[np.nda
         raise ValueError(f"{split}: the chunks gave {filled} examples for {n} labels")
     x.flush()
     del x
+    y = np.asarray(y, np.int32)
     np.save(folder / f"{split}_y.npy", y)
     _digest_header(h, y.dtype, y.shape)  # the digest of (x, y) as `run.fingerprint` takes it
     h.update(memoryview(y).cast("B"))
@@ -104,37 +114,103 @@ def write_manifest(folder: str | os.PathLike, *, name: str, num_classes: int, cl
     return path
 
 
-def _chunks(x: np.ndarray) -> Iterable[np.ndarray]:
-    rows = max(1, _CHUNK_BYTES // max(1, x[:1].nbytes))
-    for start in range(0, len(x), rows):
-        yield x[start:start + rows]
+@dataclasses.dataclass(frozen=True)
+class SplitSource:
+    """One split to write: `read(rows)` yields its examples (`example_shape`, `dtype`) in consecutive chunks
+    of at most `rows`, each made only when asked for; `y` its labels, whose values a reader may fill as it
+    reads (`write_split` reads them last); `clients` each example's client, where the source has them."""
+
+    y: np.ndarray
+    example_shape: tuple
+    dtype: np.dtype
+    read: Callable[[int], Iterator[np.ndarray]]
+    clients: np.ndarray | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class ChunkedSource:
+    """A data set to write split by split (`write_source`): what a `Dataset` holds, with each split's
+    examples read in chunks. `mean`/`std` None: computed from the training images as they are written."""
+
+    name: str
+    num_classes: int
+    class_names: tuple
+    augment: bool
+    train: SplitSource
+    test: SplitSource
+    mean: tuple | None = None
+    std: tuple | None = None
+    client_names: tuple | None = None
+
+
+def _refuse_written(folder: Path) -> None:
+    if (folder / MANIFEST).exists():
+        raise ValueError(f"{folder} already holds a data set ({MANIFEST}); choose an empty folder")
+
+
+def _in_memory(x: np.ndarray, y: np.ndarray, clients: np.ndarray | None) -> SplitSource:
+    return SplitSource(y=y, example_shape=x.shape[1:], dtype=x.dtype, clients=clients,
+                       read=lambda rows: (x[start:start + rows] for start in range(0, len(x), rows)))
+
+
+def write_source(source: ChunkedSource, folder: str | os.PathLike) -> Path:
+    """Writes `source` as a memory-mapped folder (module docstring), `_CHUNK_BYTES` of examples a chunk;
+    returns the folder."""
+    folder = Path(folder)
+    _refuse_written(folder)
+    splits, histograms = {}, None
+    for split in SPLITS:
+        part = getattr(source, split)
+        row_bytes = int(np.prod(part.example_shape, dtype=np.int64)) * np.dtype(part.dtype).itemsize
+        chunks = part.read(max(1, _CHUNK_BYTES // max(1, row_bytes)))
+        if split == "train" and source.mean is None:
+            histograms = np.zeros((part.example_shape[-1], 256), np.int64)
+            chunks = _counted(chunks, histograms)
+        splits[split] = write_split(folder, split, chunks, part.y, part.example_shape, part.dtype, part.clients)
+        if len(part.y) and (np.min(part.y) < 0 or np.max(part.y) >= source.num_classes):  # as `Dataset` refuses
+            raise ValueError(f"{source.name}: y_{split} labels outside [0, {source.num_classes})")
+    mean, std = (source.mean, source.std) if histograms is None else histogram_stats(histograms)
+    write_manifest(folder, name=source.name, num_classes=source.num_classes, class_names=source.class_names,
+                   mean=mean, std=std, augment=source.augment, splits=splits, client_names=source.client_names)
+    return folder
+
+
+def _counted(chunks: Iterable[np.ndarray], histograms: np.ndarray) -> Iterator[np.ndarray]:
+    """`chunks`, their pixel histograms added to `histograms` as they pass."""
+    for chunk in chunks:
+        histograms += channel_histograms(chunk)
+        yield chunk
 
 
 def save_mapped(dataset: Dataset, folder: str | os.PathLike) -> Path:
     """Writes `dataset` as a memory-mapped folder (module docstring); returns the folder."""
-    folder = Path(folder)
-    if (folder / MANIFEST).exists():
-        raise ValueError(f"{folder} already holds a data set ({MANIFEST}); choose an empty folder")
-    splits = {}
-    for split in SPLITS:
-        x, y = getattr(dataset, f"x_{split}"), getattr(dataset, f"y_{split}")
-        clients = getattr(dataset, f"{split}_clients")
-        splits[split] = write_split(folder, split, _chunks(x), y, x.shape[1:], x.dtype, clients)
-    write_manifest(folder, name=dataset.name, num_classes=dataset.num_classes, class_names=dataset.class_names,
-                   mean=dataset.mean, std=dataset.std, augment=dataset.augment, splits=splits,
-                   client_names=dataset.client_names)
-    return folder
+    splits = {split: _in_memory(getattr(dataset, f"x_{split}"), getattr(dataset, f"y_{split}"),
+                                getattr(dataset, f"{split}_clients")) for split in SPLITS}
+    return write_source(ChunkedSource(name=dataset.name, num_classes=dataset.num_classes,
+                                      class_names=dataset.class_names, augment=dataset.augment, mean=dataset.mean,
+                                      std=dataset.std, client_names=dataset.client_names, **splits), folder)
 
 
-def convert(spec: str, folder: str | os.PathLike, **load_options) -> Path:
-    """Loads the `--dataset` `spec` with its own loader (`data.sources.load_dataset`, `load_options` passed
-    on) and writes it to `folder` for `--dataset mmap:FOLDER`."""
-    from fedjax_sparse.data.sources import load_dataset  # sources reads this module's folders
+def convert(spec: str, folder: str | os.PathLike, *, data_dir: str | os.PathLike | None = None,
+            download: bool = True, progress: bool = True, **load_options) -> Path:
+    """Writes the `--dataset` `spec` to `folder` for `--dataset mmap:FOLDER`: streamed where its loader reads
+    it in chunks (`data.sources.stream_dataset`), else loaded whole by `data.sources.load_dataset`
+    (`load_options`, e.g. digits' `seed` or LEAF's `cache_dir`, go to it) and written (module docstring).
+    `data_dir` and `download`: where a TFDS data set is and whether to prepare it; `progress`: bars."""
+    from fedjax_sparse.data.sources import DataError, load_dataset, stream_dataset  # sources reads this module
 
     if spec.startswith(PREFIX) or spec.startswith("synthetic:"):
         raise ValueError(f"cannot convert {spec!r}: it is read without loading it whole already; convert "
                          f"imagefolder:PATH, leaf:PATH, femnist, shakespeare, digits or a TFDS name")
-    return save_mapped(load_dataset(spec, **load_options), folder)
+    _refuse_written(Path(folder))  # before a TFDS set is prepared or an image folder's headers are read
+    options = dict(data_dir=data_dir, download=download, progress=progress)
+    source = stream_dataset(spec, **options)
+    if source is None:
+        return save_mapped(load_dataset(spec, **options, **load_options), folder)
+    try:
+        return write_source(source, folder)
+    except (ValueError, OSError, RuntimeError) as err:  # a bad image met while decoding: one line, as loading says
+        raise DataError(f"cannot convert data set {spec!r}: {' '.join(str(err).split())}") from err
 
 
 def read_manifest(folder: str | os.PathLike) -> dict:

@@ -14,6 +14,8 @@ the same way, or a LEAF folder), FedProx's Synthetic(alpha, beta) from `data.syn
                        (`data.tfds_build`), read through tfds's array_record
                        data source (no TensorFlow needed to read).
 * `load_dataset`       one string spec for all of the above and those.
+* `stream_dataset`     an image folder or a TFDS data set as chunks to write
+                       (`fedjax-sparse convert`, `data.mapped`), never held whole.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ import numpy as np
 from fedjax_sparse.data import leaf, mapped, synthetic, tfds_build
 from fedjax_sparse.data.array_cache import channel_stats
 from fedjax_sparse.data.dataset import ImageDataset
-from fedjax_sparse.data.image_folder import load_image_folder
+from fedjax_sparse.data.image_folder import load_image_folder, stream_image_folder
 
 log = logging.getLogger(__name__)
 
@@ -93,41 +95,59 @@ TFDS_DATASETS = {
 }
 
 
+def _read_records(source, start: int, stop: int, labels: np.ndarray, bar) -> np.ndarray:
+    """Records [start, stop) of one tfds data source: their images as uint8 [stop - start, ...]; their labels
+    go to `labels[start:stop]`."""
+    x = None
+    # Record-by-record reads: about as fast as tfds's batched __getitems__ here,
+    # and they also work with tfds.testing.mock_data, whose mocked __getitems__
+    # is broken in tfds 4.9.x.
+    for i in range(start, stop):
+        ex = source[i]
+        if x is None:
+            x = np.empty((stop - start, *ex["image"].shape), dtype=np.uint8)
+        x[i - start] = ex["image"]
+        labels[i] = ex["label"]
+        bar.update(1)
+    return x
+
+
+def _upright(x: np.ndarray, tfds_name: str) -> np.ndarray:
+    """EMNIST's images are stored transposed in tfds: transposed back; any other's as they are."""
+    return np.ascontiguousarray(x.transpose(0, 2, 1, 3)) if tfds_name.startswith("emnist") else x
+
+
 def _read_source(source, desc: str, progress: bool) -> tuple[np.ndarray, np.ndarray]:
     """All images and labels of one tfds data source as uint8 / int32 arrays."""
     from tqdm.auto import tqdm
 
     n = len(source)
-    first = source[0] if n else None
-    shape = first["image"].shape if n else (0, 0, 0)
-    x = np.empty((n, *shape), dtype=np.uint8)
     y = np.empty((n,), dtype=np.int32)
-    # Record-by-record reads: about as fast as tfds's batched __getitems__ here,
-    # and they also work with tfds.testing.mock_data, whose mocked __getitems__
-    # is broken in tfds 4.9.x.
-    for i in tqdm(range(n), desc=desc, unit="img", disable=not progress):
-        ex = first if i == 0 else source[i]
-        x[i] = ex["image"]
-        y[i] = ex["label"]
+    with tqdm(total=n, desc=desc, unit="img", disable=not progress) as bar:
+        x = _read_records(source, 0, n, y, bar) if n else np.empty((0, 0, 0, 0), dtype=np.uint8)
     return x, y
 
 
-def load_tfds(name: str, data_dir: str | os.PathLike | None = None, *, download: bool = True,
-              progress: bool = True) -> ImageDataset:
-    """cifar10, cifar100, fashion_mnist, emnist or mnist from a TFDS data directory.
+def _stream_source(source, tfds_name: str, image_shape: tuple, desc: str, progress: bool) -> mapped.SplitSource:
+    """One tfds data source as a split to write: its records read a chunk at a time, by index, when the
+    writer asks (labels filled as they are read)."""
+    from tqdm.auto import tqdm
 
-    `data_dir` defaults to TFDS's own ($TFDS_DATA_DIR, else ~/tensorflow_datasets).
-    A data set not prepared there is prepared on this first use with TFDS's own
-    download and build, in the array_record format, showing TFDS's progress
-    (`data.tfds_build`: building needs the [tfds] extra; reading does not);
-    later uses read it. `download=False` only reads, raising FileNotFoundError
-    for unprepared data. Reading goes through `builder.as_data_source()`
-    (tfds's array_record backend), which needs neither TensorFlow nor the network.
+    n = len(source)
+    labels = np.empty((n,), dtype=np.int32)
 
-    'emnist' means tfds's 'emnist/balanced' (47 classes; other configs can be
-    named as 'emnist/CONFIG'). EMNIST images are stored transposed in tfds; they
-    are transposed back to upright here. `augment` is True for cifar10/cifar100.
-    """
+    def read(rows: int):
+        with tqdm(total=n, desc=desc, unit="img", disable=not progress) as bar:
+            for start in range(0, n, rows):
+                yield _upright(_read_records(source, start, min(n, start + rows), labels, bar), tfds_name)
+
+    shape = _upright(np.empty((0, *image_shape), np.uint8), tfds_name).shape[1:]
+    return mapped.SplitSource(y=labels, example_shape=shape, dtype=np.dtype(np.uint8), read=read)
+
+
+def _open_tfds(name: str, data_dir, download: bool, progress: bool):
+    """(tfds name, augment, builder, train source, test source) of one of `TFDS_DATASETS` or 'emnist/CONFIG',
+    prepared first where `download` allows (`load_tfds`)."""
     if name in TFDS_DATASETS:
         tfds_name, augment = TFDS_DATASETS[name]
     elif name.startswith("emnist/"):
@@ -163,12 +183,29 @@ def load_tfds(name: str, data_dir: str | os.PathLike | None = None, *, download:
             f"tfds data set {tfds_name!r} at {builder.data_dir} cannot be read without TensorFlow "
             f"(it must be prepared in the array_record format, found {builder.info.file_format}); {build_hint}: {err}"
         ) from err
+    return tfds_name, augment, builder, train_src, test_src
 
+
+def load_tfds(name: str, data_dir: str | os.PathLike | None = None, *, download: bool = True,
+              progress: bool = True) -> ImageDataset:
+    """cifar10, cifar100, fashion_mnist, emnist or mnist from a TFDS data directory.
+
+    `data_dir` defaults to TFDS's own ($TFDS_DATA_DIR, else ~/tensorflow_datasets).
+    A data set not prepared there is prepared on this first use with TFDS's own
+    download and build, in the array_record format, showing TFDS's progress
+    (`data.tfds_build`: building needs the [tfds] extra; reading does not);
+    later uses read it. `download=False` only reads, raising FileNotFoundError
+    for unprepared data. Reading goes through `builder.as_data_source()`
+    (tfds's array_record backend), which needs neither TensorFlow nor the network.
+
+    'emnist' means tfds's 'emnist/balanced' (47 classes; other configs can be
+    named as 'emnist/CONFIG'). EMNIST images are stored transposed in tfds; they
+    are transposed back to upright here. `augment` is True for cifar10/cifar100.
+    """
+    tfds_name, augment, builder, train_src, test_src = _open_tfds(name, data_dir, download, progress)
     x_train, y_train = _read_source(train_src, f"reading {tfds_name}/train", progress)
     x_test, y_test = _read_source(test_src, f"reading {tfds_name}/test", progress)
-    if tfds_name.startswith("emnist"):
-        x_train = np.ascontiguousarray(x_train.transpose(0, 2, 1, 3))
-        x_test = np.ascontiguousarray(x_test.transpose(0, 2, 1, 3))
+    x_train, x_test = _upright(x_train, tfds_name), _upright(x_test, tfds_name)
     label_feature = builder.info.features["label"]
     mean, std = channel_stats(x_train)
     return ImageDataset(
@@ -183,6 +220,22 @@ def load_tfds(name: str, data_dir: str | os.PathLike | None = None, *, download:
         std=std,
         augment=augment,
     )
+
+
+def stream_tfds(name: str, data_dir: str | os.PathLike | None = None, *, download: bool = True,
+                progress: bool = True) -> mapped.ChunkedSource:
+    """The data set `load_tfds` loads, as chunks to write (`data.mapped.write_source`): the same records in
+    the same order (read by index from the data source, a chunk at a time, EMNIST's transposed back chunk
+    by chunk), labels held; mean/std left to the writer. The image shape is the tfds feature's (every
+    chunk is checked against it as written)."""
+    tfds_name, augment, builder, train_src, test_src = _open_tfds(name, data_dir, download, progress)
+    label_feature = builder.info.features["label"]
+    image_shape = tuple(builder.info.features["image"].shape)
+    return mapped.ChunkedSource(
+        name=name, num_classes=int(label_feature.num_classes), class_names=tuple(label_feature.names),
+        augment=augment,
+        train=_stream_source(train_src, tfds_name, image_shape, f"reading {tfds_name}/train", progress),
+        test=_stream_source(test_src, tfds_name, image_shape, f"reading {tfds_name}/test", progress))
 
 
 # ----------------------------------------------------------------------------
@@ -254,3 +307,19 @@ def load_dataset(
     except (ValueError, OSError, RuntimeError, ImportError) as err:  # OSError: missing or unreadable files, offline
         raise DataError(f"cannot load data set {spec!r}: {' '.join(str(err).split())}") from err
     raise DataError(f"unknown data set spec {spec!r}; valid forms: {', '.join(DATASET_SPECS)}")
+
+
+def stream_dataset(spec: str, *, data_dir: str | os.PathLike | None = None, download: bool = True,
+                   progress: bool = True) -> mapped.ChunkedSource | None:
+    """The data set `spec` as chunks to write (`data.mapped.convert`) where its loader reads it in pieces: an
+    image folder (`stream_image_folder`) or a TFDS data set (`stream_tfds`); None for a source that is
+    loaded whole (`digits`, tiny; LEAF, whose example order needs every file first, `data.leaf`; a
+    Hugging Face copy, held as prepared arrays). `data_dir`, `download`, `progress` as for `load_dataset`."""
+    try:
+        if spec in TFDS_DATASETS:
+            return stream_tfds(spec, data_dir=data_dir, download=download, progress=progress)
+        if spec.startswith("imagefolder:") and spec[len("imagefolder:") :]:
+            return stream_image_folder(spec[len("imagefolder:") :], progress=progress)
+    except (ValueError, OSError, RuntimeError, ImportError) as err:  # as `load_dataset` says them
+        raise DataError(f"cannot load data set {spec!r}: {' '.join(str(err).split())}") from err
+    return None
