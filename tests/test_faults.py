@@ -278,7 +278,8 @@ assert main(["run", "--resume", out + "/parts", "--rounds", "4", "--no-shard-cli
 
 def test_1_a_sharded_run_resumes_exactly_and_its_device_count_is_kept(tmp_path):
     tiny = " ".join(a for a in TINY if a not in ("--clients-per-round", "2")).replace("--num-clients 4", "--num-clients 6")
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2", "JAX_PLATFORMS": "cpu"}
+    env = {**os.environ, "XLA_FLAGS": f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=2",
+           "JAX_PLATFORMS": "cpu"}
     done = subprocess.run([sys.executable, "-c", SHARDED, tiny, str(tmp_path)], env=env, cwd=ROOT,
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
