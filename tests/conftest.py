@@ -3,7 +3,10 @@ import os
 import tempfile
 
 # The tests check what is computed, not how fast it runs, and on 2 CPU cores most of their time is
-# XLA compiling: its cheapest settings cut the suite by about a third (every test passes either way).
+# XLA compiling: its cheapest settings cut the suite by about a third (every test passes either way). Not
+# XLA's older CPU fusion code generator (`--xla_cpu_use_fusion_emitters=false`), though it compiles in
+# 0.6-0.7 of the time: under it a client's arithmetic depends on how many are vmapped together, and 19
+# layout tests (stores, devices, processes: bit for bit) fail, as they would for a user who set it.
 os.environ["XLA_FLAGS"] = " ".join([os.environ.get("XLA_FLAGS", ""), "--xla_backend_optimization_level=0",
                                     "--xla_llvm_disable_expensive_passes=true"]).strip()
 # Everything compiled, by runs and by tests alike, goes to a JAX persistent cache of this session only, one for
@@ -109,8 +112,11 @@ def initialized(name: str, input_shape: tuple[int, ...], num_classes: int) -> tu
 
 # A small SCAFFOLD run (its clients keep state) on the device store, uninterrupted: what the run-folder
 # tests' interrupted runs and the two-process runs must reproduce (tests/test_run_folder.py,
-# tests/test_distributed.py), to the last bit. 4 of 10 clients a round: two processes train 2 each.
-SCAFFOLD_ARGS = ["--algorithm", "scaffold", "--num-clients", "10", "--clients-per-round", "4", "--local-epochs", "1",
+# tests/test_distributed.py, tests/test_elastic_resume.py), to the last bit. 6 of 15 clients a round: K
+# divides over one, two or three processes (6, 3 or 2 on each one's device), and 15 clients leave some
+# never sampled in 6 rounds (2 and 14), so a process holding exactly its sampled clients' rows is a real
+# check (10 would all be sampled by round 4); the rounds train the same 160 examples as 4 of 10 did.
+SCAFFOLD_ARGS = ["--algorithm", "scaffold", "--num-clients", "15", "--clients-per-round", "6", "--local-epochs", "1",
                  "--max-train-examples", "400", "--max-test-examples", "100", "--checkpoint-every", "2",
                  "--no-progress"]
 SCAFFOLD_ROUNDS = 6

@@ -92,24 +92,26 @@ def test_each_process_holds_about_half_the_data(two_processes, one_process):
 
 
 # ---------------------------------------------------------------------------------------------
-# Through the command line: conftest's SCAFFOLD run, 10 clients, 4 a round (2 on each process's device)
+# Through the command line: conftest's SCAFFOLD run, 15 clients, 6 a round (3 on each process's device)
 
 RUN, ROUNDS = SCAFFOLD_ARGS, 4
 NUM_CLIENTS, PER_ROUND = (int(RUN[RUN.index(flag) + 1]) for flag in ("--num-clients", "--clients-per-round"))
 
 
-def launch_cli(process_id, port, *args, timeout=None, cwd=ROOT) -> subprocess.Popen:
-    launch = ["--coordinator", f"127.0.0.1:{port}", "--num-processes", "2", "--process-id", str(process_id)]
+def launch_cli(process_id, port, *args, processes=2, timeout=None, cwd=ROOT, env=None) -> subprocess.Popen:
+    """Process `process_id` of `processes` of `fedjax-sparse run ARGS`, `env` added to this one's."""
+    launch = ["--coordinator", f"127.0.0.1:{port}", "--num-processes", str(processes), "--process-id", str(process_id)]
     if timeout is not None:
         launch = [*launch, "--launch-timeout", str(timeout)]
     return subprocess.Popen([sys.executable, "-m", "fedjax_sparse", "run", *map(str, args), *launch], cwd=cwd,
-                            env=dict(os.environ, JAX_PLATFORMS="cpu"), stdout=subprocess.PIPE,
+                            env=dict(os.environ, JAX_PLATFORMS="cpu", **(env or {})), stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
 
 
-def run_two(*args):
+def run_processes(processes, *args):
+    """`fedjax-sparse run ARGS` on `processes` processes, each of which must succeed: their (rc, stdout, stderr)."""
     port = free_port()
-    results = finish([launch_cli(i, port, *args) for i in range(2)], timeout=400)
+    results = finish([launch_cli(i, port, *args, processes=processes) for i in range(processes)], timeout=400)
     for rc, stdout, stderr in results:
         assert rc == 0, stderr[-3000:]
     return results
@@ -121,8 +123,8 @@ def cli_runs(tmp_path_factory, scaffold_reference):
     and save; two processes resume them to 4 rounds on the disk store. One process ran the rounds on
     the device store (conftest's reference, checkpointed at round 4)."""
     two = tmp_path_factory.mktemp("cli") / "two"
-    first = run_two(*RUN, "--rounds", 2, "--out", two)
-    resumed = run_two("--resume", two, "--rounds", ROUNDS, "--client-store", "disk", "--no-progress")
+    first = run_processes(2, *RUN, "--rounds", 2, "--out", two)
+    resumed = run_processes(2, "--resume", two, "--rounds", ROUNDS, "--client-store", "disk", "--no-progress")
     return scaffold_reference, two, first, resumed
 
 
@@ -143,7 +145,7 @@ def test_two_processes_through_the_cli_write_the_one_process_metrics(cli_runs):
 
 def test_process_0_reports_the_run_as_the_console_entry_point_does(cli_runs):
     """`python -m fedjax_sparse run` (each process here) ends with process 0's one line on the run.
-    SCAFFOLD sends the model and its control variate both ways: 4 clients x 2 x 85,002 float32s a round."""
+    SCAFFOLD sends the model and its control variate both ways: 6 clients x 2 x 85,002 float32s a round."""
     _, two, _, resumed = cli_runs
     summary = json.loads((two / "summary.json").read_text())
     assert summary["total_uplink_bytes"] == summary["total_downlink_bytes"] == ROUNDS * PER_ROUND * 2 * 85002 * 4

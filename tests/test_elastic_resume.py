@@ -1,20 +1,24 @@
 """Elastic resume: a checkpoint written by P processes resumes on P' (the survivors of a lost process,
 or more of them), each process taking its clients' rows (id % P') from the P snapshots. Through the
-command line, 2 -> 1 -> 2 processes write the uninterrupted run's figures and client states to the
-last bit; in the library, the rows of 2 processes' stores (host and disk mixed) land on 3 and on 1,
-each client's bytes where its new process holds them; a checkpoint missing a part is refused in one
-line naming the file."""
+command line, 2 processes lose one for real (kill -9 at the end of round 3: the other stops in one line
+naming the checkpoint of round 2), the survivor resumes alone to round 4, and 3 processes end the run:
+every record of rounds 1 to 6, the final server state and every client's final state are the
+uninterrupted run's, to the last bit; in the library, the rows of 2 processes' stores (host and disk
+mixed) land on 3 and on 1, each client's bytes where its new process holds them; a checkpoint missing
+a part is refused in one line naming the file."""
 
 import json
 import re
 import shutil
+from types import SimpleNamespace
 
 import jax
 import numpy as np
+import orbax.checkpoint as ocp
 import pytest
 
 from conftest import SCAFFOLD_ARGS, SCAFFOLD_ROUNDS, linear_model
-from test_distributed import assert_same_records, records, run_two
+from test_distributed import assert_same_records, finish, free_port, launch_cli, records, run_processes
 from fedjax_sparse.algorithms import scaffold
 from fedjax_sparse.core.client_store import make_store
 from fedjax_sparse.core.distributed import ProcessLayout
@@ -26,64 +30,102 @@ from fedjax_sparse.run.cli import main
 
 RUN = SCAFFOLD_ARGS
 NUM_CLIENTS, PER_ROUND = (int(RUN[RUN.index(flag) + 1]) for flag in ("--num-clients", "--clients-per-round"))
+LOST_AFTER = 3  # the round whose end process 1 of 2 does not outlive; the last checkpoint is round 2's
+GROWN = 3  # the processes that end the run
+
+
+def summary(run):
+    return json.loads((run / "summary.json").read_text())
 
 
 @pytest.fixture(scope="module")
 def chain(tmp_path_factory, scaffold_reference):
-    """conftest's SCAFFOLD run, in three launches into one folder: two processes to round 2 (auto picks
-    the host store), one process to round 4 on the disk store (the survivor of a lost process), two
-    processes to round 6 (auto again: the host store, from the one process's disk rows). Several
-    processes need K = 4 to be a multiple of their devices: 3 processes are refused by the run itself
-    (4 would put one client on each device, whose training loss XLA computes unbatched, in other last
-    bits), so the chain grows back to 2; the library test below re-places onto 3."""
+    """conftest's SCAFFOLD run, in three launches into one folder: two processes (auto picks the host
+    store), process 1 killed by the fault hook at the end of round 3, so process 0 stops; the survivor
+    alone resumes the checkpoint of round 2 to round 4 on the disk store; three processes resume that to
+    round 6 (auto again: the host store, each gathering its rows from the one process's disk file). K = 6
+    puts 3, 6 and 2 clients on each device. What the loss left (records, summary) is kept before the
+    folder is resumed."""
     run = tmp_path_factory.mktemp("elastic") / "run"
-    run_two(*RUN, "--rounds", 2, "--out", run)
+    port, kill = free_port(), {"FEDJAX_SPARSE_FAULT": f"round_end:{LOST_AFTER}:kill"}
+    lost = finish([launch_cli(i, port, *RUN, "--rounds", SCAFFOLD_ROUNDS, "--out", run, env=kill if i == 1 else None)
+                   for i in range(2)], timeout=400)
+    left = SimpleNamespace(records=records(run), summary=summary(run))
     assert main(["run", "--resume", str(run), "--rounds", "4", "--client-store", "disk", "--no-progress"]) == 0
-    resumed = run_two("--resume", run, "--rounds", SCAFFOLD_ROUNDS, "--client-store", "auto", "--no-progress")
-    return scaffold_reference, run, resumed
+    resumed = run_processes(GROWN, "--resume", run, "--rounds", SCAFFOLD_ROUNDS, "--client-store", "auto",
+                            "--no-progress")
+    return SimpleNamespace(reference=scaffold_reference, run=run, lost=lost, left=left, resumed=resumed)
 
 
-def test_a_run_resumed_on_one_process_then_two_writes_the_uninterrupted_runs_figures(chain):
-    one, run, resumed = chain
-    assert_same_records(records(one), records(run), SCAFFOLD_ROUNDS)
-    summary = json.loads((run / "summary.json").read_text())
-    assert summary["processes"] == 2 and summary["status"] == "completed" and summary["client_store"] == "host"
-    assert "done: " in resumed[0][1]
+def test_a_lost_process_stops_the_other_in_one_line_naming_the_checkpoint(chain):
+    """Process 1 died by SIGKILL; process 0 wrote round 3 (the uninterrupted run's figures), its next
+    collective failed, and it ended with exit 2 and one line saying where to resume."""
+    (rc, _, stderr), (killed_rc, _, _) = chain.lost
+    assert killed_rc == -9 and rc == 2, stderr[-3000:]
+    last = stderr.strip().splitlines()[-1]
+    assert "another process stopped while" in last and f"resume from round 2 with --resume {chain.run}" in last, last
+    assert "Traceback" not in stderr
+    assert_same_records(records(chain.reference)[:LOST_AFTER], chain.left.records, LOST_AFTER)
+    assert chain.left.summary["status"] == "failed" and chain.left.summary["rounds_done"] == LOST_AFTER
+
+
+def test_the_survivor_then_three_processes_write_the_uninterrupted_runs_figures(chain):
+    """Every record of rounds 1 to 6, once each (round 3, written before the loss past the checkpoint, is
+    replaced by the survivor's), is the uninterrupted run's."""
+    run = chain.run
+    assert_same_records(records(chain.reference), records(run), SCAFFOLD_ROUNDS)
+    assert summary(run)["processes"] == GROWN and summary(run)["status"] == "completed"
+    assert summary(run)["client_store"] == "host" and "done: " in chain.resumed[0][1]
+    for i in range(GROWN):
+        assert f"fedjax-sparse: process {i}-of-{GROWN}: --client-store auto chose host: " in chain.resumed[i][2]
     # each layout saved its own processes' snapshots, and the one process its disk rows
     layouts = {rounds: sorted(p.name for p in (run / "checkpoints" / str(rounds) / "client_states").glob("client_*"))
                for rounds in (4, 6)}
-    assert layouts == {4: ["client_states.0-of-1"], 6: ["client_states.0-of-2", "client_states.1-of-2"]}
+    assert layouts == {4: ["client_states.0-of-1"], 6: [f"client_states.{p}-of-{GROWN}" for p in range(GROWN)]}
     assert (run / "client_store" / "client_rows.0-of-1.bin").is_file()
     assert not [p for p in (run / "client_store").iterdir() if p.name.startswith(".replaced")]
 
 
-def test_the_re_placed_client_states_are_the_uninterrupted_runs_bytes(chain):
-    """After round 6, process p of 2 holds a row for each of its clients (id % 2 == p) ever sampled, and
-    each row is the uninterrupted run's final state of that client, byte for byte."""
-    one, run, _ = chain
-    final = np.load(one / "checkpoints" / str(SCAFFOLD_ROUNDS) / "client_states" / "client_states.0-of-1" / "rows.npy")
+def saved_server_states(*runs):
+    """The server states saved after the runs' last round, on this process's device: the first run's as
+    it was saved (one process), each other's restored into that layout (it is replicated over any count)."""
+    checkpointer = ocp.StandardCheckpointer()
+    paths = [(run / "checkpoints" / str(SCAFFOLD_ROUNDS) / "state").resolve() for run in runs]
+    first = checkpointer.restore(paths[0])
+    return [first, *(checkpointer.restore(path, first) for path in paths[1:])]
+
+
+def test_the_final_states_are_the_uninterrupted_runs_bytes(chain):
+    """After round 6 the server state (model and control variate) is the uninterrupted run's, and
+    process p of 3 holds a row for each of its clients (id % 3 == p) ever sampled and for no other,
+    each the uninterrupted run's final state of that client, byte for byte."""
+    uninterrupted, resumed = map(jax.tree_util.tree_leaves_with_path, saved_server_states(chain.reference, chain.run))
+    for (name, mine), (_, theirs) in zip(resumed, uninterrupted, strict=True):
+        assert np.asarray(mine).tobytes() == np.asarray(theirs).tobytes(), jax.tree_util.keystr(name)
+    final = np.load(chain.reference / "checkpoints" / str(SCAFFOLD_ROUNDS) / "client_states" / "client_states.0-of-1"
+                    / "rows.npy")
     sampled = set(np.concatenate([sample_clients_host(0, r, NUM_CLIENTS, PER_ROUND)
                                   for r in range(SCAFFOLD_ROUNDS)]).tolist())
+    assert len(sampled) < NUM_CLIENTS  # some client never trained: its process must hold no row for it
     held = []
-    for p in range(2):
-        snapshot = run / "checkpoints" / str(SCAFFOLD_ROUNDS) / "client_states" / f"client_states.{p}-of-2"
+    for p in range(GROWN):
+        snapshot = chain.run / "checkpoints" / str(SCAFFOLD_ROUNDS) / "client_states" / f"client_states.{p}-of-{GROWN}"
         slots, rows = np.load(snapshot / "slots.npy"), np.load(snapshot / "rows.npy")
         for local in np.flatnonzero(slots >= 0):
-            held.append(local * 2 + p)
-            np.testing.assert_array_equal(rows[slots[local]], final[local * 2 + p])
+            held.append(local * GROWN + p)
+            np.testing.assert_array_equal(rows[slots[local]], final[local * GROWN + p])
     assert sorted(held) == sorted(sampled)
 
 
 def test_a_checkpoint_missing_a_process_snapshot_is_refused_in_one_line(chain, tmp_path, capsys):
-    _, run, _ = chain
     copy = tmp_path / "run"
-    shutil.copytree(run, copy)
-    lost = copy / "checkpoints" / str(SCAFFOLD_ROUNDS) / "client_states" / "client_states.1-of-2"
+    shutil.copytree(chain.run, copy)
+    lost = copy / "checkpoints" / str(SCAFFOLD_ROUNDS) / "client_states" / f"client_states.1-of-{GROWN}"
     shutil.rmtree(lost)
     assert main(["run", "--resume", str(copy), "--rounds", str(SCAFFOLD_ROUNDS + 1), "--no-progress"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and f"{lost / 'meta.json'} is missing from the checkpoint" in err, err
-    assert "process 1 of the 2" in err and len(records(copy)) == SCAFFOLD_ROUNDS
+    assert f"process 1 of the {GROWN}" in err and len(records(copy)) == SCAFFOLD_ROUNDS
 
 
 # ---------------------------------------------------------------------------------------------
