@@ -16,6 +16,7 @@ from importlib import metadata
 
 import pytest
 
+from fedjax_sparse import plugins
 from fedjax_sparse.algorithms import registry
 from fedjax_sparse.building_blocks import AlgorithmSpec, option
 from fedjax_sparse.run.cli import main
@@ -32,12 +33,12 @@ from benchmarks.plugin_dists import install_plugins  # noqa: E402 - the fault sw
 def clean_registry():
     """The registry as the library leaves it, after each test (entry points read again)."""
     saved = (dict(registry.ALGORITHMS), dict(registry.REFUSED), dict(registry._PLUGIN_PACKAGES))
-    loaded = registry._entry_points_loaded
+    loaded = registry.INSTALLED.loaded
     yield
     for live, before in zip((registry.ALGORITHMS, registry.REFUSED, registry._PLUGIN_PACKAGES), saved):
         live.clear()
         live.update(before)
-    registry._entry_points_loaded = loaded
+    registry.INSTALLED.loaded = loaded
 
 
 @dataclasses.dataclass(frozen=True)
@@ -171,9 +172,9 @@ def installed(tmp_path, monkeypatch, clean_registry):
     """PLUGINS installed: each package's module and its dist-info (METADATA, entry_points.txt)."""
     site = install_plugins(tmp_path / "site", PLUGINS)
     monkeypatch.syspath_prepend(str(site))
-    monkeypatch.setattr(registry.metadata, "entry_points", lambda group: [
+    monkeypatch.setattr(plugins.metadata, "entry_points", lambda group: [
         entry for d in metadata.distributions(path=[str(site)]) for entry in d.entry_points if entry.group == group])
-    registry._entry_points_loaded = False
+    registry.INSTALLED.reset()
     return site
 
 

@@ -7,10 +7,10 @@ from pathlib import Path
 import fedjax_sparse
 
 PACKAGE = Path(fedjax_sparse.__file__).parent
-# data and models below core, core below the algorithms and the agent, the run layer on top;
+# the plug-in loader, data and models below core, core below the algorithms and the agent, the run layer on top;
 # building_blocks gathers the core's pieces for algorithm authors (the library's own FedDyn among
 # them), so it sits with the core; the package's entry points gather from all of them
-LAYERS = {"data": 0, "models": 0, "core": 1, "building_blocks": 1, "algorithms": 2, "agent": 2, "run": 3}
+LAYERS = {"plugins": 0, "data": 0, "models": 0, "core": 1, "building_blocks": 1, "algorithms": 2, "agent": 2, "run": 3}
 TOP = 4
 
 

@@ -16,7 +16,7 @@ from test_faults import TINY, records
 def clean_models(monkeypatch):
     monkeypatch.setattr(models, "_OUTSIDE", {})
     monkeypatch.setattr(models, "REFUSED", {})
-    monkeypatch.setattr(models, "_entry_points_loaded", False)
+    monkeypatch.setattr(models.INSTALLED, "loaded", False)
 
 
 def _wide_mlp(input_shape, num_classes):
@@ -38,10 +38,10 @@ def test_an_installed_model_is_found_through_its_entry_point_and_a_broken_one_re
     good = metadata.EntryPoint("wide_mlp", "test_model_registry:_wide_mlp", models.ENTRY_POINT_GROUP)
     broken = metadata.EntryPoint("missing_net", "no_such_package.nets:net", models.ENTRY_POINT_GROUP)
     real = metadata.entry_points
-    monkeypatch.setattr(models.metadata, "entry_points", lambda group=None, **kw: (
+    monkeypatch.setattr(metadata, "entry_points", lambda group=None, **kw: (
         [good, broken] if group == models.ENTRY_POINT_GROUP else real(group=group, **kw)))
     assert get_model("wide_mlp", (8, 8, 1), 10).name == "wide_mlp"
-    with pytest.raises(ValueError, match="plug-in model 'missing_net' .* cannot be used: No module named"):
+    with pytest.raises(ValueError, match="plug-in model 'missing_net' .* cannot be used: ModuleNotFoundError: No module named"):
         get_model("missing_net", (8, 8, 1), 10)
 
 

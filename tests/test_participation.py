@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 from scipy.stats import binom
 
+from fedjax_sparse import plugins
 from fedjax_sparse.algorithms.fedavg import fedavg
 from fedjax_sparse.core.clock import (DeviceProfile, ProfileDistribution, Stragglers, client_seconds, device_profile,
                                       read_profile_file, round_returns)
@@ -289,15 +290,15 @@ def test_an_installed_sampler_is_found_through_its_entry_point_and_a_broken_one_
     spec = SamplerSpec("every_other", lambda c: uniform_sampler(c.num_clients, c.clients_per_round))
     entries = [Entry("every_other", spec), Entry("broken", ImportError("no module named pkg")),
                Entry("uniform", spec)]
-    monkeypatch.setattr(participation.metadata, "entry_points", lambda group: entries)
-    monkeypatch.setattr(participation, "_entry_points_loaded", False)
+    monkeypatch.setattr(plugins.metadata, "entry_points", lambda group: entries)
+    monkeypatch.setattr(participation.INSTALLED, "loaded", False)
     monkeypatch.setattr(participation, "SAMPLERS", dict(participation.SAMPLERS))
     with pytest.warns(UserWarning) as warned:
         names = participation.sampler_names()
     assert "every_other" in names and "broken" not in names
     assert participation.SAMPLERS["uniform"].build is not spec.build  # a built-in's name is not taken over
     messages = sorted(str(w.message) for w in warned)
-    assert messages[0].startswith("skipped the installed sampler 'broken' (pkg:broken): no module named pkg")
+    assert messages[0].startswith("skipped the installed sampler 'broken' (pkg:broken): ImportError: no module named pkg")
     assert "skipped the installed sampler 'uniform'" in messages[1]
     assert build_sampler("every_other", context()).slots == 6
 

@@ -28,10 +28,10 @@ from __future__ import annotations
 import dataclasses
 import typing
 import warnings
-from importlib import metadata
 
 from fedjax_sparse.core.algorithm import AlgorithmSpec
 from fedjax_sparse.core.options import flag_name, option_fields
+from fedjax_sparse.plugins import EntryPointGroup, brief, package_of
 
 ENTRY_POINT_GROUP = "fedjax_sparse.algorithms"
 ALGORITHMS: dict[str, AlgorithmSpec] = {}
@@ -40,7 +40,7 @@ BUILT_IN: set[str] = set()
 REFUSED: dict[str, str] = {}
 _PLUGIN_PACKAGES: dict[str, str] = {}  # a registered plug-in's name -> the package that declares it
 _RESERVED: dict[str, str] = {}  # a flag the run declares itself -> who declares it
-_entry_points_loaded = False
+INSTALLED = EntryPointGroup(ENTRY_POINT_GROUP)
 
 
 class UnknownAlgorithm(ValueError):
@@ -145,44 +145,29 @@ def reserve(flags: typing.Iterable[str], owner: str) -> None:
             _refuse(name, clash)
 
 
-def _brief(err: BaseException, limit: int = 300) -> str:
-    """An installed package's exception in one line of bounded length (its message may be anything)."""
-    text = " ".join(str(err).split())
-    return f"{type(err).__name__}: {text if len(text) <= limit else text[:limit] + ' ...'}"
-
-
-def _package(entry: metadata.EntryPoint) -> str:
-    dist = getattr(entry, "dist", None)
-    return dist.name if dist is not None else entry.value.split(":")[0].split(".")[0]
-
-
 def load_entry_points() -> None:
     """Registers the algorithms installed packages declare (group `fedjax_sparse.algorithms`), once.
 
     Nothing an installed package does raises here: each plug-in that fails is skipped (`REFUSED`). Two
     packages offering one name are both skipped, whatever order the environment lists them in."""
-    global _entry_points_loaded
-    if _entry_points_loaded:
-        return
-    _entry_points_loaded = True
     offers: dict[str, list[tuple[AlgorithmSpec, str]]] = {}
-    for entry in metadata.entry_points(group=ENTRY_POINT_GROUP):
-        package = _package(entry)
-        where = (f"plug-in algorithm {entry.name!r} of package {package!r} (entry point {entry.name} = "
-                 f"{entry.value!r})")
-        try:
-            value = entry.load()
-        except (Exception, SystemExit) as err:  # noqa: BLE001 - an installed package's import may fail any way
-            _refuse(entry.name, f"{where} cannot be loaded: {_brief(err)}")
-            continue
+
+    def where(entry):
+        return (f"plug-in algorithm {entry.name!r} of package {package_of(entry)!r} (entry point {entry.name} = "
+                f"{entry.value!r})")
+
+    def take(entry, value):
         specs = value if isinstance(value, (tuple, list)) else (value,)
         odd = next((spec for spec in specs if not isinstance(spec, AlgorithmSpec)), None)
         if odd is not None or not specs:
             what = f"an object of type {type(odd).__name__}" if specs else "an empty tuple"
-            _refuse(entry.name, f"{where} gives {what}, not an AlgorithmSpec (or a tuple of them)")
-            continue
+            _refuse(entry.name, f"{where(entry)} gives {what}, not an AlgorithmSpec (or a tuple of them)")
+            return
         for spec in specs:
-            offers.setdefault(spec.name, []).append((spec, package))
+            offers.setdefault(spec.name, []).append((spec, package_of(entry)))
+
+    if not INSTALLED.load(take, lambda entry, why: _refuse(entry.name, f"{where(entry)} cannot be loaded: {why}")):
+        return
     for name, offered in offers.items():
         distinct = [(spec, package) for i, (spec, package) in enumerate(offered)
                     if all(spec != before for before, _ in offered[:i])]
@@ -204,7 +189,7 @@ def load_entry_points() -> None:
             continue
         except Exception as err:  # noqa: BLE001 - e.g. its options' annotations name what its module lacks
             _refuse(name, f"plug-in algorithm {name!r} of package {package!r}: its options cannot be read: "
-                          f"{_brief(err)}")
+                          f"{brief(err)}")
             continue
         ALGORITHMS[name] = spec
         _PLUGIN_PACKAGES[name] = package

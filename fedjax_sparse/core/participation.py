@@ -31,7 +31,6 @@ import dataclasses
 import functools
 import math
 import warnings
-from importlib import metadata
 from pathlib import Path
 from typing import Callable
 
@@ -41,6 +40,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from fedjax_sparse.core.streams import stream_key
+from fedjax_sparse.plugins import EntryPointGroup
 
 ENTRY_POINT_GROUP = "fedjax_sparse.samplers"
 OVERFLOW_PROBABILITY = 1e-9
@@ -332,7 +332,7 @@ SAMPLERS: dict[str, SamplerSpec] = {spec.name: spec for spec in (
                 "K of the clients online (diurnal pattern or --availability-trace)"),
 )}
 _BUILT_IN = frozenset(SAMPLERS)
-_entry_points_loaded = False
+INSTALLED = EntryPointGroup(ENTRY_POINT_GROUP)
 
 
 def register_sampler(spec: SamplerSpec) -> None:
@@ -345,19 +345,20 @@ def register_sampler(spec: SamplerSpec) -> None:
 
 
 def _load_entry_points() -> None:
-    global _entry_points_loaded
-    if _entry_points_loaded:
-        return
-    _entry_points_loaded = True
-    for entry in metadata.entry_points(group=ENTRY_POINT_GROUP):
+    def skip(entry, why):
+        warnings.warn(f"skipped the installed sampler {entry.name!r} ({entry.value}): {why}", UserWarning,
+                      stacklevel=4)
+
+    def take(entry, spec):
+        if entry.name in _BUILT_IN or not isinstance(spec, SamplerSpec) or spec.name != entry.name:
+            skip(entry, "it must name a SamplerSpec of its own name, not a built-in's")
+            return
         try:
-            spec = entry.load()
-            if entry.name in _BUILT_IN or not isinstance(spec, SamplerSpec) or spec.name != entry.name:
-                raise ValueError("it must name a SamplerSpec of its own name, not a built-in's")
             register_sampler(spec)
-        except Exception as err:  # noqa: BLE001 - an installed package's failure must not stop the run
-            warnings.warn(f"skipped the installed sampler {entry.name!r} ({entry.value}): "
-                          f"{' '.join(str(err).split())[:200]}", UserWarning, stacklevel=2)
+        except ValueError as err:
+            skip(entry, str(err))
+
+    INSTALLED.load(take, skip)
 
 
 def sampler_names() -> list[str]:

@@ -19,8 +19,6 @@ sequences), returning `[B, num_classes]` logits, together with the
 
 from __future__ import annotations
 
-from importlib import metadata
-
 from fedjax_sparse.models.check import check_model
 from fedjax_sparse.models.cnn import cnn2, cnn4, spafl_cnn
 from fedjax_sparse.models.lenet import lenet5_caffe
@@ -29,6 +27,7 @@ from fedjax_sparse.models.recurrent import char_lstm
 from fedjax_sparse.models.resnet import preresnet18, resnet20, resnet32
 from fedjax_sparse.models.structure import Layer, Model, ModelFactory, ModelStructure
 from fedjax_sparse.models.vgg import vgg9, vgg11
+from fedjax_sparse.plugins import EntryPointGroup, brief
 
 MODEL_NAMES = ('mlp', 'lenet5_caffe', 'spafl_cnn', 'vgg9', 'vgg11', 'resnet20', 'resnet32',
                'preresnet18', 'cnn4', 'cnn2', 'char_lstm')
@@ -53,7 +52,7 @@ assert tuple(_FACTORIES) == MODEL_NAMES
 ENTRY_POINT_GROUP = "fedjax_sparse.models"
 _OUTSIDE: dict[str, ModelFactory] = {}  # models registered from outside the library, by name
 REFUSED: dict[str, str] = {}  # installed plug-in models that could not be registered: name -> why
-_entry_points_loaded = False
+INSTALLED = EntryPointGroup(ENTRY_POINT_GROUP)
 
 
 def register_model(name: str, factory: ModelFactory) -> None:
@@ -72,16 +71,17 @@ def register_model(name: str, factory: ModelFactory) -> None:
 def _load_entry_points() -> None:
     """Registers the models installed packages declare (group `fedjax_sparse.models`: name = a factory), once;
     one that cannot be loaded or registered is left out, why in `REFUSED`."""
-    global _entry_points_loaded
-    if _entry_points_loaded:
-        return
-    _entry_points_loaded = True
-    for entry in metadata.entry_points(group=ENTRY_POINT_GROUP):
+    def refuse(entry, why):
+        REFUSED[entry.name] = (f"plug-in model {entry.name!r} (entry point {entry.name} = {entry.value!r}) "
+                               f"cannot be used: {why}")
+
+    def take(entry, factory):
         try:
-            register_model(entry.name, entry.load())
-        except (Exception, SystemExit) as err:  # noqa: BLE001 - an installed package's import may fail any way
-            REFUSED[entry.name] = (f"plug-in model {entry.name!r} (entry point {entry.name} = {entry.value!r}) "
-                                   f"cannot be used: {' '.join(str(err).split())[:200]}")
+            register_model(entry.name, factory)
+        except ValueError as err:
+            refuse(entry, brief(err))
+
+    INSTALLED.load(take, refuse)
 
 
 def model_names() -> list[str]:
