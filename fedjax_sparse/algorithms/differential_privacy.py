@@ -168,9 +168,13 @@ def privatize(algorithm: FederatedAlgorithm, context: BuildContext, options: Dif
     if sampling not in RELATION:
         raise ValueError(f"privatize: sampling must be one of {', '.join(RELATION)}, got {sampling!r}")
     relation = RELATION[sampling]
-    server_shape, client_shape = jax.eval_shape(lambda v: algorithm.init(jax.random.key(0), v, context.num_clients),
-                                                jax.eval_shape(context.local.model.init, jax.random.key(0)))
-    if sampling == "uniform" and options.dp_noise == "central" and z > 0 and jax.tree_util.tree_leaves(client_shape):
+    adaptive = options.dp_target_quantile is not None
+    stateful = sampling == "uniform" and options.dp_noise == "central" and z > 0
+    if adaptive or stateful:
+        server_shape, client_shape = jax.eval_shape(
+            lambda v: algorithm.init(jax.random.key(0), v, context.num_clients),
+            jax.eval_shape(context.local.model.init, jax.random.key(0)))
+    if stateful and jax.tree_util.tree_leaves(client_shape):
         raise ValueError(f"--dp-clip with --sampler uniform: {name}'s clients keep state between rounds, and sampling "
                          f"K of N has no privacy account for a message that depends on it (the module docstring); "
                          f"use --sampler poisson, or --dp-noise local")
@@ -207,7 +211,6 @@ def privatize(algorithm: FederatedAlgorithm, context: BuildContext, options: Dif
         layer_of = dict(declared.clip_layers)
     layers = sorted({layer_of[p] for p in message.paths})
     share = {p: 1 / len(layers) ** 0.5 if options.dp_clipping == "per_layer" else 1.0 for p in message.paths}
-    adaptive = options.dp_target_quantile is not None
     count_noise = options.dp_count_noise or expected_clients / 20
     # adaptive clipping spends part of the budget on the count (Andrew et al. 2021, section 3.1): the update's
     # noise z_delta and the count's sigma_b together cost one Gaussian of multiplier z
