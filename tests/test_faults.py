@@ -286,9 +286,11 @@ def test_1_a_sharded_run_resumes_exactly_and_its_device_count_is_kept(tmp_path):
     assert "the checkpoint was made with another configuration (shard_clients: checkpoint has True" in done.stderr
     assert records(tmp_path / "whole") == records(tmp_path / "parts")
     # one device here, whatever this process was started with: a process on one core asks JAX for one CPU device
-    one_core = lambda: os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})  # noqa: E731
-    done = subprocess.run([sys.executable, "-m", "fedjax_sparse.run.cli", "run", "--resume", str(tmp_path / "parts"),
+    # (the child pins itself before it becomes the run: a preexec_fn would run in a fork of this threaded process)
+    on_one_core = ("import os, sys; os.sched_setaffinity(0, {min(os.sched_getaffinity(0))}); "
+                   "os.execv(sys.executable, [sys.executable, '-m', 'fedjax_sparse.run.cli', *sys.argv[1:]])")
+    done = subprocess.run([sys.executable, "-c", on_one_core, "run", "--resume", str(tmp_path / "parts"),
                            "--rounds", "4", "--no-progress"], env={**os.environ, "JAX_PLATFORMS": "cpu"}, cwd=ROOT,
-                          capture_output=True, text=True, timeout=300, preexec_fn=one_core)
+                          capture_output=True, text=True, timeout=300)
     assert done.returncode == 2
     one_line(done.stderr, "the run sharded its clients over 2 devices and 1 are here")
