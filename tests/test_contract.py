@@ -9,6 +9,7 @@ import pytest
 
 from conftest import synthetic_split
 from fedjax_sparse.algorithms import BUILT_IN, fedavg, make_algorithm, make_options
+from fedjax_sparse.algorithms.personalization import PersonalizationOptions, personalize
 from fedjax_sparse.core.algorithm import BuildContext, PrivateSum
 from fedjax_sparse.core.contract import ContractError, check_contract
 from fedjax_sparse.core.local_training import LocalSGD
@@ -177,5 +178,9 @@ def test_a_private_sum_that_cannot_describe_the_upload_is_refused(setting, decla
     message = str(caught.value)
     assert words in message and "\n" not in message and message.startswith("fedavg: ")
     layers = tuple((f"params/{layer}/{kind}", layer) for layer in ("fc1", "fc2", "fc3") for kind in ("kernel", "bias"))
-    check_contract(dataclasses.replace(fedavg(local), private_sum=PrivateSum(clip_layers=layers)), variables, 4, 2,
-                   split)
+    declared = dataclasses.replace(fedavg(local), private_sum=PrivateSum(clip_layers=layers))
+    check_contract(declared, variables, 4, 2, split)
+    # personal layers are not uploaded: the wrapper's declaration keeps the shared layers' alone
+    personal = personalize(declared, context, PersonalizationOptions(personal="predictor"))
+    assert {p for p, _ in personal.private_sum.clip_layers} == {p for p, _ in layers if "fc3" not in p}
+    check_contract(personal, variables, 4, 2, split)

@@ -176,7 +176,8 @@ def test_an_image_folder_streams_into_the_folder_its_loader_writes(tmp_path, mon
     """Never loaded whole, written 5 images a chunk: the files of save_mapped(load_dataset(spec)), byte for
     byte (order, labels, channels, the training mean/std from the chunks, digests)."""
     spec = f"imagefolder:{write_image_folder(tmp_path / 'images', colour)}"
-    monkeypatch.setattr(mapped, "_CHUNK_BYTES", 5 * 6 * 7 * channels)
+    # a budget of 5 decoded images: 3 channels each, a gray one's too (decoded in colour, then its first kept)
+    monkeypatch.setattr(mapped, "_CHUNK_BYTES", 5 * 6 * 7 * 3)
     with monkeypatch.context() as patched:
         never_whole(patched)
         _, chunks = watch_writes(patched)

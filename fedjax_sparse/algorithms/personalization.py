@@ -30,7 +30,7 @@ from fedjax_sparse.core.algorithm import MODEL_UPLOAD, BuildContext, FederatedAl
 from fedjax_sparse.core.layer_groups import model_layer_groups
 from fedjax_sparse.core.model_parts import overlay, part_labels, take_part
 from fedjax_sparse.core.options import option
-from fedjax_sparse.core.wrapping import broadcast_shapes, reading_inner_state, upload_shapes
+from fedjax_sparse.core.wrapping import broadcast_shapes, flat_leaves, reading_inner_state, upload_shapes
 
 tree_map = jax.tree_util.tree_map
 PERSONAL = ("none", "predictor", "norm")
@@ -108,8 +108,13 @@ def personalize(algorithm: FederatedAlgorithm, context: BuildContext, options: P
 
     # the shared part both ways: an elementwise increment of the model still is one of its shared part
     stale_upload = algorithm.stale_upload if algorithm.stale_upload is MODEL_UPLOAD else None
+    declared = algorithm.private_sum
+    if declared is not None and declared.clip_layers is not None:  # the personal leaves are no longer uploaded
+        sent = set(flat_leaves(shared(variables)))
+        declared = dataclasses.replace(declared, clip_layers=tuple((p, layer) for p, layer in declared.clip_layers
+                                                                   if p in sent))
     return dataclasses.replace(
         algorithm, init=init, init_clients=init_clients, client_update=client_update, server_update=server_update,
-        stale_upload=stale_upload,
+        stale_upload=stale_upload, private_sum=declared,
         broadcast=lambda server_state, client_id, info: shared(algorithm.broadcast(server_state, client_id, info)),
         **{**reading_inner_state(algorithm), "client_variables": client_variables})

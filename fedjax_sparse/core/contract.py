@@ -22,6 +22,7 @@ refuses, in one line naming the function and the leaf path with both shapes and 
 
 from __future__ import annotations
 
+import numbers
 from typing import Any
 
 import jax
@@ -176,7 +177,7 @@ def check_private_sum(name: str, declared: PrivateSum, up: Any, clients_per_roun
     path or a clipping layer's path that names no upload leaf, a released leaf without a clipping layer."""
     for field in ("sensitivity", "replace_sensitivity"):
         value = getattr(declared, field)
-        if not isinstance(value, (int, float)) or not 0 < value < float("inf"):
+        if isinstance(value, bool) or not isinstance(value, numbers.Real) or not 0 < value < float("inf"):
             raise ContractError(f"{name}: PrivateSum.{field} must be a positive number of clip norms, got {value!r}")
     if declared.denominator is not None and not (isinstance(declared.denominator, int)
                                                  and 1 <= declared.denominator <= clients_per_round):
@@ -190,7 +191,7 @@ def check_private_sum(name: str, declared: PrivateSum, up: Any, clients_per_roun
     if declared.clip_layers is None:
         return
     layered = dict(declared.clip_layers)
-    for path in layered.keys() - leaves.keys():
+    for path in sorted(layered.keys() - leaves.keys()):
         raise ContractError(f"{name}: PrivateSum.clip_layers names {path!r}, which is no upload leaf (the upload's "
                             f"leaves: {', '.join(sorted(leaves))})")
     for path in sorted(leaves.keys() - layered.keys()):

@@ -345,20 +345,21 @@ def register_sampler(spec: SamplerSpec) -> None:
 
 
 def _load_entry_points() -> None:
-    def skip(entry, why):
-        warnings.warn(f"skipped the installed sampler {entry.name!r} ({entry.value}): {why}", UserWarning,
-                      stacklevel=4)
+    skipped = []
 
     def take(entry, spec):
         if entry.name in _BUILT_IN or not isinstance(spec, SamplerSpec) or spec.name != entry.name:
-            skip(entry, "it must name a SamplerSpec of its own name, not a built-in's")
+            skipped.append((entry, "it must name a SamplerSpec of its own name, not a built-in's"))
             return
         try:
             register_sampler(spec)
         except ValueError as err:
-            skip(entry, str(err))
+            skipped.append((entry, str(err)))
 
-    INSTALLED.load(take, skip)
+    INSTALLED.load(take, lambda entry, why: skipped.append((entry, why)))
+    for entry, why in skipped:  # warned here, so that each warning points at the caller that asked for samplers
+        warnings.warn(f"skipped the installed sampler {entry.name!r} ({entry.value}): {why}", UserWarning,
+                      stacklevel=2)
 
 
 def sampler_names() -> list[str]:

@@ -371,8 +371,9 @@ def stream_image_folder(root: str | os.PathLike, *, num_workers: int | None = No
                                              progress, rows=rows):
                 yield decoded[..., :1] if gray else decoded
 
+        # a gray image is decoded to 3 channels before its first is kept: three times its bytes a chunk
         return SplitSource(y=labels[split], example_shape=(height, width, channels), dtype=np.dtype(np.uint8),
-                           read=read)
+                           read=read, decoded_factor=3 if gray else 1)
 
     return ChunkedSource(name=f"imagefolder:{root}", num_classes=len(classes), class_names=classes,
                          augment=(height, width, channels) == (32, 32, 3), train=split_source("train"),

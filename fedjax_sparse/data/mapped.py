@@ -42,6 +42,7 @@ resumed run checks its data without reading the examples.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -81,17 +82,19 @@ def write_split(folder: str | os.PathLike, split: str, x_chunks: Iterable[np.nda
     h = hashlib.blake2b(digest_size=16)
     _digest_header(h, dtype, shape)
     filled = 0
-    for chunk in x_chunks:
-        chunk = np.ascontiguousarray(chunk, dtype=dtype)
-        if filled + len(chunk) > n or chunk.shape[1:] != tuple(example_shape):
-            raise ValueError(f"{split}: chunks of shape {chunk.shape} do not fill {shape}")
-        x[filled:filled + len(chunk)] = chunk
-        h.update(memoryview(chunk).cast("B"))
-        filled += len(chunk)
-    if filled != n:
-        raise ValueError(f"{split}: the chunks gave {filled} examples for {n} labels")
-    x.flush()
-    del x
+    try:  # the map closed however the chunks end (a source that raises mid-way included)
+        for chunk in x_chunks:
+            chunk = np.ascontiguousarray(chunk, dtype=dtype)
+            if filled + len(chunk) > n or chunk.shape[1:] != tuple(example_shape):
+                raise ValueError(f"{split}: chunks of shape {chunk.shape} do not fill {shape}")
+            x[filled:filled + len(chunk)] = chunk
+            h.update(memoryview(chunk).cast("B"))
+            filled += len(chunk)
+        if filled != n:
+            raise ValueError(f"{split}: the chunks gave {filled} examples for {n} labels")
+        x.flush()
+    finally:
+        del x
     y = np.asarray(y, np.int32)
     np.save(folder / f"{split}_y.npy", y)
     _digest_header(h, y.dtype, y.shape)  # the digest of (x, y) as `run.fingerprint` takes it
@@ -125,6 +128,7 @@ class SplitSource:
     dtype: np.dtype
     read: Callable[[int], Iterator[np.ndarray]]
     clients: np.ndarray | None = None
+    decoded_factor: int = 1  # how many times an example's bytes the reader holds while making it
 
 
 @dataclasses.dataclass(frozen=True)
@@ -162,11 +166,13 @@ def write_source(source: ChunkedSource, folder: str | os.PathLike) -> Path:
     for split in SPLITS:
         part = getattr(source, split)
         row_bytes = int(np.prod(part.example_shape, dtype=np.int64)) * np.dtype(part.dtype).itemsize
-        chunks = part.read(max(1, _CHUNK_BYTES // max(1, row_bytes)))
-        if split == "train" and source.mean is None:
-            histograms = np.zeros((part.example_shape[-1], 256), np.int64)
-            chunks = _counted(chunks, histograms)
-        splits[split] = write_split(folder, split, chunks, part.y, part.example_shape, part.dtype, part.clients)
+        read = part.read(max(1, _CHUNK_BYTES // max(1, row_bytes * part.decoded_factor)))
+        with contextlib.closing(read):  # a write that fails closes the reader (an image folder's worker pool)
+            chunks = read
+            if split == "train" and source.mean is None:
+                histograms = np.zeros((part.example_shape[-1], 256), np.int64)
+                chunks = _counted(chunks, histograms)
+            splits[split] = write_split(folder, split, chunks, part.y, part.example_shape, part.dtype, part.clients)
         if len(part.y) and (np.min(part.y) < 0 or np.max(part.y) >= source.num_classes):  # as `Dataset` refuses
             raise ValueError(f"{source.name}: y_{split} labels outside [0, {source.num_classes})")
     mean, std = (source.mean, source.std) if histograms is None else histogram_stats(histograms)
