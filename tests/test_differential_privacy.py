@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from fedjax_sparse.algorithms import fedavg, make_algorithm, make_options
-from fedjax_sparse.algorithms.differential_privacy import DifferentialPrivacyOptions, privatize
+from fedjax_sparse.algorithms.differential_privacy import DifferentialPrivacyOptions, keeps_client_state, privatize
 from fedjax_sparse.algorithms.fedldf import fedldf_random
 from fedjax_sparse.core.algorithm import BuildContext
 from fedjax_sparse.core.local_training import LocalSGD
@@ -179,28 +179,53 @@ def test_what_cannot_be_accounted_is_refused(setting, tmp_path, capsys):
 
 
 @pytest.mark.parametrize("name", ["scaffold", "spafl", "feddyn"])
-def test_clients_that_keep_state_are_refused_under_sampling_k_of_n(setting, name):
+def test_clients_that_keep_state_are_not_accounted_as_amplified_by_sampling_k_of_n(setting, name):
     """A stateful client's message depends on its unreleased past rounds. Poisson sampling keeps the account
     (the other clients' sampling and state may be shown to the adversary); sampling K of N cannot show them
-    without revealing who took part, so a noised run there is refused; local noise and a run without noise
-    (which claims no epsilon) are not."""
+    without revealing who took part, so a noised run there is accounted without amplification
+    ('unamplified'), and the library refuses to account it as amplified; local noise and a run without noise
+    (which claims no epsilon) are as before."""
     model, split, _ = setting
     local = LocalSGD(model, 0.1, 1, 8)
     context = BuildContext(local=local, num_clients=8, clients_per_round=4, train=split, num_classes=10)
     algorithm = make_algorithm(name, context, make_options(name, {}))
+    assert keeps_client_state(algorithm, context) and not keeps_client_state(fedavg(local, "uniform"), context)
     options = DifferentialPrivacyOptions(dp_clip=1.0)
     with pytest.raises(ValueError) as refused:
         privatize(algorithm, context, options, noise_multiplier=1.0, expected_clients=4, sampling="uniform")
-    assert str(refused.value) == (f"--dp-clip with --sampler uniform: {name}'s clients keep state between rounds, "
-                                  f"and sampling K of N has no privacy account for a message that depends on it "
-                                  f"(the module docstring); use --sampler poisson, or --dp-noise local")
-    privatize(algorithm, context, options, noise_multiplier=1.0, expected_clients=4, sampling="poisson")
+    assert str(refused.value) == (f"privatize: {name}'s clients keep state between rounds, which sampling K of N does "
+                                  f"not amplify (the module docstring); account it as sampling='unamplified'")
+    for sampling in ("unamplified", "poisson"):
+        privatize(algorithm, context, options, noise_multiplier=1.0, expected_clients=4, sampling=sampling)
     privatize(algorithm, context, options, noise_multiplier=0.0, expected_clients=4, sampling="uniform")
     privatize(algorithm, context, dataclasses.replace(options, dp_noise="local"), noise_multiplier=1.0,
               expected_clients=4, sampling="local")
-    # a stateless client under K of N is accounted as before
     privatize(fedavg(local, "uniform"), context, options, noise_multiplier=1.0, expected_clients=4,
               sampling="uniform")
+
+
+def test_a_stateful_run_under_k_of_n_spends_the_unamplified_epsilon_and_says_so(tmp_path, capsys):
+    """SCAFFOLD (control variates) under --sampler uniform: one line says epsilon is not amplified, and the
+    run records dp-accounting's own figure for a Gaussian of multiplier z / 2 (a replaced client moves the
+    sum by 2 C) composed over every round, far above the amplified one; FedAvg's run, stateless, keeps the
+    amplified account."""
+    flags = [*TINY, "--num-clients", "8", "--clients-per-round", "2", "--rounds", "2", "--dp-clip", "0.5",
+             "--dp-noise-multiplier", "3"]
+    stateful, stateless = tmp_path / "scaffold", tmp_path / "fedavg"
+    assert main(["run", *flags, "--algorithm", "scaffold", "--out", str(stateful)]) == 0
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and ("--dp-clip: the clients keep state between rounds (scaffold's, its error "
+                                     "feedback's or personal layers'), which sampling K of N does not amplify") in err
+    assert main(["run", *flags, "--aggregation-weights", "uniform", "--out", str(stateless)]) == 0
+    assert "does not amplify" not in capsys.readouterr().err
+    delta = 1 / 8 ** 1.1
+    direct = dp_accounting.rdp.RdpAccountant(neighboring_relation=dp_accounting.NeighboringRelation.REPLACE_ONE)
+    direct.compose(dp_accounting.GaussianDpEvent(1.5), 2)
+    assert summary(stateful)["dp_sampling"] == "unamplified"
+    assert summary(stateful)["dp_epsilon"] == records(stateful)[-1]["dp_epsilon"] == direct.get_epsilon(delta)
+    amplified = PrivacyLedger(3.0, 8, 2, "uniform", delta).epsilon(2)
+    assert summary(stateless)["dp_sampling"] == "uniform" and summary(stateless)["dp_epsilon"] == amplified
+    assert amplified < 0.5 * direct.get_epsilon(delta)
 
 
 def test_adaptive_clipping_steps_the_norm_toward_the_quantile(setting):

@@ -243,8 +243,6 @@ def test_fedldf_and_topk_runs_record_their_epsilon(tmp_path, capsys):
      "--dp-noise local: fedavg's upload holds client-chosen indexes"),
     (["--uplink-compression", "topk", "--error-feedback", "--sampler", "poisson", "--secure-aggregation", "secagg+"],
      "--secure-aggregation: fedavg's server reads each client's upload"),
-    (["--uplink-compression", "topk", "--error-feedback", "--sampler", "uniform"],
-     "--dp-clip with --sampler uniform: fedavg's clients keep state between rounds"),
 ])
 def test_what_cannot_be_accounted_is_refused_in_one_line(tmp_path, capsys, flags, words):
     assert main(["run", *TINY, "--rounds", "1", "--dp-clip", "1", *flags, "--out", str(tmp_path / "r")]) == 2

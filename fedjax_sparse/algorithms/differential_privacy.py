@@ -45,8 +45,11 @@ without it one fixed distribution; Renyi and hockey-stick divergences are quasi-
 the other fixed, so the mixture costs no more than its worst component and the rounds compose as the
 accountant composes them. Sampling K of N without replacement cannot show the others' sampling or state
 (either reveals whether the client took part), and hidden, the neighbouring federations' posteriors over them
-differ: a noised run there is refused for clients that keep state (any leaf in `init`'s client states). Local
-noise keeps its account: each message, whatever the state, is a Gaussian within C of zero.
+differ, so no amplified bound follows. The unamplified one does: shown everything but the client's data, each
+round is a Gaussian of sensitivity 2 C (replaced) whatever the state, so such a run (any leaf in `init`'s client
+states, `keeps_client_state`) is accounted without amplification: sampling 'unamplified', the event local
+noise has, with the central noise (the run says so in one line). Local noise keeps its account: each
+message, whatever the state, is a Gaussian within C of zero.
 
 Where no bound binds and z = 0 the wrapper changes nothing of the upload, bit for bit; the server then
 differs from the algorithm only by its equal weights (and, under varying participation, the fixed
@@ -72,7 +75,7 @@ Refused in one line: algorithms whose server needs each upload and declares no `
 family's masked means, SPATL's selected channels, FedPM's masks, FedNova's normalization, FedLDF's random
 baselines), uploads holding integer, quantized or coded leaves (`qsgd`), local noise where the upload holds
 client-chosen indexes or feedback, flat clipping where the declaration needs it per layer, central noise on
-clients that keep state under sampling K of N, and a `PrivateSum` that cannot describe the upload
+clients that keep state accounted as amplified by sampling K of N, and a `PrivateSum` that cannot describe the upload
 (`core.contract.check_private_sum`).
 """
 
@@ -150,13 +153,21 @@ def private_sum_of(algorithm: FederatedAlgorithm) -> PrivateSum | None:
     return PrivateSum() if algorithm.aggregates_mean and algorithm.select_uploads is None else None
 
 
+def keeps_client_state(algorithm: FederatedAlgorithm, context: BuildContext) -> bool:
+    """Whether `algorithm`'s clients keep state between rounds (a leaf in `init`'s client states: its own, or a
+    wrapper's, as error feedback's residual or personal layers), which sampling K of N does not amplify."""
+    clients = jax.eval_shape(lambda v: algorithm.init(jax.random.key(0), v, context.num_clients)[1],
+                             jax.eval_shape(context.local.model.init, jax.random.key(0)))
+    return bool(jax.tree_util.tree_leaves(clients))
+
+
 def privatize(algorithm: FederatedAlgorithm, context: BuildContext, options: DifferentialPrivacyOptions, *,
               noise_multiplier: float, expected_clients: int, sampling: str = "poisson") -> FederatedAlgorithm:
     """`algorithm` with its clients' updates clipped and noised (the module docstring); `noise_multiplier`: z,
     resolved by the run (`--dp-target-epsilon` calibrates it); `expected_clients`: K, the mean's denominator;
     `sampling`: how the run is accounted (`PrivacyLedger.sampling`): its neighbouring relation sets the noise of
-    an algorithm whose sums move otherwise than a plain sum's, and sampling K of N refuses clients that keep
-    state."""
+    an algorithm whose sums move otherwise than a plain sum's; 'uniform' (amplified by sampling K of N)
+    refuses clients that keep state, which are accounted 'unamplified'."""
     if options.dp_clip is None:
         return algorithm
     name, clip, z = algorithm.name, float(options.dp_clip), float(noise_multiplier)
@@ -169,15 +180,9 @@ def privatize(algorithm: FederatedAlgorithm, context: BuildContext, options: Dif
         raise ValueError(f"privatize: sampling must be one of {', '.join(RELATION)}, got {sampling!r}")
     relation = RELATION[sampling]
     adaptive = options.dp_target_quantile is not None
-    stateful = sampling == "uniform" and options.dp_noise == "central" and z > 0
-    if adaptive or stateful:
-        server_shape, client_shape = jax.eval_shape(
-            lambda v: algorithm.init(jax.random.key(0), v, context.num_clients),
-            jax.eval_shape(context.local.model.init, jax.random.key(0)))
-    if stateful and jax.tree_util.tree_leaves(client_shape):
-        raise ValueError(f"--dp-clip with --sampler uniform: {name}'s clients keep state between rounds, and sampling "
-                         f"K of N has no privacy account for a message that depends on it (the module docstring); "
-                         f"use --sampler poisson, or --dp-noise local")
+    if sampling == "uniform" and options.dp_noise == "central" and z > 0 and keeps_client_state(algorithm, context):
+        raise ValueError(f"privatize: {name}'s clients keep state between rounds, which sampling K of N does not "
+                         f"amplify (the module docstring); account it as sampling='unamplified'")
     up_shape = upload_shapes(algorithm, context)
     check_private_sum(name, declared, up_shape, context.clients_per_round)
 
@@ -222,6 +227,8 @@ def privatize(algorithm: FederatedAlgorithm, context: BuildContext, options: Dif
     denominator = declared.denominator if masked else expected_clients
     noised_paths = [p for p in message.order if p in message.paths]  # the treedef's order: one key each
     if adaptive:
+        server_shape = jax.eval_shape(lambda v: algorithm.init(jax.random.key(0), v, context.num_clients)[0],
+                                      jax.eval_shape(context.local.model.init, jax.random.key(0)))
         if not isinstance(server_shape, dict) or CLIP_KEY in server_shape:
             raise ValueError(f"--dp-target-quantile keeps the clip norm beside {name}'s server state, which must "
                              f"be a dict without a {CLIP_KEY!r} key")

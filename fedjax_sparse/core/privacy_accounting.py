@@ -13,7 +13,10 @@ for clip norm C); the rounds compose. The events given to the accountant:
       the noise's standard deviation over that sensitivity, z C / 2 C;
   local noise (each client noises its own update; the server sees who took part, so sampling amplifies
       nothing): Gaussian(z / 2) composed over every round (any two updates of one client are 2 C apart),
-      a client's worst case of taking part in all.
+      a client's worst case of taking part in all;
+  unamplified (K of N without replacement, for clients that keep state between rounds: the proof of
+      amplification does not hold for them, `algorithms.differential_privacy`): the same event as local
+      noise's, Gaussian(z / 2) composed over every round, with the central noise z C on the sum.
 These are a plain sum's sensitivities (`ACCOUNTED_SENSITIVITY`). An algorithm whose sums move further (FedLDF's
 by 2 C where a client is added: `core.algorithm.PrivateSum`) is noised by the privacy wrapper in proportion,
 so that the events above, of multiplier z, stay true of it.
@@ -33,8 +36,9 @@ import math
 from fedjax_sparse.core.quiet_logs import quieted
 
 ACCOUNTANTS = ("rdp", "pld")
-SAMPLINGS = ("poisson", "uniform", "local")
-RELATION = {"poisson": "add_or_remove", "uniform": "replace_one", "local": "replace_one"}  # each sampling's neighbours
+SAMPLINGS = ("poisson", "uniform", "local", "unamplified")
+RELATION = {"poisson": "add_or_remove", "uniform": "replace_one", "local": "replace_one",  # each sampling's neighbours
+            "unamplified": "replace_one"}
 # the neighbouring relation each sampling is accounted under, and the sensitivity (in clip norms) of the sum that a
 # noise of standard deviation z C is accounted against in it: a plain sum of clipped updates moves by C where a
 # client is added or removed, by 2 C where one is replaced. An algorithm whose sums move otherwise (FedLDF's,

@@ -14,7 +14,7 @@ import jax
 import numpy as np
 
 from fedjax_sparse.algorithms import BUILT_IN, make_algorithm
-from fedjax_sparse.algorithms.differential_privacy import privatize
+from fedjax_sparse.algorithms.differential_privacy import keeps_client_state, privatize
 from fedjax_sparse.algorithms.personalization import personalize
 from fedjax_sparse.algorithms.uplink_compression import compress_uplink
 from fedjax_sparse.core.algorithm import BuildContext, NeedsDeviceData
@@ -130,12 +130,15 @@ def build_experiment(config: RunConfig, progress: bool = True, *, process: Proce
                            labels_per_client=config.labels_per_client if split_by == "labels" else None,
                            device_profile=conditions.profile, round_deadline=conditions.stragglers.deadline,
                            train_counts=federation.train_counts)
-    privacy = privacy_ledger(config)
     try:  # built without the clients' data first: most algorithms never read them
         algorithm, needs_device = with_patterns(make_algorithm(config.algorithm, context, config.algorithm_options),
-                                                context, config, privacy), None
+                                                context, config), None
     except NeedsDeviceData as e:
         algorithm, needs_device = None, e
+    privacy = privacy_ledger(config, keeps_state=config.dp_clip is not None and algorithm is not None
+                             and keeps_client_state(algorithm, context))
+    if algorithm is not None:
+        algorithm = with_privacy(algorithm, context, config, privacy)
     key = stream_key(config.seed, "algorithm_init")
     backend = client_store_backend(config, process, needs_device, snapshot, algorithm, key,
                                    jax.eval_shape(model.init, stream_key(config.seed, "model_init")),
@@ -144,8 +147,8 @@ def build_experiment(config: RunConfig, progress: bool = True, *, process: Proce
     train, local_test = federation.on_device() if backend == "device" else federation.on_host(process)
     if algorithm is None:
         context = dataclasses.replace(context, train=train)
-        algorithm = with_patterns(make_algorithm(config.algorithm, context, config.algorithm_options), context, config,
-                                  privacy)
+        algorithm = with_privacy(with_patterns(make_algorithm(config.algorithm, context, config.algorithm_options),
+                                               context, config), context, config, privacy)
     if conditions.secure is not None:  # what the protocol sums: refused in one line where the sum would not do
         conditions = dataclasses.replace(conditions, upload_entries=summed_entries(algorithm,
                                                                                    upload_shapes(algorithm, context)))
@@ -183,11 +186,15 @@ def build_experiment(config: RunConfig, progress: bool = True, *, process: Proce
                       model.num_params(variables), chunk, process, federation, data_fingerprint(federation), privacy)
 
 
-def with_patterns(algorithm, context: BuildContext, config: RunConfig, privacy: PrivacyLedger | None = None):
-    """The algorithm with the run's personal layers, uplink compression and differential privacy, where asked
-    for (`privacy`: the run's ledger, whose noise multiplier and neighbouring relation the clients and server
-    use). Privacy wraps the compression, so that it clips the message the client sends."""
-    algorithm = compress_uplink(personalize(algorithm, context, config), context, config)
+def with_patterns(algorithm, context: BuildContext, config: RunConfig):
+    """The algorithm with the run's personal layers and uplink compression, where asked for."""
+    return compress_uplink(personalize(algorithm, context, config), context, config)
+
+
+def with_privacy(algorithm, context: BuildContext, config: RunConfig, privacy: PrivacyLedger | None):
+    """`with_patterns`' algorithm under the run's differential privacy, where asked for (`privacy`: the run's
+    ledger, whose noise multiplier and sampling the clients and server use). Privacy wraps the compression, so
+    that it clips the message the client sends."""
     if privacy is None:
         return algorithm
     return privatize(algorithm, context, config, noise_multiplier=privacy.noise_multiplier,

@@ -7,11 +7,14 @@ import dataclasses
 import math
 
 from fedjax_sparse.core.privacy_accounting import PrivacyLedger, calibrated_noise, default_delta
+from fedjax_sparse.run.outputs import say
 
 
-def privacy_ledger(config) -> PrivacyLedger | None:
+def privacy_ledger(config, keeps_state: bool = False) -> PrivacyLedger | None:
     """The ledger of a run with `--dp-clip` (`config`: a RunConfig), z calibrated where `--dp-target-epsilon`
-    asks; None without differential privacy. Refuses, in one line, what it cannot account."""
+    asks; None without differential privacy. Refuses, in one line, what it cannot account. `keeps_state`: the
+    algorithm's clients keep state between rounds, which sampling K of N does not amplify: such a run under
+    `--sampler uniform` is accounted without amplification ('unamplified', said in one line)."""
     if config.dp_clip is None:
         return None
     if config.async_buffer is not None:
@@ -22,6 +25,12 @@ def privacy_ledger(config) -> PrivacyLedger | None:
                          "sampling the accountant amplifies by; leave --over-selection out")
     if config.dp_noise == "local":
         sampling = "local"
+    elif config.sampler == "uniform" and keeps_state:
+        sampling = "unamplified"
+        if config.dp_noise_multiplier > 0 or config.dp_target_epsilon is not None:  # else no epsilon is claimed
+            say(f"--dp-clip: the clients keep state between rounds ({config.algorithm}'s, its error feedback's or "
+                f"personal layers'), which sampling K of N does not amplify: epsilon is accounted without "
+                f"amplification (docs/privacy.md; --sampler poisson amplifies)")
     elif config.sampler in ("uniform", "poisson"):
         sampling = config.sampler
     else:
