@@ -45,8 +45,9 @@ without it one fixed distribution; Renyi and hockey-stick divergences are quasi-
 the other fixed, so the mixture costs no more than its worst component and the rounds compose as the
 accountant composes them. Sampling K of N without replacement cannot show the others' sampling or state
 (either reveals whether the client took part), and hidden, the neighbouring federations' posteriors over them
-differ, so no amplified bound follows. The unamplified one does: shown everything but the client's data, each
-round is a Gaussian of sensitivity 2 C (replaced) whatever the state, so such a run (any leaf in `init`'s client
+differ, so no amplified bound follows. The unamplified one does: shown everything but the client's data and
+state (the sampling included), a round it takes part in is a mixture over its state of Gaussians of sensitivity
+2 C (replaced; a coupling of the two federations' states bounds it by its worst pair), so such a run (any leaf in `init`'s client
 states, `keeps_client_state`) is accounted without amplification: sampling 'unamplified', the event local
 noise has, with the central noise (the run says so in one line). Local noise keeps its account: each
 message, whatever the state, is a Gaussian within C of zero.
