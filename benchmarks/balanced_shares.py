@@ -27,7 +27,7 @@ def main(argv=None) -> None:
     import numpy as np
 
     from .common import best, command_line, environment, environment_markdown, finish, fmt, interleaved, \
-        markdown_table, parser
+        markdown_table, parser, stepping
     from fedjax_sparse.core.cpu_round import CpuRound
     from fedjax_sparse.core.device_split import BalancedSplit, balanced_padded_step_fraction, device_groups
     from fedjax_sparse.core.round import build_round, clients_mesh
@@ -68,17 +68,7 @@ def main(argv=None) -> None:
             padded_step_fraction(counts[ids], batch, group) if per_device is None else
             balanced_padded_step_fraction(BalancedSplit(batch), counts[ids], ids, np.ones(k, bool), group, per_device)
             for ids in draws]))
-    runs = {}
-    for name, (step, _, _) in layouts.items():
-        state = {"server": exp.server_state, "clients": jax.tree_util.tree_map(lambda a: a.copy(), exp.store.states),
-                 "round": 0}
-
-        def one_round(step=step, state=state):
-            state["server"], state["clients"], _ = step(state["server"], state["clients"], state["round"])
-            state["round"] += 1
-            return state["server"]
-
-        runs[name] = one_round
+    runs = {name: stepping(step, exp.server_state, exp.store.states) for name, (step, _, _) in layouts.items()}
     times = interleaved(runs, repeats)
     fastest = {name: best(t)["wall"] for name, t in times.items()}
     medians = {name: float(np.median(t["wall"])) for name, t in times.items()}

@@ -129,6 +129,20 @@ def interleaved(runs: dict[str, Callable[[], Any]], repeats: int) -> dict[str, d
     return out
 
 
+def stepping(step: Callable, server_state: Any, client_states: Any) -> Callable[[], Any]:
+    """A variant for `interleaved`: each call runs the next round of `step(server, clients, round)` (a round
+    `core.round_driver.build_round` built) from the states the last call left, on its own copy of the
+    clients' states, and returns the server state."""
+    state = {"server": server_state, "clients": jax.tree_util.tree_map(lambda a: a.copy(), client_states), "round": 0}
+
+    def one_round():
+        state["server"], state["clients"], _ = step(state["server"], state["clients"], state["round"])
+        state["round"] += 1
+        return state["server"]
+
+    return one_round
+
+
 def best(times: dict) -> dict:
     """The fastest repeat (the one least disturbed by other work) of wall and CPU time."""
     return {"wall": min(times["wall"]), "cpu": min(times["cpu"])}

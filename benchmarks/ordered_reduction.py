@@ -20,10 +20,8 @@ from .host_devices import force_host_devices
 def main(argv=None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     force_host_devices(argv)
-    import jax
-
     from .common import (best, command_line, environment, environment_markdown, finish, fmt, interleaved,
-                         markdown_table, parser)
+                         markdown_table, parser, stepping)
     from fedjax_sparse.core.round import build_round, clients_mesh
     from fedjax_sparse.run import RunConfig, build_experiment
 
@@ -40,18 +38,9 @@ def main(argv=None) -> None:
         config = RunConfig.create(algorithm=algorithm, num_clients=max(2 * k, 20), clients_per_round=k,
                                   local_epochs=1, client_store="device", out="unused")
         exp = build_experiment(config, progress=False)
-        rounds = {}
-        for ordered in (True, False):
-            step = build_round(exp.algorithm, exp.train, k, seed=0, mesh=mesh, ordered_reduction=ordered)
-            state = {"server": exp.server_state, "clients": jax.tree_util.tree_map(lambda a: a.copy(), exp.store.states),
-                     "round": 0}
-
-            def one_round(step=step, state=state):
-                state["server"], state["clients"], out = step(state["server"], state["clients"], state["round"])
-                state["round"] += 1
-                return state["server"]
-
-            rounds["ordered" if ordered else "per-device sums"] = one_round
+        rounds = {"ordered" if ordered else "per-device sums": stepping(
+            build_round(exp.algorithm, exp.train, k, seed=0, mesh=mesh, ordered_reduction=ordered),
+            exp.server_state, exp.store.states) for ordered in (True, False)}
         times = interleaved(rounds, 3 if args.quick else 10)
         fastest = {name: best(t)["wall"] for name, t in times.items()}
         records.append({"algorithm": algorithm, "clients_per_round": k, "devices": mesh.size, "times": times,
