@@ -135,8 +135,8 @@ def build_experiment(config: RunConfig, progress: bool = True, *, process: Proce
                                                 context, config), None
     except NeedsDeviceData as e:
         algorithm, needs_device = None, e
-    privacy = privacy_ledger(config, keeps_state=config.dp_clip is not None and algorithm is not None
-                             and keeps_client_state(algorithm, context))
+    privacy = privacy_ledger(config, keeps_state=lambda: algorithm is not None and keeps_client_state(algorithm,
+                                                                                                       context))
     if algorithm is not None:
         algorithm = with_privacy(algorithm, context, config, privacy)
     key = stream_key(config.seed, "algorithm_init")

@@ -5,16 +5,18 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import Callable
 
 from fedjax_sparse.core.privacy_accounting import PrivacyLedger, calibrated_noise, default_delta
 from fedjax_sparse.run.outputs import say
 
 
-def privacy_ledger(config, keeps_state: bool = False) -> PrivacyLedger | None:
+def privacy_ledger(config, keeps_state: Callable[[], bool] = lambda: False) -> PrivacyLedger | None:
     """The ledger of a run with `--dp-clip` (`config`: a RunConfig), z calibrated where `--dp-target-epsilon`
-    asks; None without differential privacy. Refuses, in one line, what it cannot account. `keeps_state`: the
-    algorithm's clients keep state between rounds, which sampling K of N does not amplify: such a run under
-    `--sampler uniform` is accounted without amplification ('unamplified', said in one line)."""
+    asks; None without differential privacy. Refuses, in one line, what it cannot account. `keeps_state()`:
+    whether the algorithm's clients keep state between rounds, which sampling K of N does not amplify (asked
+    only under `--sampler uniform` with central noise): such a run is accounted without amplification
+    ('unamplified', said in one line)."""
     if config.dp_clip is None:
         return None
     if config.async_buffer is not None:
@@ -25,7 +27,7 @@ def privacy_ledger(config, keeps_state: bool = False) -> PrivacyLedger | None:
                          "sampling the accountant amplifies by; leave --over-selection out")
     if config.dp_noise == "local":
         sampling = "local"
-    elif config.sampler == "uniform" and keeps_state:
+    elif config.sampler == "uniform" and keeps_state():
         sampling = "unamplified"
         if config.dp_noise_multiplier > 0 or config.dp_target_epsilon is not None:  # else no epsilon is claimed
             say(f"--dp-clip: the clients keep state between rounds ({config.algorithm}'s, its error feedback's or "
