@@ -11,6 +11,7 @@ quantized one) is one leaf here, not its parts; a sparse leaf's change is that o
 from __future__ import annotations
 
 import dataclasses
+import weakref
 from typing import Any, Callable, Sequence
 
 import jax
@@ -59,29 +60,58 @@ def reading_inner_state(algorithm: FederatedAlgorithm) -> dict:
     return readers
 
 
+# (what, id(algorithm), id(context)) -> (weak references to both, the shapes). A wrapper, the contract check,
+# the privacy ledger and the run each ask for the same algorithm's shapes, and tracing its local training costs
+# seconds on the larger models; the algorithm and the context are frozen and their functions pure, so what a
+# pair traced once is what it traces again. An entry goes when either object does.
+_TRACED: dict[tuple[str, int, int], tuple[weakref.ref, weakref.ref, Any]] = {}
+
+
+def _traced_once(what: str, algorithm: FederatedAlgorithm, context: BuildContext, trace: Callable[[], Any]) -> Any:
+    key = (what, id(algorithm), id(context))
+    known = _TRACED.get(key)
+    if known is not None and known[0]() is algorithm and known[1]() is context:
+        return known[2]
+    shapes = trace()
+
+    def forget(_, key=key):
+        _TRACED.pop(key, None)
+
+    _TRACED[key] = (weakref.ref(algorithm, forget), weakref.ref(context, forget), shapes)
+    return shapes
+
+
 def _shapes(algorithm: FederatedAlgorithm, context: BuildContext):
     """(server state, one client's state, round info) of `algorithm`, as shapes."""
-    variables = jax.eval_shape(context.local.model.init, jax.random.key(0))
-    server, clients = jax.eval_shape(lambda v: algorithm.init(jax.random.key(0), v, context.num_clients), variables)
-    one = tree_map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), clients)
+    def trace():
+        variables = jax.eval_shape(context.local.model.init, jax.random.key(0))
+        server, clients = jax.eval_shape(lambda v: algorithm.init(jax.random.key(0), v, context.num_clients),
+                                         variables)
+        return server, tree_map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), clients)
+
+    server, one = _traced_once("state", algorithm, context, trace)
     return server, one, round_info(0, 0, jnp.zeros((1,), jnp.int32))
 
 
 def broadcast_shapes(algorithm: FederatedAlgorithm, context: BuildContext) -> Any:
+    """The shapes of what the server sends a client (traced once per algorithm and context)."""
     server, _, info = _shapes(algorithm, context)
-    return jax.eval_shape(lambda s: algorithm.broadcast(s, jnp.int32(0), info), server)
+    return _traced_once("broadcast", algorithm, context,
+                        lambda: jax.eval_shape(lambda s: algorithm.broadcast(s, jnp.int32(0), info), server))
 
 
 def upload_shapes(algorithm: FederatedAlgorithm, context: BuildContext) -> Any:
-    """The shapes of a client's upload (a one-example client stands in for every client)."""
+    """The shapes of a client's upload (a one-example client stands in for every client; traced once per
+    algorithm and context)."""
     server, one, info = _shapes(algorithm, context)
     model = context.local.model
     shape = model.input_shape
     example = jnp.int32 if model.input_kind == "tokens" else jnp.uint8  # token ids, or an image's bytes
     data = ClientData(x=jnp.zeros((1, *shape), example), y=jnp.zeros((1,), jnp.int32), offset=jnp.int32(0),
                       count=jnp.int32(1), mean=jnp.zeros(shape[-1:]), std=jnp.ones(shape[-1:]), max_count=1)
-    return jax.eval_shape(lambda s, c: algorithm.client_update(algorithm.broadcast(s, jnp.int32(0), info), c, data,
-                                                               jax.random.key(0), info)[0], server, one)
+    return _traced_once("upload", algorithm, context, lambda: jax.eval_shape(
+        lambda s, c: algorithm.client_update(algorithm.broadcast(s, jnp.int32(0), info), c, data, jax.random.key(0),
+                                             info)[0], server, one))
 
 
 @dataclasses.dataclass(frozen=True)
