@@ -214,6 +214,29 @@ def test_load_digits():
     assert data.load_dataset("digits").x_train.shape == ds.x_train.shape
 
 
+def test_digits_are_scikit_learns_read_without_importing_it():
+    """The images and labels are what scikit-learn's own loader gives, every one, in its order; a process
+    that loads them has not imported scikit-learn (a second of every run's start)."""
+    import subprocess
+    import sys
+
+    from sklearn.datasets import load_digits as sklearn_digits
+
+    from fedjax_sparse.data.sources import _digits_arrays
+
+    pixels, labels = _digits_arrays()
+    bunch = sklearn_digits()
+    np.testing.assert_array_equal(pixels, bunch.data)
+    np.testing.assert_array_equal(labels, bunch.target)
+    ds = data.load_digits(seed=0)
+    order = np.concatenate([ds.x_train, ds.x_test]).reshape(-1, 64)
+    assert sorted(map(bytes, order)) == sorted(map(bytes, np.round(bunch.data * 255 / 16).astype(np.uint8)))
+    code = ("import sys; from fedjax_sparse.data import load_digits; load_digits(); "
+            "assert 'sklearn' not in sys.modules and 'scipy' not in sys.modules, sorted(sys.modules)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+
+
 def test_load_dataset_unknown_spec():
     with pytest.raises(ValueError, match=r"'svhn'.*digits.*cifar10.*mnist.*imagefolder:PATH"):
         data.load_dataset("svhn")

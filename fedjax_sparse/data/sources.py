@@ -20,8 +20,10 @@ the same way, or a LEAF folder), FedProx's Synthetic(alpha, beta) from `data.syn
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import os
+from pathlib import Path
 
 import numpy as np
 
@@ -37,6 +39,23 @@ log = logging.getLogger(__name__)
 # scikit-learn digits
 
 
+def _digits_arrays() -> tuple[np.ndarray, np.ndarray]:
+    """(pixels [1797, 64] in 0..16, labels) as scikit-learn ships them (`datasets/data/digits.csv.gz`), read
+    without importing scikit-learn: importing it (and SciPy with it) costs a second, in every process a run
+    starts. A scikit-learn that keeps the file elsewhere is asked through its own loader."""
+    spec = importlib.util.find_spec("sklearn")
+    if spec is None:
+        raise ModuleNotFoundError("the digits data set ships with scikit-learn: pip install scikit-learn")
+    path = Path(next(iter(spec.submodule_search_locations))) / "datasets" / "data" / "digits.csv.gz"
+    if not path.is_file():
+        from sklearn.datasets import load_digits as sklearn_digits
+
+        bunch = sklearn_digits()
+        return bunch.data, bunch.target
+    table = np.loadtxt(path, delimiter=",")
+    return table[:, :-1], table[:, -1].astype(np.int64)
+
+
 def load_digits(seed: int = 0, test_fraction: float = 0.2) -> ImageDataset:
     """scikit-learn's bundled handwritten digits (1797 images, 8x8x1, 10 classes).
 
@@ -45,13 +64,11 @@ def load_digits(seed: int = 0, test_fraction: float = 0.2) -> ImageDataset:
     `round(n_class * test_fraction)` examples go to test (at least one in each
     split when the class has two or more examples).
     """
-    from sklearn.datasets import load_digits as _sk_load_digits
-
     if not 0.0 < test_fraction < 1.0:
         raise ValueError(f"test_fraction={test_fraction} must lie strictly between 0 and 1")
-    bunch = _sk_load_digits()
-    images = np.round(bunch.images * (255.0 / 16.0)).astype(np.uint8)[..., None]
-    labels = bunch.target.astype(np.int32)
+    pixels, labels = _digits_arrays()
+    images = np.round(pixels.reshape(-1, 8, 8) * (255.0 / 16.0)).astype(np.uint8)[..., None]
+    labels = labels.astype(np.int32)
 
     rng = np.random.default_rng(seed)
     test_parts = []
