@@ -40,6 +40,15 @@ from fedjax_sparse.data.federated import federated_split  # noqa: E402
 from fedjax_sparse.models import Model, ModelStructure, get_model  # noqa: E402
 
 
+def pytest_configure(config):
+    """Under pytest-xdist (`-n`), the modules marked with one `xdist_group` run on one worker (`--dist
+    loadgroup`): a session fixture they share is then computed once, not once on each worker."""
+    if hasattr(config, "workerinput"):
+        config.option.loadgroup = True  # a worker puts a test's group in its id, by which the controller schedules
+    elif getattr(config.option, "dist", "no") == "load":
+        config.option.dist = "loadgroup"
+
+
 def synthetic_split(counts, seed=0, shape=(8, 8, 1), num_classes=10):
     """A FederatedSplit of random images whose clients hold `counts` examples."""
     rng = np.random.default_rng(seed)
