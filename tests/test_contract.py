@@ -184,3 +184,27 @@ def test_a_private_sum_that_cannot_describe_the_upload_is_refused(setting, decla
     personal = personalize(declared, context, PersonalizationOptions(personal="predictor"))
     assert {p for p, _ in personal.private_sum.clip_layers} == {p for p, _ in layers if "fc3" not in p}
     check_contract(personal, variables, 4, 2, split)
+
+
+def test_an_algorithms_shapes_are_traced_once_per_context_and_forgotten_with_it():
+    """The wrappers, the contract check and the privacy ledger all ask for one algorithm's upload shapes: the
+    second ask gets the first trace (its local training is not traced again); another context traces its own;
+    the entry goes with the algorithm."""
+    import gc
+
+    from conftest import linear_model
+    from fedjax_sparse.core import wrapping
+
+    context = BuildContext(local=LocalSGD(linear_model(), 0.1, 1, 2), num_clients=3, clients_per_round=3, train=None,
+                           num_classes=3)
+    inner, traced = fedavg(context.local), []
+    algorithm = dataclasses.replace(inner, client_update=lambda *args: (traced.append(1), inner.client_update(*args))[1])
+    upload = wrapping.upload_shapes(algorithm, context)
+    assert wrapping.upload_shapes(algorithm, context) is upload and len(traced) == 1
+    assert wrapping.broadcast_shapes(algorithm, context) is wrapping.broadcast_shapes(algorithm, context)
+    assert wrapping.upload_shapes(algorithm, dataclasses.replace(context, num_clients=4)) == upload
+    assert len(traced) == 2
+    held = len(wrapping._TRACED)
+    del algorithm
+    gc.collect()
+    assert len(wrapping._TRACED) < held
