@@ -19,6 +19,11 @@ if _SESSION:
 else:
     os.environ["FEDJAX_SPARSE_CACHE"] = tempfile.mkdtemp(prefix="fedjax_sparse_test_cache_")
 
+# The runs that tests start, in this process or in processes of their own, keep every program in that cache too
+# (a run keeps only what compiles for 0.5 s or longer unless JAX's own variable says otherwise): a resumed or
+# relaunched run then compiles nothing again.
+os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+
 import jax  # noqa: E402
 
 

@@ -95,6 +95,18 @@ def test_36_12_an_unreadable_compilation_cache_entry_is_replaced_without_a_warni
         compilation_cache.reset_cache()  # the session's cache folder again, from the next compilation on
 
 
+def test_a_runs_cache_keeps_what_compiles_for_half_a_second_unless_jaxs_own_variable_says(monkeypatch):
+    """JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS, where set, is the threshold (this suite sets 0, so that a
+    resumed or relaunched run compiles nothing again); else 0.5 s. conftest puts the session's back after."""
+    monkeypatch.setenv("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "7")
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 7.0)  # as JAX read it at import
+    use_compilation_cache(True)
+    assert jax.config.jax_persistent_cache_min_compile_time_secs == 7.0
+    monkeypatch.delenv("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS")
+    use_compilation_cache(True)
+    assert jax.config.jax_persistent_cache_min_compile_time_secs == 0.5
+
+
 @pytest.fixture(scope="module")
 def finished(tmp_path_factory):
     """A completed 2-round run with its checkpoint."""

@@ -362,13 +362,17 @@ def use_compilation_cache(enabled: bool) -> None:
 
     A run's first round spends seconds compiling; with the cache, a repeated
     run (same model, algorithm and shapes) loads the compiled round instead.
+    Only what compiles for 0.5 s or longer is kept, unless JAX's own
+    JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS says otherwise (0 keeps every
+    program: a resumed or relaunched run then compiles nothing again).
     """
     if enabled:
         path = compilation_cache_dir()
         path.mkdir(parents=True, exist_ok=True)
         _cache_guard.watch(path)
         jax.config.update("jax_compilation_cache_dir", str(path))
-        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+        if "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS" not in os.environ:
+            jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
     else:
         _cache_guard.watch(None)
         jax.config.update("jax_compilation_cache_dir", None)
