@@ -156,23 +156,36 @@ def _quiet_orbax():
     return quieted("absl", logging.CRITICAL)
 
 
+class _UnretrievedFailures(logging.Filter):
+    """asyncio's 'Future exception was never retrieved' (or 'Task ...'), with its traceback: what a failed
+    write that orbax gathered but did not await logs when the garbage collector takes it."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith(("Future exception was never retrieved",
+                                                   "Task exception was never retrieved"))
+
+
 @contextlib.contextmanager
 def _orbax_io():
     """Orbax's reads or saves, quiet (`_quiet_orbax`). When one fails, tensorstore's reads or writes
     still in flight complete into the event loop orbax has closed, each printing 'RuntimeError: Event
-    loop is closed' as unraisable: up to a hundred lines around the run's one-line error, while orbax
-    unwinds and after (when they are done is tensorstore's: a race). Those are dropped from the start
-    of the reads or saves, and for good after a failure; anything else still reaches the hook before."""
-    previous = sys.unraisablehook
+    loop is closed' as unraisable, and the writes it gathered log their unretrieved failures through
+    asyncio when they are collected: up to a hundred lines around the run's one-line error, while orbax
+    unwinds and after (when is tensorstore's and the collector's: a race). Those are dropped from the
+    start of the reads or saves, and for good after a failure; anything else still reaches the hook and
+    the log as before."""
+    previous, unretrieved = sys.unraisablehook, _UnretrievedFailures()
 
     def hook(unraisable):
         if not (isinstance(unraisable.exc_value, RuntimeError) and str(unraisable.exc_value) == "Event loop is closed"):
             previous(unraisable)
 
     sys.unraisablehook = hook
+    logging.getLogger("asyncio").addFilter(unretrieved)
     with _quiet_orbax():
         yield
-    sys.unraisablehook = previous  # not reached when they failed
+    logging.getLogger("asyncio").removeFilter(unretrieved)  # neither is reached when they failed
+    sys.unraisablehook = previous
 
 
 def _orbax_reason(err: Exception) -> str:
