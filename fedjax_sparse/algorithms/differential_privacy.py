@@ -92,7 +92,8 @@ from fedjax_sparse.core.contract import check_private_sum
 from fedjax_sparse.core.messages import PRICED_LEAVES, KnownMaskArray, SparseArray
 from fedjax_sparse.core.options import option
 from fedjax_sparse.core.privacy_accounting import ACCOUNTANTS, ACCOUNTED_SENSITIVITY, RELATION, adaptive_update_noise
-from fedjax_sparse.core.wrapping import broadcast_shapes, flat_leaves, on_values, upload_changes, upload_shapes
+from fedjax_sparse.core.wrapping import (broadcast_shapes, flat_leaves, on_values, state_shapes, upload_changes,
+                                         upload_shapes)
 
 NOISE_STREAM = 0x6470  # a client's round key, or the server's, folded with this draws its Gaussian noise
 COUNT_STREAM = 0x636E  # the server's round key folded with this draws adaptive clipping's count noise
@@ -157,9 +158,7 @@ def private_sum_of(algorithm: FederatedAlgorithm) -> PrivateSum | None:
 def keeps_client_state(algorithm: FederatedAlgorithm, context: BuildContext) -> bool:
     """Whether `algorithm`'s clients keep state between rounds (a leaf in `init`'s client states: its own, or a
     wrapper's, as error feedback's residual or personal layers), which sampling K of N does not amplify."""
-    clients = jax.eval_shape(lambda v: algorithm.init(jax.random.key(0), v, context.num_clients)[1],
-                             jax.eval_shape(context.local.model.init, jax.random.key(0)))
-    return bool(jax.tree_util.tree_leaves(clients))
+    return bool(jax.tree_util.tree_leaves(state_shapes(algorithm, context)[1]))
 
 
 def privatize(algorithm: FederatedAlgorithm, context: BuildContext, options: DifferentialPrivacyOptions, *,
@@ -228,8 +227,7 @@ def privatize(algorithm: FederatedAlgorithm, context: BuildContext, options: Dif
     denominator = declared.denominator if masked else expected_clients
     noised_paths = [p for p in message.order if p in message.paths]  # the treedef's order: one key each
     if adaptive:
-        server_shape = jax.eval_shape(lambda v: algorithm.init(jax.random.key(0), v, context.num_clients)[0],
-                                      jax.eval_shape(context.local.model.init, jax.random.key(0)))
+        server_shape = state_shapes(algorithm, context)[0]
         if not isinstance(server_shape, dict) or CLIP_KEY in server_shape:
             raise ValueError(f"--dp-target-quantile keeps the clip norm beside {name}'s server state, which must "
                              f"be a dict without a {CLIP_KEY!r} key")

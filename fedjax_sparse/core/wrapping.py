@@ -81,16 +81,21 @@ def _traced_once(what: str, algorithm: FederatedAlgorithm, context: BuildContext
     return shapes
 
 
-def _shapes(algorithm: FederatedAlgorithm, context: BuildContext):
-    """(server state, one client's state, round info) of `algorithm`, as shapes."""
+def state_shapes(algorithm: FederatedAlgorithm, context: BuildContext) -> tuple[Any, Any]:
+    """(server state, one client's state) of `algorithm`'s `init`, as shapes (traced once per algorithm and
+    context); a stateless algorithm's client state has no leaves."""
     def trace():
         variables = jax.eval_shape(context.local.model.init, jax.random.key(0))
         server, clients = jax.eval_shape(lambda v: algorithm.init(jax.random.key(0), v, context.num_clients),
                                          variables)
         return server, tree_map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), clients)
 
-    server, one = _traced_once("state", algorithm, context, trace)
-    return server, one, round_info(0, 0, jnp.zeros((1,), jnp.int32))
+    return _traced_once("state", algorithm, context, trace)
+
+
+def _shapes(algorithm: FederatedAlgorithm, context: BuildContext):
+    """(server state, one client's state, round info) of `algorithm`, as shapes."""
+    return *state_shapes(algorithm, context), round_info(0, 0, jnp.zeros((1,), jnp.int32))
 
 
 def broadcast_shapes(algorithm: FederatedAlgorithm, context: BuildContext) -> Any:
