@@ -228,6 +228,31 @@ def test_a_stateful_run_under_k_of_n_spends_the_unamplified_epsilon_and_says_so(
     assert amplified < 0.5 * direct.get_epsilon(delta)
 
 
+def test_a_stateful_algorithm_built_only_with_the_clients_data_is_accounted_unamplified_too(tmp_path, capsys,
+                                                                                           monkeypatch):
+    """An algorithm that reads every client's data when it is built (as SPATL, FedGSE) is built a second time,
+    once the run has put the data on the device: whether its clients keep state is asked of that build (the
+    first has none to ask), so SCAFFOLD built that way spends what SCAFFOLD does."""
+    from fedjax_sparse.algorithms import registry
+
+    scaffold = registry.ALGORITHMS["scaffold"]
+
+    def build(context, options):
+        context.device_train("scaffold_on_device", "reads its clients' data when built")
+        return scaffold.build(context, options)
+
+    monkeypatch.setitem(registry.ALGORITHMS, "scaffold_on_device",
+                        dataclasses.replace(scaffold, name="scaffold_on_device", build=build))
+    flags = [*TINY, "--num-clients", "8", "--clients-per-round", "2", "--rounds", "2", "--dp-clip", "0.5",
+             "--dp-noise-multiplier", "3"]
+    runs = {name: tmp_path / name for name in ("scaffold", "scaffold_on_device")}
+    for name, run in runs.items():
+        assert main(["run", *flags, "--algorithm", name, "--out", str(run)]) == 0
+        assert "which sampling K of N does not amplify" in capsys.readouterr().err
+    assert summary(runs["scaffold_on_device"])["dp_sampling"] == "unamplified"
+    assert summary(runs["scaffold_on_device"])["dp_epsilon"] == summary(runs["scaffold"])["dp_epsilon"]
+
+
 def test_adaptive_clipping_steps_the_norm_toward_the_quantile(setting):
     """Andrew et al.'s geometric step, worked by hand without noise: 4 clients, the share under C0 is b, and
     C1 = C0 exp(-0.2 (b - 0.5)); each client's indicator is its update's norm against the norm it was sent."""

@@ -135,10 +135,9 @@ def build_experiment(config: RunConfig, progress: bool = True, *, process: Proce
                                                 context, config), None
     except NeedsDeviceData as e:
         algorithm, needs_device = None, e
-    privacy = privacy_ledger(config, keeps_state=lambda: algorithm is not None and keeps_client_state(algorithm,
-                                                                                                       context))
+    privacy = None
     if algorithm is not None:
-        algorithm = with_privacy(algorithm, context, config, privacy)
+        algorithm, privacy = with_privacy(algorithm, context, config)
     key = stream_key(config.seed, "algorithm_init")
     backend = client_store_backend(config, process, needs_device, snapshot, algorithm, key,
                                    jax.eval_shape(model.init, stream_key(config.seed, "model_init")),
@@ -147,8 +146,9 @@ def build_experiment(config: RunConfig, progress: bool = True, *, process: Proce
     train, local_test = federation.on_device() if backend == "device" else federation.on_host(process)
     if algorithm is None:
         context = dataclasses.replace(context, train=train)
-        algorithm = with_privacy(with_patterns(make_algorithm(config.algorithm, context, config.algorithm_options),
-                                               context, config), context, config, privacy)
+        algorithm, privacy = with_privacy(with_patterns(make_algorithm(config.algorithm, context,
+                                                                       config.algorithm_options), context, config),
+                                          context, config)
     if conditions.secure is not None:  # what the protocol sums: refused in one line where the sum would not do
         conditions = dataclasses.replace(conditions, upload_entries=summed_entries(algorithm,
                                                                                    upload_shapes(algorithm, context)))
@@ -191,14 +191,16 @@ def with_patterns(algorithm, context: BuildContext, config: RunConfig):
     return compress_uplink(personalize(algorithm, context, config), context, config)
 
 
-def with_privacy(algorithm, context: BuildContext, config: RunConfig, privacy: PrivacyLedger | None):
-    """`with_patterns`' algorithm under the run's differential privacy, where asked for (`privacy`: the run's
-    ledger, whose noise multiplier and sampling the clients and server use). Privacy wraps the compression, so
-    that it clips the message the client sends."""
+def with_privacy(algorithm, context: BuildContext, config: RunConfig) -> tuple[Any, PrivacyLedger | None]:
+    """`with_patterns`' algorithm under the run's differential privacy, where asked for, and the run's ledger
+    (None without), whose noise multiplier and sampling the clients and server use: the ledger asks whether this
+    algorithm's clients keep state. Privacy wraps the compression, so that it clips the message the client
+    sends."""
+    privacy = privacy_ledger(config, keeps_state=lambda: keeps_client_state(algorithm, context))
     if privacy is None:
-        return algorithm
+        return algorithm, None
     return privatize(algorithm, context, config, noise_multiplier=privacy.noise_multiplier,
-                     expected_clients=config.clients_per_round, sampling=privacy.sampling)
+                     expected_clients=config.clients_per_round, sampling=privacy.sampling), privacy
 
 
 def check_local_sizes(config: RunConfig, largest_client: int, input_shape: tuple, clients_at_once: int) -> None:

@@ -11,7 +11,7 @@ from fedjax_sparse.core.privacy_accounting import PrivacyLedger, calibrated_nois
 from fedjax_sparse.run.outputs import say
 
 
-def privacy_ledger(config, keeps_state: Callable[[], bool] = lambda: False) -> PrivacyLedger | None:
+def privacy_ledger(config, keeps_state: Callable[[], bool]) -> PrivacyLedger | None:
     """The ledger of a run with `--dp-clip` (`config`: a RunConfig), z calibrated where `--dp-target-epsilon`
     asks; None without differential privacy. Refuses, in one line, what it cannot account. `keeps_state()`:
     whether the algorithm's clients keep state between rounds, which sampling K of N does not amplify (asked
