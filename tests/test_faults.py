@@ -14,6 +14,8 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -294,3 +296,33 @@ def test_1_a_sharded_run_resumes_exactly_and_its_device_count_is_kept(tmp_path):
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 2
     one_line(done.stderr, "the run sharded its clients over 2 devices and 1 are here")
+
+
+def test_a_paused_runs_flag_holds_its_point_whenever_it_exists(tmp_path, monkeypatch):
+    """The pause's flag file appears whole: a test that saw it existing read an empty file (the file made, the
+    point not yet written) and failed. Here every write is slowed between making the file and writing it."""
+    import threading
+
+    from fedjax_sparse.run import faults
+
+    def slow_write(path, text, *args, **kwargs):
+        path.open("w").close()
+        time.sleep(0.3)
+        with path.open("w") as f:
+            return f.write(text)
+
+    flag = tmp_path / "flag"
+    monkeypatch.setattr(Path, "write_text", slow_write)
+    monkeypatch.setenv("FEDJAX_SPARSE_FAULT", "round_end:1:pause")
+    monkeypatch.setenv("FEDJAX_SPARSE_FAULT_FLAG", str(flag))
+    paused = threading.Thread(target=faults.fault_point, args=("round_end",))
+    paused.start()
+    seen = []
+    deadline = time.monotonic() + 30
+    while not seen and time.monotonic() < deadline:
+        if flag.exists():
+            seen.append(flag.read_text())
+        time.sleep(0.005)
+    flag.unlink(missing_ok=True)  # the run goes on
+    paused.join(timeout=30)
+    assert seen == ["round_end"] and not paused.is_alive()

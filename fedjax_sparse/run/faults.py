@@ -42,7 +42,9 @@ def fault_point(point: str) -> None:
                 raise OSError(code, os.strerror(code), point.split(":", 1)[-1])
             elif action == "pause":
                 flag = Path(os.environ["FEDJAX_SPARSE_FAULT_FLAG"])
-                flag.write_text(point)
+                written = flag.with_name(f".{flag.name}.{os.getpid()}")
+                written.write_text(point)
+                os.replace(written, flag)  # a test that sees the flag reads the point, never an empty file
                 deadline = time.monotonic() + 120
                 while flag.exists() and time.monotonic() < deadline:
                     time.sleep(0.02)
