@@ -84,14 +84,15 @@ def test_per_client_init_matches_init_for_every_algorithm(setting):
     algorithms = [make_algorithm(name, ctx, make_options(name, {})) for name in sorted(BUILT_IN)]
     algorithms.append(spatl(ctx, make_options("spatl", {}), policy=drawn))
     stateful = set()
-    for alg in algorithms:
-        _, states = alg.init(key, variables, n)
+    for alg in algorithms:  # jitted: eagerly each operation compiles on its own, per shape
+        _, states = jax.jit(alg.init, static_argnums=2)(key, variables, n)
         if alg.init_clients is None:
             assert not jax.tree_util.tree_leaves(states), alg.name
             continue
         stateful.add(alg.name)
-        tree_map(np.testing.assert_array_equal, states, alg.init_clients(key, variables, jnp.arange(n)))
-        some = alg.init_clients(key, variables, jnp.array([n - 1, 10**6]))
+        init_clients = jax.jit(alg.init_clients)
+        tree_map(np.testing.assert_array_equal, states, init_clients(key, variables, jnp.arange(n)))
+        some = init_clients(key, variables, jnp.array([n - 1, 10**6]))
         tree_map(lambda a, b: np.testing.assert_array_equal(a[0], b[n - 1]), some, states)
     assert stateful == {"scaffold", "local", "spafl", "spafl_local", "spatl", "fedpm", "fedp3", "fedspa", "feddyn"}
     draws = np.asarray(states["policy"]["draw"])  # the last algorithm: SPATL with the drawn policy

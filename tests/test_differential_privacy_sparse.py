@@ -52,13 +52,15 @@ def _private_fedldf(model, split, n, clip, z, lr=0.5, sampling="poisson"):
 
 
 def _round(algorithm, split, variables, server=None):
-    """The server state and every slot's upload (all six clients, stacked) of one round."""
+    """The server state and every slot's upload (all six clients, stacked) of one round, each client's update
+    jitted as the round runs it (eagerly each operation compiles on its own)."""
     if server is None:
-        server, _ = algorithm.init(jax.random.key(1), variables, SLOTS)
+        server, _ = jax.jit(algorithm.init, static_argnums=2)(jax.random.key(1), variables, SLOTS)
     info = round_info(0, 0, jnp.arange(SLOTS))
     keys = client_keys(0, 0, jnp.arange(SLOTS))
-    ups = [algorithm.client_update(algorithm.broadcast(server, c, info), {}, split.client(c), keys[c], info)[0]
-           for c in range(SLOTS)]
+    update = jax.jit(lambda server, c, data, key: algorithm.client_update(
+        algorithm.broadcast(server, c, info), {}, data, key, info)[0])
+    ups = [update(server, c, split.client(c), keys[c]) for c in range(SLOTS)]
     return server, tree_map(lambda *x: jnp.stack(x), *ups), info
 
 
@@ -68,6 +70,11 @@ def _step(algorithm, server, ups, info, present, weights=None):
     if present is not None:
         info, weights = info.replace(participating=present), weights * present
     return algorithm.server_update(server, algorithm.select_uploads(ups, weights, info), weights, info)
+
+
+def _jitted_step(algorithm, server, ups, info, present, weights=None):
+    return jax.jit(lambda server, ups, present, weights: _step(algorithm, server, ups, info, present, weights))(
+        server, ups, present, weights)
 
 
 def _flat(variables):
@@ -106,7 +113,7 @@ def test_fedldf_noise_is_z_times_its_sensitivity_over_n(setting, sampling, sprea
     n, clip, z = 3, 0.5, 2.0
     _, private = _private_fedldf(model, split, n, clip, z, lr=1e-30, sampling=sampling)
     server, ups, info = _round(private, split, variables)
-    moved = _flat(_step(private, server, ups, info, None)["variables"]) - _flat(server["variables"])
+    moved = _flat(_jitted_step(private, server, ups, info, None)["variables"]) - _flat(server["variables"])
     assert moved.size == 85002
     assert abs(moved.std() / (z * spread * clip / n) - 1) < 0.02 and abs(moved.mean()) < 0.02 * z * clip / n
 
@@ -121,8 +128,8 @@ def test_fedldf_without_noise_or_clipping_is_fedldf_itself(setting):
     tree_map(np.testing.assert_array_equal, private_ups, ups)
     sizes = jnp.asarray([12.0, 17, 9, 30, 20, 14])
     for present in (None, jnp.array([True, False, True, True, False, True])):
-        tree_map(np.testing.assert_array_equal, _step(private, server, private_ups, info, present, weights=sizes),
-                 _step(plain, server, ups, info, present))
+        tree_map(np.testing.assert_array_equal, _jitted_step(private, server, private_ups, info, present, sizes),
+                 _jitted_step(plain, server, ups, info, present))
 
 
 def _private_topk(model, split, clip, z, lr=0.5, ratio=0.05, compressor="topk", **options):
@@ -142,13 +149,15 @@ def test_clipping_bounds_every_compressed_upload_which_stays_sparse(setting, com
     model, split, variables = setting
     clip = 0.05
     compressed, private = _private_topk(model, split, clip, 0.0, compressor=compressor, dp_clipping=clipping)
-    server, _ = compressed.init(jax.random.key(1), variables, SLOTS)
+    server, clients = jax.jit(compressed.init, static_argnums=2)(jax.random.key(1), variables, SLOTS)
     info = round_info(0, 0, jnp.arange(SLOTS))
     down = compressed.broadcast(server, 0, info)
+    # jitted as the round runs them (eagerly each operation compiles on its own)
+    plain_update, private_update = (jax.jit(lambda *a, a_=a_: a_.client_update(*a, info)) for a_ in (compressed, private))
     for c, key in enumerate(client_keys(0, 0, jnp.arange(SLOTS))):
-        state = tree_map(lambda x: x[c], compressed.init(jax.random.key(1), variables, SLOTS)[1])
-        plain_up, plain_state, _ = compressed.client_update(down, state, split.client(c), key, info)
-        up, private_state, _ = private.client_update(down, state, split.client(c), key, info)
+        state = tree_map(lambda x: x[c], clients)
+        plain_up, plain_state, _ = plain_update(down, state, split.client(c), key)
+        up, private_state, _ = private_update(down, state, split.client(c), key)
         sent = {p: np.asarray(x.dense()) for p, x in up["compressed"].items()}
         norms = {p.rsplit("/", 1)[0]: 0.0 for p in sent}
         for p, x in sent.items():
@@ -170,13 +179,13 @@ def test_topk_noise_is_dense(setting):
     model, split, variables = setting
     clip, z = 0.5, 2.0
     _, private = _private_topk(model, split, clip, z, lr=1e-30)
-    server, _ = private.init(jax.random.key(1), variables, SLOTS)
-    clients = private.init(jax.random.key(1), variables, SLOTS)[1]
+    server, clients = jax.jit(private.init, static_argnums=2)(jax.random.key(1), variables, SLOTS)
     info = round_info(0, 0, jnp.arange(SLOTS))
     keys = client_keys(0, 0, jnp.arange(SLOTS))
-    ups = [private.client_update(private.broadcast(server, c, info), tree_map(lambda x: x[c], clients),
-                                 split.client(c), keys[c], info)[0] for c in range(SLOTS)]
-    new = private.server_update(server, tree_map(lambda *x: jnp.stack(x), *ups), jnp.ones(SLOTS), info)
+    update = jax.jit(lambda server, c, state, data, key: private.client_update(
+        private.broadcast(server, c, info), state, data, key, info)[0])  # as the round runs it, not op by op
+    ups = [update(server, c, tree_map(lambda x: x[c], clients), split.client(c), keys[c]) for c in range(SLOTS)]
+    new = jax.jit(private.server_update)(server, tree_map(lambda *x: jnp.stack(x), *ups), jnp.ones(SLOTS), info)
     moved = _flat(new["variables"]) - _flat(server["variables"])
     assert moved.size == 85002 and np.count_nonzero(moved) == moved.size
     assert abs(moved.std() / (z * clip / SLOTS) - 1) < 0.02
@@ -189,10 +198,10 @@ def test_random_k_takes_local_noise_on_the_values_it_sends(setting):
     clip, z = 0.5, 2.0
     compressed, private = _private_topk(model, split, clip, z, lr=1e-30, ratio=0.2, compressor="randk",
                                         dp_noise="local")
-    server, clients = compressed.init(jax.random.key(1), variables, SLOTS)
+    server, clients = jax.jit(compressed.init, static_argnums=2)(jax.random.key(1), variables, SLOTS)
     info = round_info(0, 0, jnp.arange(SLOTS))
-    up, _, _ = private.client_update(compressed.broadcast(server, 0, info), tree_map(lambda x: x[0], clients),
-                                     split.client(0), client_keys(0, 0, jnp.arange(SLOTS))[0], info)
+    up, _, _ = jax.jit(private.client_update)(compressed.broadcast(server, 0, info), tree_map(lambda x: x[0], clients),
+                                              split.client(0), client_keys(0, 0, jnp.arange(SLOTS))[0], info)
     sent = np.concatenate([np.asarray(x.values)[np.asarray(x.mask)] for x in up["compressed"].values()])
     assert sent.size == sum(math.ceil(0.2 * x.mask.size) for x in up["compressed"].values())
     assert abs(sent.std() / (z * clip) - 1) < 0.03

@@ -131,22 +131,28 @@ def test_every_units_batchnorm_statistics_travel_and_average_over_all_clients():
     ctx = BuildContext(local=LocalSGD(model, 0.1, 1, 8), num_clients=2, clients_per_round=2, train=split,
                        num_classes=10, seed=0)
     algorithm = make_algorithm("fedadp", ctx, make_options("fedadp", {"upload_keep": 0.05}))
-    variables = model.init(jax.random.key(0))
-    server, _ = algorithm.init(jax.random.key(1), variables, 2)
+    # jitted as the round runs them (eagerly each operation compiles on its own, per leaf shape)
+    variables = jax.jit(model.init)(jax.random.key(0))
+    server, _ = jax.jit(algorithm.init, static_argnums=2)(jax.random.key(1), variables, 2)
     info = round_info(0, 0, jnp.array([0, 1]))
-    update = jax.jit(algorithm.client_update)
-    ups = [update(algorithm.broadcast(server, c, info), {}, split.client(c), jax.random.key(c), info)[0]
-           for c in (0, 1)]
+
+    @jax.jit
+    def update(server, client, data, key):
+        up = algorithm.client_update(algorithm.broadcast(server, client, info), {}, data, key, info)[0]
+        return up, message_bytes(up), message_bytes(up["params"])
+
+    ups = [update(server, c, split.client(c), jax.random.key(c)) for c in (0, 1)]
     is_sparse = lambda x: isinstance(x, SparseArray)  # noqa: E731
-    for up in ups:
+    for up, price, params_price in ups:
         stats = jax.tree_util.tree_leaves(up["batch_stats"])
         assert stats and not any(is_sparse(x) for x in stats)
         sparse = jax.tree_util.tree_leaves(up["params"], is_leaf=is_sparse)
-        assert int(message_bytes(up)) == int(message_bytes(up["params"])) + 4 * sum(x.size for x in stats)
+        assert int(price) == int(params_price) + 4 * sum(x.size for x in stats)
         assert all(is_sparse(x) for x in sparse)
+    ups = [up for up, _, _ in ups]
     stacked = tree_map(lambda a, b: SparseArray(jnp.stack([a.values, b.values]), jnp.stack([a.mask, b.mask]))
                        if is_sparse(a) else jnp.stack([a, b]), ups[0], ups[1], is_leaf=is_sparse)
-    new = algorithm.server_update(server, stacked, jnp.array([12.0, 20.0]), info)["variables"]
+    new = jax.jit(algorithm.server_update)(server, stacked, jnp.array([12.0, 20.0]), info)["variables"]
     unsent = ~(np.asarray(ups[0]["params"]["conv4"]["kernel"].units) | np.asarray(ups[1]["params"]["conv4"]["kernel"].units))
     assert unsent.any()
     for key in ("mean", "var"):

@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from conftest import initialized
 from fedjax_sparse.algorithms import spafl, spafl_code, spafl_local
 from fedjax_sparse.algorithms.spafl import (global_threshold_update, init_thresholds, local_objective,
                                             reset_collapsed_layers, ste_masks, threshold_masks,
@@ -163,24 +164,24 @@ def test_a_pruned_unit_outputs_zero(name, shape):
     """Whatever a pruned unit's own kernel, bias and normalization parameters are, the network's
     output is the same: the unit contributes exactly zero (behind BN too, and in a residual
     stream when its whole unit group drops it). The output layer's pruned logits are zero."""
-    model = get_model(name, shape, 10)
-    variables = model.init(jax.random.key(0))
+    model, variables = initialized(name, shape, 10)
+    apply = jax.jit(lambda variables, x: model.apply(variables, x, train=False)[0])  # eagerly: op by op, per shape
     groups = {}
     for layer in model.structure.layers:
         groups.setdefault(layer.unit_group or layer.name, []).append(layer)
     masks = {l.name: (jnp.arange(l.num_units) % 3 != 1).astype(jnp.float32) for l in model.structure.layers}
     x = jax.random.normal(jax.random.key(1), (4, *shape))
     masked = {**variables, "unit_masks": masks}
-    reference, _ = model.apply(masked, x, train=False)
+    reference = apply(masked, x)
     np.testing.assert_array_equal(np.asarray(reference)[:, 1::3], 0.0)
     for members in list(groups.values())[:6]:
         changed = masked
         for layer in members:
             changed = _perturb_unit(changed, layer, 1, 3.0)
-        out, _ = model.apply(changed, x, train=False)
+        out = apply(changed, x)
         np.testing.assert_allclose(out, reference, atol=1e-5, err_msg=str([l.name for l in members]))
     # and a kept unit does matter
-    out, _ = model.apply(_perturb_unit(masked, model.structure.layers[0], 0, 3.0), x, train=False)
+    out = apply(_perturb_unit(masked, model.structure.layers[0], 0, 3.0), x)
     assert float(jnp.abs(out - reference).max()) > 1e-3
 
 
