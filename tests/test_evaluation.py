@@ -172,7 +172,7 @@ def test_personalized_evaluator_on_a_cnn_gives_the_same_accuracies_in_every_layo
     counts = [7, 2, 12, 5]
     x, y, bounds, test, _ = clients_test_split(counts, seed=3, shape=(8, 8, 1), classes=10)
     model = get_model("cnn2", (8, 8, 1), 10)
-    clients = jax.vmap(model.init)(jax.random.split(jax.random.key(4), len(counts)))
+    clients = jax.jit(jax.vmap(model.init))(jax.random.split(jax.random.key(4), len(counts)))
     results = [np.asarray(personalized_evaluator(model, lambda s, c: c, test, batch_size=4, client_chunk=chunk)(
         {}, clients)) for chunk in (1, None)]
     owner = np.repeat(np.arange(len(counts)), counts)

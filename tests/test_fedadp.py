@@ -90,11 +90,12 @@ def test_sent_entries_are_the_kept_neurons_and_aggregate_over_their_senders(sett
     data-weighted mean over the clients that sent it, the old value where nobody did."""
     model, split, _ = setting
     algorithm = build("fedadp", setting, 2, upload_keep=0.3)
-    variables = model.init(jax.random.key(0))
-    server, _ = algorithm.init(jax.random.key(1), variables, 5)
+    variables = jax.jit(model.init)(jax.random.key(0))
+    server, _ = jax.jit(algorithm.init, static_argnums=2)(jax.random.key(1), variables, 5)
     info = round_info(0, 0, jnp.array([1, 4]))
-    update = jax.jit(algorithm.client_update)
-    ups = [update(algorithm.broadcast(server, c, info), {}, split.client(c), jax.random.key(c), info) for c in (1, 4)]
+    update = jax.jit(lambda server, c, data, key: algorithm.client_update(algorithm.broadcast(server, c, info), {}, data,
+                                                                          key, info))  # not op by op: as rounds run
+    ups = [update(server, c, split.client(c), jax.random.key(c)) for c in (1, 4)]
     is_sparse = lambda x: isinstance(x, SparseArray)  # noqa: E731
     for up, _, metrics in ups:
         index_bytes = 0
@@ -110,7 +111,7 @@ def test_sent_entries_are_the_kept_neurons_and_aggregate_over_their_senders(sett
         assert float(metrics["upload_ratio"]) <= 0.3
     stacked = tree_map(lambda a, b: SparseArray(jnp.stack([a.values, b.values]), jnp.stack([a.mask, b.mask])),
                        ups[0][0], ups[1][0], is_leaf=is_sparse)
-    new = algorithm.server_update(server, stacked, jnp.array([20.0, 24.0]), info)["variables"]["params"]
+    new = jax.jit(algorithm.server_update)(server, stacked, jnp.array([20.0, 24.0]), info)["variables"]["params"]
     a, b = (np.asarray(up[0]["params"]["fc2"]["kernel"].values) for up in ups)
     ma, mb = (np.asarray(up[0]["params"]["fc2"]["kernel"].mask) for up in ups)
     old = np.asarray(variables["params"]["fc2"]["kernel"])

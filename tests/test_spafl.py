@@ -82,8 +82,7 @@ def test_ste_gradients_on_a_no_bias_no_norm_model_are_eq9_as_the_paper_writes_it
     For a pruned unit the kernel-masked g is 0 (ReLU's kink); the mask at its output instead gets
     the one-sided derivative of switching it back on: -dL/dtau_i = d/de L(W~ with unit i's kernel
     scaled by e) at e = 0+, checked by a forward difference (ReLU(e h) = e ReLU(h) for e > 0)."""
-    model = get_model("lenet5_caffe", (16, 16, 1), 10)
-    variables = model.init(jax.random.key(0))
+    model, variables = initialized("lenet5_caffe", (16, 16, 1), 10)
     params = variables["params"]
     tau = median_thresholds(model.structure, params)
     x = jax.random.normal(jax.random.key(1), (6, 16, 16, 1))
@@ -137,8 +136,7 @@ def test_thresholds_behind_batchnorm_get_task_gradients_for_kept_and_pruned_unit
     """The review's finding: with the mask on the kernel, BatchNorm (scale invariant) gave kept
     units ~1e-7 and pruned units exactly 0. With the mask on the unit's output, both get
     gradients of the same order as on the MLP, which has no normalization."""
-    cnn = get_model("spafl_cnn", (28, 28, 3), 10)
-    kept, pruned = _threshold_task_gradients(cnn, cnn.init(jax.random.key(0)), jax.random.key(1))
+    kept, pruned = _threshold_task_gradients(*initialized("spafl_cnn", (28, 28, 3), 10), jax.random.key(1))
     mlp_kept, mlp_pruned = _threshold_task_gradients(mlp, mlp_variables, jax.random.key(1))
     assert np.all(pruned > 0) and np.all(kept > 0)
     for ours, reference in ((kept, mlp_kept), (pruned, mlp_pruned)):
@@ -570,11 +568,11 @@ def test_a_code_client_is_the_official_step_written_out(make_split):
     are set 1.5 from their unit's magnitude (gate open, kept or pruned) or 0.5 (gate shut), outside
     [0, 1] where the code leaves them; fc1 keeps exactly 5 of its 500 units (1 %) and is reset after the
     first step (the second then moves its thresholds from zero)."""
-    model = get_model("lenet5_caffe", (16, 16, 1), 10)
+    model, variables = initialized("lenet5_caffe", (16, 16, 1), 10)
     split = make_split([8], shape=(16, 16, 1))
     local = LocalSGD(model, learning_rate=0.05, epochs=1, batch_size=4)
     algorithm = spafl(local, 0.5, variant="code")
-    server, clients = algorithm.init(jax.random.key(1), model.init(jax.random.key(0)), 1)
+    server, clients = jax.jit(algorithm.init, static_argnums=2)(jax.random.key(1), variables, 1)
     state = tree_map(lambda a: a[0], clients)
     params = state["variables"]["params"]
     mu = unit_magnitudes(model.structure, params)
