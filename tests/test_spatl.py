@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from conftest import initialized
 from fedjax_sparse.algorithms import fedavg, make_algorithm, make_options
 from fedjax_sparse.algorithms.spatl import (encoder_flops, encoder_layers, fit_predictor, salient_masks,
                                             uniform_keep_ratio, unit_l2_norms)
@@ -114,8 +115,8 @@ def test_one_local_step_corrects_only_the_encoder_and_eq10_updates_the_control(m
     split = make_split([16, 16])
     lr = 0.05
     alg, _ = build(mlp, split, lr=lr, batch_size=16, salient_keep=1.0)
-    variables = mlp.init(jax.random.key(0))
-    server, clients = alg.init(jax.random.key(1), variables, 2)
+    variables = jax.jit(mlp.init)(jax.random.key(0))
+    server, clients = jax.jit(alg.init, static_argnums=2)(jax.random.key(1), variables, 2)
     labels = part_labels(mlp)
     c_g = tree_map(lambda c: jnp.full_like(c, 0.3), server["control"])
     c_l = tree_map(lambda c: jnp.full_like(c, 0.1), server["control"])
@@ -146,11 +147,12 @@ def test_one_local_step_corrects_only_the_encoder_and_eq10_updates_the_control(m
 def test_kept_units_are_the_top_l2_ones_and_groups_agree():
     """ResNet-20 at keep 1/2: a lone layer keeps the 8 of 16 units of largest incoming-weight norm;
     a residual group keeps the top units of its members' summed norms, the same in every member."""
-    model = get_model("resnet20", (8, 8, 3), 10)
-    params = model.init(jax.random.key(0))["params"]
+    model, variables = initialized("resnet20", (8, 8, 3), 10)
+    params = variables["params"]
     layers = encoder_layers(model.structure)
-    masks = salient_masks(model.structure, params, {n: 0.5 for n in layers}, layers)
-    norms = unit_l2_norms(model.structure, params, layers)
+    masks, norms = jax.jit(lambda params: (  # as a client computes them (op by op: a compile each)
+        salient_masks(model.structure, params, {n: 0.5 for n in layers}, layers),
+        unit_l2_norms(model.structure, params, layers)))(params)
     lone = "stage1_block1.conv1"
     kept = np.flatnonzero(np.asarray(masks[lone]))
     assert sorted(kept) == sorted(np.argsort(-np.asarray(norms[lone]))[:8])
