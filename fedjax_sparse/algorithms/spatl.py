@@ -200,13 +200,22 @@ def encoder_flops_at(structure: ModelStructure, layers: tuple[str, ...],
     return encoder_flops(structure, masks, layers)
 
 
+def dense_encoder_flops(structure: ModelStructure, layers: tuple[str, ...]) -> float:
+    """The whole encoder's forward FLOPs, as one program (op by op, each layer's operations compile on their own:
+    seconds on a ResNet, at every build)."""
+    return float(jax.jit(lambda: encoder_flops(structure, full_unit_masks(structure), layers))())
+
+
 def uniform_keep_ratio(structure: ModelStructure, layers: tuple[str, ...], reduction: float) -> float:
     """The largest keep ratio r whose masks (r of every encoder layer) cut its FLOPs by >= `reduction`;
     bisection over r on the host."""
-    dense = float(encoder_flops(structure, full_unit_masks(structure), layers))
+    dense = dense_encoder_flops(structure, layers)
+    # one program for the ~40 ratios tried: op by op, every layer's operations compiled on their own (seconds at
+    # every build on a ResNet)
+    flops_at = jax.jit(lambda r: encoder_flops_at(structure, layers, r))
 
     def kept(r):
-        return float(encoder_flops_at(structure, layers, r)) / dense
+        return float(flops_at(jnp.float32(r))) / dense
 
     low, high = 0.0, 1.0
     if kept(high) <= 1.0 - reduction:
@@ -385,7 +394,7 @@ def spatl(context: BuildContext, options: SPATLOptions, policy: SalientPolicy | 
                                                                "equal to --num-clients") if reads else None
     held = agent_holdout(train, policy.holdout, context.seed) if policy.holdout else None
     dense_flops = float(sum(layer_forward_flops(structure).values()))
-    dense_encoder_flops = float(encoder_flops(structure, full_unit_masks(structure), layers))
+    dense_encoder = dense_encoder_flops(structure, layers)
     encoder_weights = float(sum(np.prod(s.shape) for s in jax.tree_util.tree_leaves(
         take_part(jax.eval_shape(model.init, jax.random.key(0)), labels, "encoder")["params"])))
     is_sparse = lambda x: isinstance(x, SparseArray)  # noqa: E731
@@ -476,7 +485,7 @@ def spatl(context: BuildContext, options: SPATLOptions, policy: SalientPolicy | 
             sent = full_unit_masks(structure) if options.spatl_aggregation == "fedavg" else masks
             return (kept_share(variables, masks), kept_share(variables, sent),
                     1.0 - sum(per_layer.values()) / dense_flops,
-                    1.0 - sum(per_layer[n] for n in layers) / dense_encoder_flops)
+                    1.0 - sum(per_layer[n] for n in layers) / dense_encoder)
 
         kept, sent, reduction, encoder_reduction = jax.vmap(one)(client_states["variables"], client_states["salient"])
         return {"kept": kept, "sent": sent, "reduction": reduction, "encoder_reduction": encoder_reduction,
