@@ -116,6 +116,14 @@ def _initialized(name, input_shape, num_classes):
     return model, jax.jit(model.init)(jax.random.key(0))
 
 
+def jitted_exchange(algorithm, info):
+    """(server state, client id, client state, data, key) -> (upload, new client state, metrics): `algorithm`'s
+    broadcast to one client and its update as one program, as a round runs them (op by op, each operation
+    compiles on its own, per leaf shape)."""
+    return jax.jit(lambda server, client, state, data, key: algorithm.client_update(
+        algorithm.broadcast(server, client, info), state, data, key, info))
+
+
 def initialized(name: str, input_shape: tuple[int, ...], num_classes: int) -> tuple[Model, dict]:
     """(model, variables from key 0) of a zoo model, initialized once per worker and compiled: Flax's eager
     initialization compiles its operations one at a time (seconds for the larger models, in every test that

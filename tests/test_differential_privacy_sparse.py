@@ -23,7 +23,7 @@ from fedjax_sparse.core.wrapping import broadcast_shapes, upload_changes, upload
 from fedjax_sparse.models import MODEL_NAMES, get_model
 from fedjax_sparse.run.cli import main
 
-from conftest import synthetic_split
+from conftest import jitted_exchange, synthetic_split
 from test_faults import TINY, records, summary
 from test_structure import zoo_model
 
@@ -58,9 +58,8 @@ def _round(algorithm, split, variables, server=None):
         server, _ = jax.jit(algorithm.init, static_argnums=2)(jax.random.key(1), variables, SLOTS)
     info = round_info(0, 0, jnp.arange(SLOTS))
     keys = client_keys(0, 0, jnp.arange(SLOTS))
-    update = jax.jit(lambda server, c, data, key: algorithm.client_update(
-        algorithm.broadcast(server, c, info), {}, data, key, info)[0])
-    ups = [update(server, c, split.client(c), keys[c]) for c in range(SLOTS)]
+    update = jitted_exchange(algorithm, info)
+    ups = [update(server, c, {}, split.client(c), keys[c])[0] for c in range(SLOTS)]
     return server, tree_map(lambda *x: jnp.stack(x), *ups), info
 
 
@@ -153,7 +152,8 @@ def test_clipping_bounds_every_compressed_upload_which_stays_sparse(setting, com
     info = round_info(0, 0, jnp.arange(SLOTS))
     down = compressed.broadcast(server, 0, info)
     # jitted as the round runs them (eagerly each operation compiles on its own)
-    plain_update, private_update = (jax.jit(lambda *a, a_=a_: a_.client_update(*a, info)) for a_ in (compressed, private))
+    plain_update = jax.jit(lambda *args: compressed.client_update(*args, info))
+    private_update = jax.jit(lambda *args: private.client_update(*args, info))
     for c, key in enumerate(client_keys(0, 0, jnp.arange(SLOTS))):
         state = tree_map(lambda x: x[c], clients)
         plain_up, plain_state, _ = plain_update(down, state, split.client(c), key)
@@ -182,9 +182,8 @@ def test_topk_noise_is_dense(setting):
     server, clients = jax.jit(private.init, static_argnums=2)(jax.random.key(1), variables, SLOTS)
     info = round_info(0, 0, jnp.arange(SLOTS))
     keys = client_keys(0, 0, jnp.arange(SLOTS))
-    update = jax.jit(lambda server, c, state, data, key: private.client_update(
-        private.broadcast(server, c, info), state, data, key, info)[0])  # as the round runs it, not op by op
-    ups = [update(server, c, tree_map(lambda x: x[c], clients), split.client(c), keys[c]) for c in range(SLOTS)]
+    update = jitted_exchange(private, info)
+    ups = [update(server, c, tree_map(lambda x: x[c], clients), split.client(c), keys[c])[0] for c in range(SLOTS)]
     new = jax.jit(private.server_update)(server, tree_map(lambda *x: jnp.stack(x), *ups), jnp.ones(SLOTS), info)
     moved = _flat(new["variables"]) - _flat(server["variables"])
     assert moved.size == 85002 and np.count_nonzero(moved) == moved.size

@@ -6,6 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from conftest import jitted_exchange
 from fedjax_sparse.algorithms import make_algorithm, make_options
 from fedjax_sparse.algorithms.fedadp import keep_within_budget, upload_ratio
 from fedjax_sparse.core.algorithm import BuildContext
@@ -94,9 +95,8 @@ def test_sent_entries_are_the_kept_neurons_and_aggregate_over_their_senders(sett
     variables = jax.jit(model.init)(jax.random.key(0))
     server, _ = jax.jit(algorithm.init, static_argnums=2)(jax.random.key(1), variables, 5)
     info = round_info(0, 0, jnp.array([1, 4]))
-    update = jax.jit(lambda server, c, data, key: algorithm.client_update(algorithm.broadcast(server, c, info), {}, data,
-                                                                          key, info))  # not op by op: as rounds run
-    ups = [update(server, c, split.client(c), jax.random.key(c)) for c in (1, 4)]
+    update = jitted_exchange(algorithm, info)
+    ups = [update(server, c, {}, split.client(c), jax.random.key(c)) for c in (1, 4)]
     is_sparse = lambda x: isinstance(x, SparseArray)  # noqa: E731
     for up, _, metrics in ups:
         index_bytes = 0
@@ -137,13 +137,9 @@ def test_every_units_batchnorm_statistics_travel_and_average_over_all_clients():
     variables = jax.jit(model.init)(jax.random.key(0))
     server, _ = jax.jit(algorithm.init, static_argnums=2)(jax.random.key(1), variables, 2)
     info = round_info(0, 0, jnp.array([0, 1]))
-
-    @jax.jit
-    def update(server, client, data, key):
-        up = algorithm.client_update(algorithm.broadcast(server, client, info), {}, data, key, info)[0]
-        return up, message_bytes(up), message_bytes(up["params"])
-
-    ups = [update(server, c, split.client(c), jax.random.key(c)) for c in (0, 1)]
+    update = jitted_exchange(algorithm, info)
+    prices = jax.jit(lambda up: (message_bytes(up), message_bytes(up["params"])))
+    ups = [(up, *prices(up)) for up in (update(server, c, {}, split.client(c), jax.random.key(c))[0] for c in (0, 1))]
     is_sparse = lambda x: isinstance(x, SparseArray)  # noqa: E731
     for up, price, params_price in ups:
         stats = jax.tree_util.tree_leaves(up["batch_stats"])
