@@ -90,7 +90,7 @@ def default_global_batch(model: Model, total: int, max_batch_flops: float = 1e8)
 
 def global_evaluator(model: Model, x: np.ndarray, y: np.ndarray, mean, std,
                      batch_size: int | None = None) -> Callable[[Any], dict]:
-    """Jitted `evaluate(variables) -> {'accuracy', 'loss'}` on a whole test set put on the device once.
+    """`evaluate(variables) -> {'accuracy', 'loss'}`, jitted, on a whole test set put on the device once.
 
     Full batches, the rest in quarter batches (`window_scores`); the default
     batch is `default_global_batch`'s.
@@ -102,12 +102,14 @@ def global_evaluator(model: Model, x: np.ndarray, y: np.ndarray, mean, std,
     xs, ys = jnp.asarray(x), jnp.asarray(np.asarray(y).astype(np.int32))
     mean, std = jnp.asarray(mean, jnp.float32), jnp.asarray(std, jnp.float32)
 
-    def evaluate(variables):
+    def evaluate(xs, ys, variables):
         correct, loss = window_scores(model, variables, xs, ys, jnp.int32(0), jnp.int32(total), mean, std,
                                       batch_size)
         return {"accuracy": correct / total, "loss": loss / total}
 
-    return jit(evaluate)
+    # The test set is an argument of the program: closed over, it would be compiled into it as a constant
+    # (CIFAR-10's 30 MB of images: ResNet-20's evaluator compiled in 2.4 s instead of 0.5 s on 2 CPU cores).
+    return functools.partial(jit(evaluate), xs, ys)
 
 
 def default_evaluation_chunk(platform: str | None = None) -> int | None:
