@@ -119,9 +119,10 @@ def test_unit_norm_statistics_by_hand():
     std .5; keeping round(.5 x 2) = 1 unit holds 3 / 4. b relative all 1: mean 1, std 0; keeping
     round(.25 x 4) = 1 unit holds 2 / 8. A ratio that rounds to 0 units still keeps 1."""
     norms = {"a": jnp.array([1.0, 3.0]), "b": jnp.full(4, 2.0)}
-    stats = unit_norm_statistics(norms, ("a", "b"), jnp.array([0.5, 0.25]))
+    statistics = jax.jit(unit_norm_statistics, static_argnums=1)  # as a client computes them: one program
+    stats = statistics(norms, ("a", "b"), jnp.array([0.5, 0.25]))
     np.testing.assert_allclose(stats, [[1.0, 0.5, 0.75], [1.0, 0.0, 0.25]], rtol=1e-6)
-    np.testing.assert_allclose(unit_norm_statistics(norms, ("a", "b"), jnp.array([0.0, 1.0]))[:, 2], [0.75, 1.0])
+    np.testing.assert_allclose(statistics(norms, ("a", "b"), jnp.array([0.0, 1.0]))[:, 2], [0.75, 1.0])
 
 
 # ------------------------------------------------------------------ the networks

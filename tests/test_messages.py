@@ -49,15 +49,14 @@ def test_unit_structured_leaves_pay_their_layers_unit_index_once():
                             "b": {"kernel": jnp.ones((20, 300))}, "c": {"kernel": jnp.ones((300, 2))}},
                  "batch_stats": {"bn": {"mean": jnp.zeros(20), "var": jnp.ones(20)}}}
     masks = {"a": jnp.arange(20) < 5, "b": jnp.arange(300) < 3, "c": jnp.ones(2)}
-    message = unit_sparse(structure, variables, masks)
+    price = jax.jit(lambda variables, masks: message_bytes(unit_sparse(structure, variables, masks)))
     # a: 5 of 20 units: 3 inputs x 5 + 5 x (bias, scale, bias, mean, var) = 40 values, and a 3-byte
     #    bitmask (5 one-byte ids would be 5) once: 163. Its six leaves on their own would pay 183.
     # b: 3 of 300 units reading a's 5: 15 values and 3 two-byte ids (the bitmask is 38 bytes): 66.
     # c: both units reading b's 3: 6 values and a 1-byte bitmask: 25 (per entry: 24 + 12 = 36).
-    assert int(jax.jit(message_bytes)(message)) == 163 + 66 + 25
+    assert int(price(variables, masks)) == 163 + 66 + 25
     # Every unit kept: each leaf goes dense, no index at all.
-    whole = unit_sparse(structure, variables, {k: jnp.ones_like(m) for k, m in masks.items()})
-    assert int(message_bytes(whole)) == 4 * (60 + 5 * 20 + 6000 + 600)
+    assert int(price(variables, {k: jnp.ones_like(m) for k, m in masks.items()})) == 4 * (60 + 5 * 20 + 6000 + 600)
 
 
 def test_sparse_array_dense_view_zeroes_unsent_entries():
