@@ -643,17 +643,16 @@ def test_code_clients_start_from_one_draw_of_torchs_uniform_kernels():
     """kaiming_uniform_(a=sqrt(5)): U(-1/sqrt(n), 1/sqrt(n)), so |w| <= 1/sqrt(n) and mean |w| = 1/(2 sqrt(n)),
     on SpaFL's CNN (n = 75 for conv1, 1,600 for conv2); every client the same; the paper's reading keeps the
     zoo's He / LeCun normal kernels."""
-    model = get_model("spafl_cnn", (28, 28, 3), 10)
-    variables = model.init(jax.random.key(0))
+    model, variables = initialized("spafl_cnn", (28, 28, 3), 10)
     local = LocalSGD(model, learning_rate=0.01, epochs=1, batch_size=16)
-    _, clients = spafl(local, 0.00015, variant="code").init(jax.random.key(1), variables, 3)
+    _, clients = jax.jit(spafl(local, 0.00015, variant="code").init, static_argnums=2)(jax.random.key(1), variables, 3)
     for layer in model.structure.layers:
         kernels = np.asarray(clients["variables"]["params"][layer.name]["kernel"])
         bound = 1.0 / math.sqrt(layer.fan_in)
         assert np.all(kernels[1:] == kernels[0]) and np.abs(kernels).max() <= bound
         assert np.abs(kernels[0]).mean() == pytest.approx(bound / 2, rel=0.08)
         assert np.abs(kernels[0]).max() > 0.95 * bound
-    _, clients = spafl(local, 0.00015).init(jax.random.key(1), variables, 3)
+    _, clients = jax.jit(spafl(local, 0.00015).init, static_argnums=2)(jax.random.key(1), variables, 3)
     assert_trees_close(tree_map(lambda a: a[0], clients["variables"]), variables, atol=0, rtol=0)
 
 
