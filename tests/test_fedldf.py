@@ -96,17 +96,23 @@ def test_layers_are_aggregated_over_their_top_n_clients_by_data_size(mlp):
     # client k holds the value (k + 1) * 10 + layer in every entry of that layer
     consts = np.array([[11, 12, 13], [21, 22, 23], [31, 32, 33], [41, 42, 43]], np.float32)
     names = ("fc1", "fc2", "fc3")
-    stacked = {"params": {name: tree_map(lambda x, l=l: jnp.broadcast_to(
-        jnp.asarray(consts[:, l]).reshape((4,) + (1,) * x.ndim), (4, *x.shape)), prev["params"][name])
-        for l, name in enumerate(names)}, "batch_stats": {}}
     div = jnp.array([[5.0, 1.0, 0.0],
                      [4.0, 2.0, 9.0],
                      [1.0, 3.0, 9.0],
                      [0.5, 4.0, 9.0]])
     weights = jnp.array([10.0, 20.0, 30.0, 40.0])
     info = round_info(0, 0, jnp.arange(4))
-    ups = alg.select_uploads({"divergence": div, "variables": stacked}, weights, info)
-    new = alg.global_variables(alg.server_update(alg.init(jax.random.key(1), prev, 4)[0], ups, weights, info))
+
+    @jax.jit  # one program, as a round runs it: eagerly each operation would compile on its own, per leaf shape
+    def aggregate(prev, div, weights, info):
+        stacked = {"params": {name: tree_map(lambda x, l=l: jnp.broadcast_to(
+            jnp.asarray(consts[:, l]).reshape((4,) + (1,) * x.ndim), (4, *x.shape)), prev["params"][name])
+            for l, name in enumerate(names)}, "batch_stats": {}}
+        ups = alg.select_uploads({"divergence": div, "variables": stacked}, weights, info)
+        new = alg.global_variables(alg.server_update(alg.init(jax.random.key(1), prev, 4)[0], ups, weights, info))
+        return ups, new
+
+    ups, new = aggregate(prev, div, weights, info)
     # fc1: clients 0, 1 -> (10*11 + 20*21) / 30; fc2: clients 2, 3 -> (30*32 + 40*42) / 70;
     # fc3: three-way tie at 9, the earlier clients 1, 2 win -> (20*23 + 30*33) / 50
     expected = {"fc1": 530 / 30, "fc2": 2640 / 70, "fc3": 1450 / 50}
@@ -163,10 +169,15 @@ def test_bytes_of_a_batchnorm_model_count_its_statistics_with_its_layers():
     k, n = 3, 2
     alg = fedldf(local_sgd(model), n, k)
     shapes = jax.eval_shape(model.init, jax.random.key(0))
-    stacked = tree_map(lambda s: jnp.zeros((k, *s.shape), s.dtype), shapes)
-    div = jnp.arange(k * 5, dtype=jnp.float32).reshape(k, 5)
-    ups = alg.select_uploads({"divergence": div, "variables": stacked}, jnp.ones(k), round_info(0, 0, jnp.arange(k)))
-    total = int(np.asarray(jax.vmap(message_bytes)(ups)).sum())
+
+    @jax.jit  # one program, as a round runs it: eagerly each operation would compile on its own, per leaf shape
+    def prices(div, info):
+        stacked = tree_map(lambda s: jnp.zeros((k, *s.shape), s.dtype), shapes)
+        ups = alg.select_uploads({"divergence": div, "variables": stacked}, jnp.ones(k), info)
+        return jax.vmap(message_bytes)(ups)
+
+    total = int(np.asarray(prices(jnp.arange(k * 5, dtype=jnp.float32).reshape(k, 5),
+                                  round_info(0, 0, jnp.arange(k)))).sum())
     assert total == n * 4 * sum(floats) + k * 5 * 4
 
 

@@ -184,21 +184,20 @@ def test_bytes_are_the_hand_count_and_nothing_private_travels(make_split):
     Down: encoder weights + statistics + c_g, dense. Up: the salient sub-model's values, its units'
     index once per layer (eq. 12 indexes filters), and the dense control delta. No message and no
     server state holds a leaf of the stem or the classifier."""
-    model = get_model("resnet20", (8, 8, 3), 10)
+    model, variables = initialized("resnet20", (8, 8, 3), 10)
     split = make_split([8, 8], shape=(8, 8, 3))
     alg, _ = build(model, split, salient_keep=0.875)
-    variables = model.init(jax.random.key(0))
-    server, clients = alg.init(jax.random.key(1), variables, 2)
+    server, clients = jax.jit(alg.init, static_argnums=2)(jax.random.key(1), variables, 2)
     labels = part_labels(model)
     encoder_paths = {p for p, part in zip(leaf_paths(labels), jax.tree_util.tree_leaves(labels)) if part == "encoder"}
     for path in leaf_paths(server["encoder"]):
         assert path in encoder_paths
     info = round_info(0, 0, jnp.arange(2))
-    down = alg.broadcast(server, 0, info)
+    down = jax.jit(alg.broadcast)(server, 0, info)
     encoder = take_part(variables, labels, "encoder")
     n_encoder = sum(x.size for x in jax.tree_util.tree_leaves(encoder))
     n_params = sum(x.size for x in jax.tree_util.tree_leaves(encoder["params"]))
-    assert n_params == 268_608 and int(message_bytes(down)) == 4 * (n_encoder + n_params)
+    assert n_params == 268_608 and int(jax.jit(message_bytes)(down)) == 4 * (n_encoder + n_params)
     up, new_state, _ = jax.jit(alg.client_update)(down, tree_map(lambda a: a[0], clients), split.client(0),
                                                    jax.random.key(2), info)
     is_sparse = lambda x: isinstance(x, SparseArray)  # noqa: E731
@@ -220,10 +219,10 @@ def test_bytes_are_the_hand_count_and_nothing_private_travels(make_split):
     assert values == 208_236
     # Index: per layer a bitmask over its w units (w / 8 bytes) beats a list of its kept ids (1 byte each).
     index = 6 * (16 // 8) + 6 * (32 // 8) + 6 * (64 // 8)
-    assert int(message_bytes(up)) == 4 * values + index + 4 * n_params  # + the dense control delta
+    assert int(jax.jit(message_bytes)(up)) == 4 * values + index + 4 * n_params  # + the dense control delta
     # the encoder's 833,028 bytes: priced per entry (the cheaper of a bitmask and an index list per
     # leaf), its index alone cost 33,744 bytes
-    assert int(message_bytes(up["encoder"])) == 4 * values + index
+    assert int(jax.jit(message_bytes)(up["encoder"])) == 4 * values + index
     np.testing.assert_array_equal(new_state["salient"]["stage3_block1.conv2"],
                                   new_state["salient"]["stage3_block3.conv2"])
 
