@@ -48,8 +48,9 @@ def test_uniform_sampler_is_todays_draw_and_its_host_twin():
                                         ("availability", {"online_fraction": 0.2, "hours_per_round": 5.0})])
 def test_every_sampler_fills_distinct_sorted_slots_and_the_host_draws_the_same(name, extra):
     sampler = build_sampler(name, context(**extra))
+    draw = jax.jit(sampler)  # as a round draws: one program, not each operation compiled on its own
     for r in range(6):
-        drawn = sampler(3, r)
+        drawn = draw(3, r)
         ids, dispatched = np.asarray(drawn.ids), np.asarray(drawn.dispatched)
         assert ids.shape == dispatched.shape == (sampler.slots,)
         assert len(set(ids.tolist())) == sampler.slots and (np.diff(ids) > 0).all()
@@ -93,9 +94,10 @@ def test_diurnal_clients_are_online_for_their_share_of_the_day_and_only_online_c
     np.testing.assert_allclose(online.mean(axis=0), 0.3, atol=0.02)  # each client: 30 % of its day
     sampler = build_sampler("availability", context(num_clients=200, clients_per_round=10, online_fraction=0.3,
                                                     seed=1))
+    draw, online_now = jax.jit(sampler), jax.jit(diurnal_online, static_argnums=1)
     for r in range(24):
-        drawn = sampler(1, r)
-        now = np.asarray(diurnal_online(1, 200, 0.3, jnp.float32(r)))
+        drawn = draw(1, r)
+        now = np.asarray(online_now(1, 200, 0.3, jnp.float32(r)))
         ids = np.asarray(drawn.ids)[np.asarray(drawn.dispatched)]
         assert now[ids].all() and len(ids) == min(10, now.sum())
 
@@ -156,10 +158,11 @@ def test_client_seconds_and_the_round_by_hand():
 
 def test_profiles_are_a_pure_function_of_seed_and_client_with_the_presets_medians():
     profile = device_profile("phone", 10)
-    a = profile.profiles(0, jnp.array([3, 7]))
-    b = profile.profiles(0, jnp.array([7, 3, 9]))
+    profiles = jax.jit(profile.profiles)  # as a round draws them: one program, not each operation on its own
+    a = profiles(0, jnp.array([3, 7]))
+    b = profiles(0, jnp.array([7, 3, 9]))
     np.testing.assert_array_equal(a.flops_per_second, b.flops_per_second[jnp.array([1, 0])])
-    many = profile.profiles(0, jnp.arange(20000))
+    many = profiles(0, jnp.arange(20000))
     np.testing.assert_allclose(np.median(np.asarray(many.uplink_bytes_per_second)),
                                profile.distribution.uplink_bytes_per_second, rtol=0.05)
     with pytest.raises(ValueError, match="neither a preset \\(phone, iot, edge\\) nor a file"):
