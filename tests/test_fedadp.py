@@ -28,11 +28,14 @@ def test_neurons_are_kept_by_score_within_the_weight_budget_by_hand():
     by score 0.9 (a0, 4), 0.8 (b1, 3) fit (7), then 0.7 (a2, 4) would make 11 and stops the take."""
     structure = ModelStructure((dense_layer("a", 3, 4, ("input",)), dense_layer("b", 2, 3, ("a",))))
     scores = {"a": jnp.array([0.9, 0.1, 0.7]), "b": jnp.array([0.2, 0.8])}
-    masks = keep_within_budget(structure, scores, 0.5)
+    # as a client computes them: one program per keep (op by op, each operation compiles on its own)
+    kept = jax.jit(lambda scores, keep: (
+        (masks := keep_within_budget(structure, scores, keep)), upload_ratio(structure, masks)), static_argnums=1)
+    masks, ratio = kept(scores, 0.5)
     np.testing.assert_array_equal(masks["a"], [1, 0, 0])
     np.testing.assert_array_equal(masks["b"], [0, 1])
-    assert float(upload_ratio(structure, masks)) == pytest.approx(7 / 18)
-    everything = keep_within_budget(structure, scores, 1.0)
+    assert float(ratio) == pytest.approx(7 / 18)
+    everything, _ = kept(scores, 1.0)
     assert all(np.all(m == 1) for m in everything.values())
 
 

@@ -45,19 +45,20 @@ def test_prune_and_grow_by_hand():
     mask = jnp.array([1, 1, 1, 0, 1, 0, 1, 0, 1, 0], bool)
     w = jnp.array([0.5, -0.1, 0.3, 0.0, 0.1, 0.0, -2.0, 0.0, 0.3, 0.0])
     g = jnp.array([9.0, -9, 9, 0.2, 9, -0.7, 9, -0.2, 9, 0.2])
-    new, swapped = prune_and_grow(mask, w, g, jnp.float32(0.5))
+    swap = jax.jit(prune_and_grow)  # as a client runs it: one program, not op by op
+    new, swapped = swap(mask, w, g, jnp.float32(0.5))
     np.testing.assert_array_equal(new, [1, 0, 0, 1, 0, 1, 1, 1, 1, 0])
     assert int(swapped) == 3
     # the same as a 2 x 5 array
-    new2, swapped2 = prune_and_grow(mask.reshape(2, 5), w.reshape(2, 5), g.reshape(2, 5), jnp.float32(0.5))
+    new2, swapped2 = swap(mask.reshape(2, 5), w.reshape(2, 5), g.reshape(2, 5), jnp.float32(0.5))
     np.testing.assert_array_equal(new2, np.asarray(new).reshape(2, 5))
     assert int(swapped2) == 3
     # floor(0.49 x 6) = 2: the two at |w| = 0.1 out, 5 and 3 in
-    new, swapped = prune_and_grow(mask, w, g, jnp.float32(0.49))
+    new, swapped = swap(mask, w, g, jnp.float32(0.49))
     np.testing.assert_array_equal(new, [1, 0, 1, 1, 0, 1, 1, 0, 1, 0])
     assert int(swapped) == 2
     # fraction 0: nothing moves
-    new, swapped = prune_and_grow(mask, w, g, jnp.float32(0.0))
+    new, swapped = swap(mask, w, g, jnp.float32(0.0))
     np.testing.assert_array_equal(new, mask)
     assert int(swapped) == 0
 
