@@ -63,11 +63,11 @@ def sparse_bytes(mask):
 def test_assignment_is_the_codes_for_100_clients_and_generalises():
     """100 clients, 4 shared layers: floor(id / 25) and the next (the official code); 10 clients and 6
     shared layers: consecutive blocks, each layer held by 2N / L' clients."""
-    code = np.asarray(jax.vmap(lambda c: assigned_layers(c, 100, 4))(jnp.arange(100)))
+    code = np.asarray(jax.jit(jax.vmap(lambda c: assigned_layers(c, 100, 4)))(jnp.arange(100)))
     for client in range(100):
         d1 = client // 25
         assert set(np.flatnonzero(code[client])) == {d1, (d1 + 1) % 4}
-    six = np.asarray(jax.vmap(lambda c: assigned_layers(c, 12, 6))(jnp.arange(12)))
+    six = np.asarray(jax.jit(jax.vmap(lambda c: assigned_layers(c, 12, 6)))(jnp.arange(12)))
     assert (six.sum(axis=1) == 2).all()
     np.testing.assert_array_equal(six.sum(axis=0), [4] * 6)
     np.testing.assert_array_equal(np.flatnonzero(six[11]), [0, 5])

@@ -190,7 +190,7 @@ def test_sampled_masks_are_bits_whose_frequency_is_theta():
     """Every sample is exactly 0 or 1 (the straight-through trick leaves the forward value alone), and
     over 4000 draws each entry's frequency is within 4 binomial standard deviations of its theta."""
     theta = jnp.array([0.01, 0.1, 0.3, 0.5, 0.7, 0.93, 0.99])
-    draws = np.asarray(jax.vmap(lambda k: sampled_mask(theta, k))(jax.random.split(jax.random.key(0), 4000)))
+    draws = np.asarray(jax.jit(jax.vmap(lambda k: sampled_mask(theta, k)))(jax.random.split(jax.random.key(0), 4000)))
     assert set(np.unique(draws)) == {0.0, 1.0}
     p = np.asarray(theta, np.float64)
     assert np.all(np.abs(draws.mean(0) - p) <= 4 * np.sqrt(p * (1 - p) / 4000))

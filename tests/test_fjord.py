@@ -115,9 +115,9 @@ def test_fjord_tiers_and_per_batch_widths():
     """FjORD: client i of N has the floor(i S / N)-th width as its largest (the code's floor(cid / 20)
     for 100 clients and five widths), and each batch draws uniformly among the widths up to it."""
     widths = jnp.asarray((0.2, 0.4, 0.6, 0.8, 1.0))
-    tiers = np.asarray(jax.vmap(lambda c: tier_width(widths, c, 100))(jnp.arange(100)))
+    tiers = np.asarray(jax.jit(jax.vmap(lambda c: tier_width(widths, c, 100)))(jnp.arange(100)))
     np.testing.assert_allclose(tiers, (np.arange(100) // 20) * 0.2 + 0.2, rtol=1e-6)
-    draws = np.asarray(jax.vmap(lambda k: batch_width(k, widths, jnp.float32(0.6)))(
+    draws = np.asarray(jax.jit(jax.vmap(lambda k: batch_width(k, widths, jnp.float32(0.6))))(
         jax.random.split(jax.random.key(0), 3000)))
     values, counts = np.unique(np.round(draws, 3), return_counts=True)
     np.testing.assert_allclose(values, [0.2, 0.4, 0.6])

@@ -90,7 +90,7 @@ def test_data_size_sampler_picks_a_single_client_in_proportion_to_its_examples()
 
 def test_diurnal_clients_are_online_for_their_share_of_the_day_and_only_online_clients_are_dispatched():
     hours = jnp.arange(0, 24, 0.25)
-    online = np.asarray(jax.vmap(lambda h: diurnal_online(1, 200, 0.3, h))(hours))
+    online = np.asarray(jax.jit(jax.vmap(lambda h: diurnal_online(1, 200, 0.3, h)))(hours))
     np.testing.assert_allclose(online.mean(axis=0), 0.3, atol=0.02)  # each client: 30 % of its day
     sampler = build_sampler("availability", context(num_clients=200, clients_per_round=10, online_fraction=0.3,
                                                     seed=1))

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import synthetic_split
+from conftest import initialized, synthetic_split
 from fedjax_sparse.algorithms import make_algorithm, make_options
 from fedjax_sparse.algorithms.personalization import PersonalizationOptions, personalize
 from fedjax_sparse.algorithms.uplink_compression import UplinkCompressionOptions, compress_uplink
@@ -88,11 +88,13 @@ def test_error_feedback_sends_the_largest_corrected_entries_and_keeps_the_rest(s
 
 def test_qsgd_is_unbiased_and_priced_at_its_bits():
     x = {"w": jnp.array([0.3, -1.2, 0.0, 2.5, -0.7])}
-    message = stochastic_quantization(x, 2, jax.random.key(0))["w"]
+    # jitted, as a client compresses (op by op, each operation would compile on its own)
+    message, price = jax.jit(lambda k: ((m := stochastic_quantization(x, 2, k)["w"]), message_bytes(m)))(
+        jax.random.key(0))
     assert isinstance(message, QuantizedArray) and int(jnp.abs(message.levels).max()) <= 3
-    assert int(message_bytes(message)) == 4 + (5 * 3 + 7) // 8  # the norm, then 2 bits + a sign each
-    draws = jax.vmap(lambda k: stochastic_quantization(x, 2, k)["w"].dense())(jax.random.split(jax.random.key(1),
-                                                                                              20000))
+    assert int(price) == 4 + (5 * 3 + 7) // 8  # the norm, then 2 bits + a sign each
+    draws = jax.jit(jax.vmap(lambda k: stochastic_quantization(x, 2, k)["w"].dense()))(
+        jax.random.split(jax.random.key(1), 20000))
     norm = float(jnp.linalg.norm(x["w"]))
     np.testing.assert_allclose(np.asarray(draws).mean(0), x["w"], atol=4 * norm / 3 / np.sqrt(20000) + 1e-6)
 
@@ -125,14 +127,15 @@ def test_fedbn_keeps_every_normalization_on_the_clients():
                            num_classes=10)
     algorithm = personalize(make_algorithm("fedavg", context, make_options("fedavg", {})), context,
                             PersonalizationOptions("norm"))
-    server, _ = algorithm.init(jax.random.key(1), model.init(jax.random.key(0)), 4)
-    down = algorithm.broadcast(server, 0, round_info(0, 0, jnp.array([0, 1])))
+    # jitted, as a round runs them (op by op each operation compiles on its own, per leaf shape); only shapes count
+    server, _ = jax.jit(algorithm.init, static_argnums=2)(jax.random.key(1), initialized("cnn4", (8, 8, 1), 10)[1], 4)
+    down = jax.jit(algorithm.broadcast)(server, 0, round_info(0, 0, jnp.array([0, 1])))
     assert down["batch_stats"] == {} and all("bn" not in name for name in down["params"])
     norms = sum(x.size for name, layer in server["variables"]["params"].items() if name.startswith("bn")
                 for x in jax.tree_util.tree_leaves(layer)) + sum(x.size for x in jax.tree_util.tree_leaves(
                     server["variables"]["batch_stats"]))
     total = sum(x.size for x in jax.tree_util.tree_leaves(server["variables"]))
-    assert int(message_bytes(down)) == 4 * (total - norms)
+    assert int(jax.jit(message_bytes)(down)) == 4 * (total - norms)
 
 
 def test_patterns_refuse_what_they_cannot_apply_to(setting, tmp_path, capsys):

@@ -512,8 +512,8 @@ def test_on_a_trained_mlp_the_agent_beats_uniform_pruning_at_the_same_flops():
     config = AgentConfig(updates=3, flops_target=target, hidden_size=16, message_passing_steps=1)
     policy = agent_policy(model, layers, options, config)
     seeds = jnp.arange(3)
-    states = jax.vmap(lambda s: policy.init(jax.random.key(s)))(seeds)
-    keys = jax.vmap(lambda s: jax.random.key(100 + s))(seeds)
+    states = jax.jit(jax.vmap(lambda s: policy.init(jax.random.key(s))))(seeds)
+    keys = jax.jit(jax.vmap(lambda s: jax.random.key(100 + s)))(seeds)
     _, ratios, metrics = jax.jit(jax.vmap(policy.select, in_axes=(0, None, None, 0)))(
         states, variables, validation, keys)
 
