@@ -194,10 +194,11 @@ def test_bytes_are_the_hand_count_and_nothing_private_travels(make_split):
         assert path in encoder_paths
     info = round_info(0, 0, jnp.arange(2))
     down = jax.jit(alg.broadcast)(server, 0, info)
+    price = jax.jit(message_bytes)
     encoder = take_part(variables, labels, "encoder")
     n_encoder = sum(x.size for x in jax.tree_util.tree_leaves(encoder))
     n_params = sum(x.size for x in jax.tree_util.tree_leaves(encoder["params"]))
-    assert n_params == 268_608 and int(jax.jit(message_bytes)(down)) == 4 * (n_encoder + n_params)
+    assert n_params == 268_608 and int(price(down)) == 4 * (n_encoder + n_params)
     up, new_state, _ = jax.jit(alg.client_update)(down, tree_map(lambda a: a[0], clients), split.client(0),
                                                    jax.random.key(2), info)
     is_sparse = lambda x: isinstance(x, SparseArray)  # noqa: E731
@@ -219,10 +220,10 @@ def test_bytes_are_the_hand_count_and_nothing_private_travels(make_split):
     assert values == 208_236
     # Index: per layer a bitmask over its w units (w / 8 bytes) beats a list of its kept ids (1 byte each).
     index = 6 * (16 // 8) + 6 * (32 // 8) + 6 * (64 // 8)
-    assert int(jax.jit(message_bytes)(up)) == 4 * values + index + 4 * n_params  # + the dense control delta
+    assert int(price(up)) == 4 * values + index + 4 * n_params  # + the dense control delta
     # the encoder's 833,028 bytes: priced per entry (the cheaper of a bitmask and an index list per
     # leaf), its index alone cost 33,744 bytes
-    assert int(jax.jit(message_bytes)(up["encoder"])) == 4 * values + index
+    assert int(price(up["encoder"])) == 4 * values + index
     np.testing.assert_array_equal(new_state["salient"]["stage3_block1.conv2"],
                                   new_state["salient"]["stage3_block3.conv2"])
 
