@@ -45,13 +45,28 @@ from fedjax_sparse.data.federated import federated_split  # noqa: E402
 from fedjax_sparse.models import Model, ModelStructure, get_model  # noqa: E402
 
 
-def pytest_configure(config):
-    """Under pytest-xdist (`-n`), the modules marked with one `xdist_group` run on one worker (`--dist
-    loadgroup`): a session fixture they share is then computed once, not once on each worker."""
-    if hasattr(config, "workerinput"):
-        config.option.loadgroup = True  # a worker puts a test's group in its id, by which the controller schedules
-    elif getattr(config.option, "dist", "no") == "load":
-        config.option.dist = "loadgroup"
+# The modules that reproduce conftest's SCAFFOLD run (`scaffold_reference`, a session fixture): one worker runs
+# them all, so the run is computed once.
+SCAFFOLD_MODULES = ("test_distributed.py", "test_elastic_resume.py", "test_run_folder.py")
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """Under pytest-xdist (`-n`), each test module runs whole on one worker (the SCAFFOLD modules together),
+    so that its module fixtures are computed once, not once on each worker: a module's run folders, sweeps
+    and process launches (up to a minute each) were computed twice under `--dist load`. The modules with
+    the most tests are handed out first. Not `xdist_group` marks: pytest 9.2 keeps a test's id where
+    xdist 3.8 can no longer append the group to it, and the groups went unheeded."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ModuleScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid):
+            module = nodeid.split("::", 1)[0]
+            return "scaffold_reference" if os.path.basename(module) in SCAFFOLD_MODULES else module
+
+    if not hasattr(config.option, "loadscopereorder"):  # xdist before its --loadscope-reorder flag
+        config.option.loadscopereorder = True
+    return ModuleScheduling(config, log)
 
 
 def synthetic_split(counts, seed=0, shape=(8, 8, 1), num_classes=10):

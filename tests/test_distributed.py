@@ -20,9 +20,6 @@ from fedjax_sparse.run.cli import main
 from fedjax_sparse.core import distributed
 from fedjax_sparse.core.participation import sample_clients_host
 
-# conftest's uninterrupted SCAFFOLD run, which these modules reproduce, is computed once per worker: they share one
-pytestmark = pytest.mark.xdist_group("scaffold_reference")
-
 ROOT = Path(__file__).resolve().parents[1]
 JOB = Path(__file__).resolve().parent / "distributed_job.py"
 

@@ -28,9 +28,6 @@ from fedjax_sparse.core.store_snapshots import ClientRowsLost, SnapshotError
 from fedjax_sparse.run.checkpoints import ClientStatesHandler, ClientStatesRestore
 from fedjax_sparse.run.cli import main
 
-# conftest's uninterrupted SCAFFOLD run, which these modules reproduce, is computed once per worker: they share one
-pytestmark = pytest.mark.xdist_group("scaffold_reference")
-
 RUN = SCAFFOLD_ARGS
 NUM_CLIENTS, PER_ROUND = (int(RUN[RUN.index(flag) + 1]) for flag in ("--num-clients", "--clients-per-round"))
 LOST_AFTER = 3  # the round whose end process 1 of 2 does not outlive; the last checkpoint is round 2's

@@ -27,9 +27,6 @@ from fedjax_sparse.run.cli import main
 from fedjax_sparse.data.image_folder import load_image_folder
 from fedjax_sparse.run.folder import hold_run_folder
 
-# conftest's uninterrupted SCAFFOLD run, which these modules reproduce, is computed once per worker: they share one
-pytestmark = pytest.mark.xdist_group("scaffold_reference")
-
 ROUNDS, ARGS = SCAFFOLD_ROUNDS, SCAFFOLD_ARGS
 DISK = ["--client-store", "disk"]
 WALL_CLOCK = ("first_round_seconds", "median_round_seconds", "wall_seconds", "client_store")
