@@ -316,7 +316,7 @@ def test_vmapped_search_equals_a_loop_over_clients():
         vmapped = tree_map(lambda x: x[c], (agents, results))
         # the final step lands on the FLOPs boundary by bisection to float32 resolution, where the two
         # programs may round a keep ratio differently by an ulp; Adam's second moments amplify that most
-        # (on an AMD EPYC host one weight of 16 differed by 2.0e-5 where an Intel host had met 1e-5)
+        # (on an AMD EPYC host one weight of 16 differed by 2.0e-5; the earlier hosts had met 1e-5)
         assert_trees_close((vmapped[0].params, vmapped[1]), (agent.params, result), atol=1e-4)
         assert_trees_close(vmapped[0].opt_state, agent.opt_state, rtol=1e-2)
 
