@@ -10,6 +10,7 @@ CLONE_ONLY = {
     "participation_cost": "it unpacks an earlier commit from the clone's git history",
     "client_scale": "its measuring processes start it again as the clone's top-level module benchmarks.client_scale",
     "fault_sweep": "its probes read the fault builders of the clone's tests/",
+    "suite_compile": "it runs the clone's tests/",
     "parity": "it runs beside the authors' code, its PyTorch side in an environment of its own "
               "(benchmarks/parity/README.md); the package does not ship it",
 }
