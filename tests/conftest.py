@@ -7,8 +7,11 @@ import tempfile
 # XLA's older CPU fusion code generator (`--xla_cpu_use_fusion_emitters=false`), though it compiles in
 # 0.6-0.7 of the time: under it a client's arithmetic depends on how many are vmapped together, and 19
 # layout tests (stores, devices, processes: bit for bit) fail, as they would for a user who set it.
-os.environ["XLA_FLAGS"] = " ".join([os.environ.get("XLA_FLAGS", ""), "--xla_backend_optimization_level=0",
-                                    "--xla_llvm_disable_expensive_passes=true"]).strip()
+# (Once: pytest-xdist's workers inherit the environment of the controller, which loaded this file too.)
+_flags = os.environ.get("XLA_FLAGS", "").split()
+os.environ["XLA_FLAGS"] = " ".join(_flags + [f for f in ("--xla_backend_optimization_level=0",
+                                                        "--xla_llvm_disable_expensive_passes=true")
+                                             if f not in _flags])
 # Everything compiled, by runs and by tests alike, goes to a JAX persistent cache of this session only, one for
 # both of pytest-xdist's workers: many tests compile the same program again (an algorithm's round on the same
 # model, rebuilt from fresh functions; the same eager operations), and the second compilation is a file read.
