@@ -1,6 +1,7 @@
 """benchmarks.suite_compile: what the suite's processes compile, per test, and the compilation floor."""
 
 import json
+import os
 import sys
 import textwrap
 from pathlib import Path
@@ -71,3 +72,11 @@ def test_bad_workers_are_one_line(capsys):
     with pytest.raises(SystemExit):
         main(["--workers", "0"])
     assert "--workers must be 1 or more, got 0" in capsys.readouterr().err
+
+
+def test_the_test_processes_get_each_of_conftests_xla_flags_once():
+    """The flags the report shows: under pytest-xdist a worker inherits the environment of the controller, which
+    had already loaded conftest, and each flag used to be given twice."""
+    flags = os.environ["XLA_FLAGS"].split()
+    for flag in ("--xla_backend_optimization_level=0", "--xla_llvm_disable_expensive_passes=true"):
+        assert flags.count(flag) == 1, flags
