@@ -23,13 +23,15 @@ _EXACT = lax.Precision.HIGHEST  # an accelerator's default float32 product round
 
 def channel_sum(x: jax.Array, weights: jax.Array | None = None) -> jax.Array:
     """sum_n weights[n] * sum over the middle axes of x[n, ..., c], for x [N, ..., C] (weights default
-    to 1): a [C] vector. Two products: the weighted sum over the batch ([1, N] x [N, rest]), then the
+    to 1): a float32 [C] vector. Two products: the weighted sum over the batch ([1, N] x [N, rest]), then the
     sum over positions ([1, P] x [P, C])."""
     n, c = x.shape[0], x.shape[-1]
     w = jnp.ones((1, n), x.dtype) if weights is None else weights.reshape(1, n).astype(x.dtype)
-    per_position = jnp.dot(w, x.reshape(n, -1), precision=_EXACT)
+    # float32 sums whatever x's dtype (a bfloat16 activation under mixed precision): the sum of a large map
+    # would lose its small terms in a bfloat16 accumulator
+    per_position = jnp.dot(w, x.reshape(n, -1), precision=_EXACT, preferred_element_type=jnp.float32)
     positions = per_position.size // c
-    ones = jnp.ones((1, positions), x.dtype)
+    ones = jnp.ones((1, positions), jnp.float32)
     return jnp.dot(ones, per_position.reshape(positions, c), precision=_EXACT).reshape(c)
 
 

@@ -41,6 +41,11 @@ class MaskedBatchNorm(nn.BatchNorm):
     spatial positions) only. `mask=None` is plain BatchNorm; in eval mode
     (running averages) the mask is ignored and Flax's own BatchNorm runs.
 
+    Under mixed precision (`Model.compute_dtype` bfloat16) the statistics, the
+    normalization and the running averages are float32, as in Micikevicius et
+    al. (2018): a bfloat16 mean of a large activation loses the small variances
+    that the normalization divides by; the output returns to the input's dtype.
+
     In training mode the normalization is `batch_norm.normalize`, Flax's
     computation with its per-channel sums as matrix products (3-5x faster on a
     CPU, see there). A batch with no valid example at all (a padded no-op
@@ -57,8 +62,8 @@ class MaskedBatchNorm(nn.BatchNorm):
                  mask: jax.Array | None = None):
         running = nn.merge_param("use_running_average", self.use_running_average,
                                  use_running_average)
-        if running:
-            return super().__call__(x, use_running_average)
+        if running:  # statistics in float32; the output in the dtype the layer computes in
+            return super().__call__(x.astype(jnp.float32), use_running_average).astype(x.dtype)
         if self.axis != -1 or self.axis_name is not None or not (self.use_scale and self.use_bias):
             raise ValueError(f"MaskedBatchNorm trains with the feature axis last, scale and bias, and no "
                              f"axis_name; got axis={self.axis}, axis_name={self.axis_name}, "
@@ -74,12 +79,13 @@ class MaskedBatchNorm(nn.BatchNorm):
             mask = jnp.reshape(jnp.asarray(mask, bool), (x.shape[0],))
             any_valid = jnp.any(mask)
             weights = jnp.logical_or(mask, ~any_valid).astype(jnp.float32)
-        y, mean, var = normalize(x.astype(jnp.float32), scale, bias, weights, self.epsilon)
+        y, mean, var = normalize(x.astype(jnp.float32), scale.astype(jnp.float32), bias.astype(jnp.float32), weights,
+                                 self.epsilon)
         if not self.is_initializing():
             keep = self.momentum
             ra_mean.value = jnp.where(any_valid, keep * ra_mean.value + (1 - keep) * mean, ra_mean.value)
             ra_var.value = jnp.where(any_valid, keep * ra_var.value + (1 - keep) * var, ra_var.value)
-        return y.astype(jnp.result_type(x, scale, bias))
+        return y.astype(x.dtype)
 
 
 def batch_norm(train: bool, name: str) -> MaskedBatchNorm:
@@ -142,7 +148,8 @@ def any_kept(unit_masks: dict | None, layers: Sequence[str]) -> jax.Array | None
         return None
     dead = 1.0
     for name in layers:
-        dead = dead * (1.0 - jnp.asarray(unit_masks[name]).astype(jnp.float32))
+        mask = jnp.asarray(unit_masks[name])  # in the dtype the model computes in, where floating
+        dead = dead * (1.0 - (mask if jnp.issubdtype(mask.dtype, jnp.floating) else mask.astype(jnp.float32)))
     return 1.0 - dead
 
 

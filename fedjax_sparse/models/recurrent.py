@@ -65,7 +65,7 @@ class LSTM(nn.Module):
             c = jax.nn.sigmoid(z[:, 2] + FORGET_BIAS) * c + jax.nn.sigmoid(z[:, 0]) * jnp.tanh(z[:, 1])
             h = jax.nn.sigmoid(z[:, 3]) * jnp.tanh(c) + p
             if mask is not None:
-                h = h * mask
+                h = h * mask.astype(h.dtype)
             return (h, c), h
 
         zeros = jnp.zeros((batch, self.units), x.dtype)
@@ -80,8 +80,10 @@ class CharLSTM(nn.Module):
     def __call__(self, x: jax.Array, train: bool, mask: jax.Array | None = None,
                  unit_masks: dict | None = None) -> jax.Array:
         del train, mask  # no normalization
-        tokens = jax.nn.one_hot(x, self.vocabulary, dtype=jnp.float32)
-        h = nn.Dense(EMBEDDING, use_bias=False, kernel_init=glorot, name="embed")(tokens)
+        embed = nn.Dense(EMBEDDING, use_bias=False, kernel_init=glorot, name="embed")
+        # one-hot in the dtype the model computes in (`Model.compute_dtype`: its kernel's, once built)
+        dtype = jnp.float32 if self.is_initializing() else self.variables["params"]["embed"]["kernel"].dtype
+        h = embed(jax.nn.one_hot(x, self.vocabulary, dtype=dtype))
         h = L.unit_output(self, h, unit_masks, "embed")
         for i, units in enumerate(HIDDEN):
             name = f"lstm{i + 1}"

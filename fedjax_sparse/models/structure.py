@@ -160,6 +160,16 @@ class Model:
     `variables` may also hold `'unit_masks'` ({layer: [units]}): the sub-model
     the forward pass runs, each mask multiplying its layer's unit outputs
     (`layers.unit_output`, `core.unit_masks`).
+
+    `compute_dtype` is the dtype the forward and backward passes compute in ('float32' or
+    'bfloat16', `--compute-dtype`): mixed precision, as Micikevicius et al. (2018) and JAX's own
+    `jmp` define it. `apply` casts the floating parameters, unit masks, perturbations and inputs
+    to it, so every convolution and matrix product runs in it, and returns float32 logits and
+    features; the caller's variables stay float32 (the master weights the optimizer steps, whose
+    gradients arrive in float32 through the cast), and BatchNorm computes its statistics and keeps
+    its running averages in float32 (`layers.MaskedBatchNorm`). Everything outside `apply` -- the
+    loss, optimizer states, thresholds, masks, messages, aggregation, server state -- never sees
+    the compute dtype.
     """
 
     name: str
@@ -169,6 +179,11 @@ class Model:
     structure: ModelStructure
     description: str = ""
     input_kind: Literal["numbers", "tokens"] = "numbers"
+    compute_dtype: str = "float32"
+
+    def __post_init__(self):
+        if self.compute_dtype not in COMPUTE_DTYPES:
+            raise ValueError(f"--compute-dtype {self.compute_dtype!r} is not one of {', '.join(COMPUTE_DTYPES)}")
 
     def init(self, key: jax.Array) -> Variables:
         x = jnp.zeros((1, *self.input_shape), jnp.int32 if self.input_kind == "tokens" else jnp.float32)
@@ -182,18 +197,21 @@ class Model:
         `LocalObjective.feature_loss`)."""
         if features:
             return self._with_features(variables, x, train=train, mask=mask, perturbations=perturbations)
-        inputs = {"params": variables["params"]}
+        compute = in_compute_dtype(self.compute_dtype)
+        inputs = {"params": compute(variables["params"])}
         has_stats = bool(jax.tree_util.tree_leaves(variables["batch_stats"]))
         if has_stats:
-            inputs["batch_stats"] = variables["batch_stats"]
+            inputs["batch_stats"] = variables["batch_stats"]  # float32: BatchNorm's statistics
         if perturbations is not None:
-            inputs["perturbations"] = perturbations
-        kwargs = {"mask": mask, "unit_masks": variables.get("unit_masks")}
+            inputs["perturbations"] = compute(perturbations)
+        unit_masks = variables.get("unit_masks")
+        kwargs = {"mask": mask, "unit_masks": None if unit_masks is None else compute(unit_masks)}
+        x = compute(x)
         if train and has_stats:
             logits, updates = self.module.apply(inputs, x, train=True, mutable=["batch_stats"], **kwargs)
-            return logits, updates["batch_stats"]
+            return logits.astype(jnp.float32), updates["batch_stats"]
         logits = self.module.apply(inputs, x, train=train, **kwargs)
-        return logits, variables["batch_stats"]
+        return logits.astype(jnp.float32), variables["batch_stats"]
 
     def _with_features(self, variables, x, **kwargs):
         # the classifier is every model's last layer; its input, read as the module is called
@@ -210,7 +228,7 @@ class Model:
         if len(seen) != 1:
             raise ValueError(f"{self.name}: its classifier {'/'.join(classifier)} was called {len(seen)} times in a "
                              f"forward pass; features=True reads the input of one call")
-        return logits, stats, seen[0].reshape(seen[0].shape[0], -1)
+        return logits, stats, seen[0].reshape(seen[0].shape[0], -1).astype(jnp.float32)
 
     def unit_output_gradients(self, variables: Variables, x: jax.Array, loss: Callable[[jax.Array], jax.Array],
                               *, train: bool, mask: jax.Array | None = None) -> dict[str, jax.Array]:
@@ -226,3 +244,17 @@ class Model:
 
 
 ModelFactory = Callable[[tuple[int, ...], int], Model]
+
+COMPUTE_DTYPES = ("float32", "bfloat16")
+
+
+def in_compute_dtype(dtype: str) -> Callable[[Any], Any]:
+    """tree -> the tree with its floating leaves cast to `dtype` (integer and boolean leaves as they are)."""
+    target = jnp.dtype(dtype)
+
+    def cast(tree):
+        return jax.tree_util.tree_map(
+            lambda a: jnp.asarray(a).astype(target) if jnp.issubdtype(jnp.result_type(a), jnp.floating) else a,
+            tree)
+
+    return cast
