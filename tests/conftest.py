@@ -22,6 +22,12 @@ if _SESSION:
 else:
     os.environ["FEDJAX_SPARSE_CACHE"] = tempfile.mkdtemp(prefix="fedjax_sparse_test_cache_")
 
+# Every test computes float32 matrix products and convolutions in float32, by construction: on an Ampere or Hopper
+# GPU JAX computes them in TF32 unless told otherwise, and the tests that compare two computations failed there
+# (issue 52; JAX's own suite did the same, jax-ml/jax#12008). Runs set the run's --matmul-precision (float32 by
+# default) themselves; this covers what tests compute directly, here and in the processes they start.
+os.environ["JAX_DEFAULT_MATMUL_PRECISION"] = "float32"
+
 # The runs that tests start, in this process or in processes of their own, keep every program in that cache too
 # (a run keeps only what compiles for 0.5 s or longer unless JAX's own variable says otherwise): a resumed or
 # relaunched run then compiles nothing again.
@@ -31,6 +37,7 @@ import jax  # noqa: E402
 
 
 def _cache_everything():
+    jax.config.update("jax_default_matmul_precision", "float32")  # also where a plugin imported JAX before us
     jax.config.update("jax_compilation_cache_dir", os.environ["FEDJAX_SPARSE_CACHE"])
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
@@ -86,7 +93,7 @@ def synthetic_split(counts, seed=0, shape=(8, 8, 1), num_classes=10):
 @pytest.fixture(autouse=True)
 def _session_compilation_cache():
     """The session's cache again after a test whose run set its own (`use_compilation_cache`: runs cache only
-    what compiles for longer, or nothing with --no-compilation-cache)."""
+    what compiles for longer, or nothing with --no-compilation-cache), and float32 products again."""
     yield
     _cache_everything()
 

@@ -26,6 +26,8 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 
+from fedjax_sparse.core.numerics import deterministic_options
+
 # XLA:CPU's YNNPACK fusion kinds left on: dots (see the module docstring).
 CPU_OPTIONS = {"xla_cpu_experimental_ynn_fusion_type": "LIBRARY_FUSION_TYPE_DOT"}
 
@@ -42,11 +44,13 @@ def _accepted(platform: str, options: tuple[tuple[str, str], ...]) -> bool:
 
 
 def compiler_options(platform: str | None = None) -> dict[str, str] | None:
-    """The XLA options the library compiles with on `platform` (default: JAX's default backend)."""
+    """The XLA options the library compiles with on `platform` (default: JAX's default backend): on a CPU
+    its convolutions (above), on a GPU under `--deterministic` XLA's deterministic ops (`core.numerics`)."""
     platform = platform or jax.default_backend()
-    if platform != "cpu" or not _accepted(platform, tuple(CPU_OPTIONS.items())):
-        return None
-    return dict(CPU_OPTIONS)
+    options = deterministic_options(platform)
+    if platform == "cpu" and _accepted(platform, tuple(CPU_OPTIONS.items())):
+        options.update(CPU_OPTIONS)
+    return options or None
 
 
 def release_compiler_memory() -> None:

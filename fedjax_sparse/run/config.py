@@ -13,11 +13,13 @@ from fedjax_sparse.algorithms.personalization import PersonalizationOptions
 from fedjax_sparse.algorithms.uplink_compression import UplinkCompressionOptions
 from fedjax_sparse.core.client_store import BACKENDS
 from fedjax_sparse.core.device_split import SPLITS
+from fedjax_sparse.core.numerics import MATMUL_PRECISIONS, PRECISION_ALIASES, Numerics
 from fedjax_sparse.core.options import (check_value, coerce, option, option_fields, refuse_unread_values, spec_of,
                                         validate)
 from fedjax_sparse.data.partition import METHODS, NATURAL
 from fedjax_sparse.data.sources import has_own_clients
 from fedjax_sparse.models import MODEL_ALIASES, MODEL_NAMES, REFUSED, model_names
+from fedjax_sparse.models.structure import COMPUTE_DTYPES
 from fedjax_sparse.run.federation import FederationOptions
 from fedjax_sparse.run.trackers import TrackerOptions, check_trackers
 
@@ -102,6 +104,19 @@ class RunConfig(TrackerOptions, FederationOptions, DifferentialPrivacyOptions, U
                                                 "interrupted run saves anyway)", low=1)
     tensorboard: bool = option(True, "also write every per-round figure as TensorBoard event files into the run "
                                      "folder (on by default; view with tensorboard --logdir runs)")
+    matmul_precision: str = option("float32", "how float32 matrix products and convolutions are computed: float32 "
+                                              "(XLA's HIGHEST: float32 on every backend), tensorfloat32 (HIGH: TF32 "
+                                              "on Ampere and newer GPUs), bfloat16 (DEFAULT: one bfloat16 pass on a "
+                                              "TPU, TF32 on a GPU) or default (JAX's own setting); highest and high "
+                                              "name the first two; a CPU computes float32 for every one "
+                                              "(docs/precision.md)",
+                                   choices=(*MATMUL_PRECISIONS, *PRECISION_ALIASES))
+    compute_dtype: str = option("float32", "the dtype the model's forward and backward passes compute in: float32, "
+                                           "or bfloat16 (mixed precision: float32 master weights, optimizer states, "
+                                           "BatchNorm statistics, loss, aggregation and server state; messages "
+                                           "are priced as sent)", choices=COMPUTE_DTYPES)
+    deterministic: bool = option(False, "on a GPU, compile with XLA's deterministic ops (the same figures every "
+                                        "time, at some speed); a CPU and a TPU are deterministic already")
     compilation_cache: bool = option(True, "keep compiled rounds in JAX's persistent cache "
                                            "($FEDJAX_SPARSE_CACHE or ~/.cache/fedjax_sparse/jax)")
     out: str = option("runs/default", "directory for config, metrics, summary and plot")
@@ -188,6 +203,11 @@ class RunConfig(TrackerOptions, FederationOptions, DifferentialPrivacyOptions, U
         record a value that training never used. Validates the algorithm's own options too."""
         refuse_unread_values(self.algorithm_options)
         refuse_unread_values(self)
+
+    @property
+    def numerics(self) -> Numerics:
+        """The run's matrix-product precision and determinism (`core.numerics`)."""
+        return Numerics(self.matmul_precision, self.deterministic)
 
     @property
     def split_by(self) -> str:

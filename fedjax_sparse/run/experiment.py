@@ -110,7 +110,8 @@ def build_experiment(config: RunConfig, progress: bool = True, *, process: Proce
     if split_by == "labels" and config.labels_per_client > dataset.num_classes:
         raise ValueError(f"--labels-per-client {config.labels_per_client} exceeds the "
                          f"{dataset.num_classes} classes of {config.dataset}")
-    model = get_model(config.model, dataset.input_shape, dataset.num_classes)
+    model = dataclasses.replace(get_model(config.model, dataset.input_shape, dataset.num_classes),
+                                compute_dtype=config.compute_dtype)
     if model.input_kind != ("tokens" if dataset.kind == "tokens" else "numbers"):
         reads = "token sequences" if model.input_kind == "tokens" else "images or feature vectors"
         raise ValueError(f"--model {config.model} reads {reads}, but {config.dataset} holds {dataset.kind}; choose "

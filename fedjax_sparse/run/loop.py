@@ -21,6 +21,7 @@ import numpy as np
 
 from fedjax_sparse.core.client_store import DeviceStore
 from fedjax_sparse.core.compilation import release_compiler_memory
+from fedjax_sparse.core.numerics import numerics
 from fedjax_sparse.core.device_split import balanced_padded_step_fraction, device_groups
 from fedjax_sparse.core.distributed import (agree, broadcast_text, current_process, gather_texts, max_over_processes,
                                            process_local)
@@ -168,7 +169,8 @@ def run_experiment(config: RunConfig, *, progress: bool = True, resume: bool = F
     use_compilation_cache(config.compilation_cache)
     process = current_process()
     lead = process.index == 0
-    with hold_run_folder(out) if lead else contextlib.nullcontext(out), FailedResume(out, resume and lead) as refused:
+    with (numerics(config.numerics), hold_run_folder(out) if lead else contextlib.nullcontext(out),
+          FailedResume(out, resume and lead) as refused):
         failure, snapshot, dataset, counters, manifest = None, None, None, Counters(), None
         try:  # the folder made this run's (by process 0) before any process writes into it
             if lead and not resume:
@@ -534,6 +536,7 @@ def _summary(exp: Experiment, history: list, totals: dict, first_round_seconds: 
         "cpu_devices": len(exp.round_fn.cpu_devices) or None,  # several CPU devices shared the clients
         "evaluation_cpu_devices": len(getattr(exp.evaluate_personalized, "devices", ())) or None,
         "client_store": exp.store.backend,
+        **exp.config.numerics.describe(), "compute_dtype": exp.model.compute_dtype,
         "processes": exp.process.count,
         "num_train_examples": int(exp.train_counts.sum()),
         "first_round_seconds": first_round_seconds,
