@@ -84,6 +84,7 @@ from fedjax_sparse.core.algorithm import FederatedAlgorithm
 from fedjax_sparse.core.compilation import jit
 from fedjax_sparse.core.cpu_round import CpuRound, keep_freed_memory, round_devices, use_cpu_cores
 from fedjax_sparse.core.local_training import LocalSGD, masked_cross_entropy
+from fedjax_sparse.core.numerics import Numerics, numerics
 from fedjax_sparse.core.participation import sample_clients
 from fedjax_sparse.core.round import build_round, client_keys, default_client_chunk, round_info
 from fedjax_sparse.data import load_dataset
@@ -110,6 +111,8 @@ class Setting:
     momentum: float = 0.0
     repeats: int = 3
     seed: int = 0
+    compute_dtype: str = "float32"  # the model's (`--compute-dtype`)
+    matmul_precision: str = "float32"  # the run's (`--matmul-precision`)
 
     @property
     def steps_per_client(self) -> int:
@@ -206,7 +209,8 @@ def build_workload(setting: Setting) -> Workload:
     x, y, mean, std, data = _examples(spec, k * n, rng)
     clients = [np.arange(i * n, (i + 1) * n) for i in range(k)]
     split = federated_split(x, y, clients, mean, std, augment=spec["augment"])
-    model = get_model(setting.model, spec["input_shape"], spec["num_classes"])
+    model = dataclasses.replace(get_model(setting.model, spec["input_shape"], spec["num_classes"]),
+                                compute_dtype=setting.compute_dtype)
     local = LocalSGD(model, learning_rate=setting.learning_rate, epochs=setting.epochs,
                      batch_size=setting.batch_size, momentum=setting.momentum)
     variables = model.init(jax.random.key(setting.seed + 1))
@@ -417,7 +421,13 @@ def peak_device_memory() -> int | None:
 
 
 def run_setting(setting: Setting, variants: Sequence[str] = VARIANTS, *, devices_chosen: bool = False) -> dict:
-    """Measures one setting; returns its record (examples per second under each variant's name)."""
+    """Measures one setting, at its matrix-product precision; returns its record (examples per second under each
+    variant's name)."""
+    with numerics(Numerics(setting.matmul_precision)):
+        return _run_setting(setting, variants, devices_chosen)
+
+
+def _run_setting(setting: Setting, variants: Sequence[str], devices_chosen: bool) -> dict:
     w = build_workload(setting)
     examples = int(np.asarray(w.split.counts).sum()) * setting.epochs
     chunk = default_client_chunk(w.variables, setting.clients_per_round)
@@ -463,6 +473,8 @@ def run_setting(setting: Setting, variants: Sequence[str] = VARIANTS, *, devices
         "data": w.data,
         "learning_rate": setting.learning_rate,
         "momentum": setting.momentum,
+        "compute_dtype": setting.compute_dtype,
+        "matmul_precision": setting.matmul_precision,
         "device": device_name(),
     }
     if "engine" in rate and "step_loop" in rate:

@@ -79,32 +79,61 @@ def test_command_line_writes_a_list_of_records(tmp_path, monkeypatch, capsys, sm
         rt.main(["--quick", "--only", "resnet20"])
 
 
-def test_suite_quick_writes_markdown_and_json_named_by_device_and_date(tmp_path):
-    """`python -m benchmarks.suite --quick --out DIR`, the CI version: every section measured (or said
-    to be left out), every ratio positive and finite, device, versions and command recorded."""
-    from benchmarks import suite
+def test_the_lease_quick_runs_its_three_steps_and_the_suite_records_every_section(tmp_path):
+    """`python -m benchmarks.lease --quick --out DIR`, the CI version of what a lent GPU runs: the tests (their
+    JUnit counts), `benchmarks.suite --quick` (every section measured or said to be left out, every ratio
+    positive and finite, each section's compile seconds, device, versions and command) and the SpaFL arm,
+    in at most 8 files (what the device tool brings back)."""
+    from benchmarks import lease
     from benchmarks.common import device_name
 
-    result = suite.main(["--quick", "--out", str(tmp_path)])
+    result = lease.main(["--quick", "--out", str(tmp_path)])
+    assert len(list(tmp_path.iterdir())) <= 8
+    tests = result["tests"]
+    assert tests["exit_code"] == 0 and tests["tests"] >= 3 and tests["failures"] == tests["errors"] == 0
+    assert result["arm"]["status"] == "completed" and result["arm"]["rounds_done"] == 2
+    assert json.loads((tmp_path / "arm_config.json").read_text())["compute_dtype"] == "bfloat16"
+    assert len((tmp_path / "arm_metrics.jsonl").read_text().splitlines()) == 2
+    lease_md = (tmp_path / "lease.md").read_text()
+    assert "2 of 2 rounds in bfloat16" in lease_md and "failed, 0 errors" in lease_md
+
+    assert result["suite"]["exit_code"] == 0
     device = device_name().split(" (")[0].replace(" x ", "x").replace(" ", "-").lower()
-    (md,) = tmp_path.glob(f"suite_{device}_*.md")
-    (js,) = tmp_path.glob(f"suite_{device}_*.json")
+    (md,) = tmp_path.glob("suite_*.md")
+    (js,) = tmp_path.glob("suite_*.json")
     assert md.stem == js.stem and md.stem[-10:].count("-") == 2  # ..._YYYY-MM-DD
     saved = json.loads(js.read_text())
     env = saved["environment"]
-    assert env["device"] == device_name() and env["jax"] == jax.__version__
+    assert env["platform"] == "cpu" and env["jax"] == jax.__version__ and device.split("x")[-1] in md.stem
     assert env["command"] == f"python -m benchmarks.suite --quick --out {tmp_path}"
     records = saved["records"]
     ratios = [r["engine_over_step_loop"] for r in records["round_throughput"]["records"]]
     ratios += [r["engine_over_centralized"] for r in records["round_throughput"]["records"]]
-    ratios += [r["vmap_over_loop"] for r in records["vmap_against_loop"]["records"]]
+    ratios += [r[k] for r in records["precision"]["records"] for k in ("engine_over_float32",
+                                                                       "centralized_over_float32")]
+    ratios += [r["engine_over_centralized"] for r in records["layouts"]["records"]]
     ratios += [r[k] for r in records["evaluation"]["records"] for k in ("personalized_over_training",
                                                                         "global_over_training")]
-    assert len(ratios) == 5 and all(_positive_finite(x) for x in ratios)
+    assert len(ratios) == 12 and all(_positive_finite(x) for x in ratios)
+    assert [r["precision"] for r in records["precision"]["records"]] == ["float32", "tensorfloat32", "bfloat16"]
+    assert [r["layout"] for r in records["layouts"]["records"]] == ["all", 1]
+    assert sum(r["fastest"] for r in records["layouts"]["records"]) == 1
+    for name in ("round_throughput", "precision", "layouts", "evaluation"):  # compiles seen, within the section
+        compiling = records[name]["compile_seconds"]
+        assert 0 < compiling["xla"] <= records[name]["seconds"], (name, compiling)
     assert "skipped" in records["agent_search"]["records"][0] and "skipped" in records["spatl_run"]["records"][0]
     text = md.read_text()
-    assert device_name() in text and env["command"] in text and "| mlp | 4 |" in text
-    assert result["total_seconds"] > 0
+    assert env["command"] in text and "| mlp | 4 |" in text and "of which JAX compiling" in text
+    assert records["total_seconds"] > 0 and records["budget_seconds"] == 120
+
+
+def test_the_suite_and_the_lease_refuse_a_budget_of_nothing(capsys):
+    from benchmarks import lease, suite
+
+    for main in (suite.main, lease.main):
+        with pytest.raises(SystemExit):
+            main(["--quick", "--budget", "0"])
+        assert "--budget must be" in capsys.readouterr().err
 
 
 def test_client_scale_quick_run_measures_every_store(tmp_path):

@@ -137,7 +137,7 @@ def test_a_name_that_is_no_experiment_or_benchmark_is_refused_in_one_line(capsys
     assert main(["experiment", "spafll"]) == 2
     [line] = capsys.readouterr().err.strip().splitlines()
     assert line.startswith("fedjax-sparse: error: no experiment named 'spafll'; valid: baselines_cifar10, "
-                           "baselines_digits, federation, fedgse, fedldf, privacy, spafl, spatl,")
+                           "baselines_digits, federation, fedgse, fedldf, precision, privacy, spafl, spatl,")
     assert main(["benchmark", "--quick"]) == 2
     [line] = capsys.readouterr().err.strip().splitlines()
     assert line == ("fedjax-sparse: error: --quick: name the benchmark first (`fedjax-sparse benchmark --list` lists "
