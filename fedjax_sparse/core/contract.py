@@ -22,8 +22,13 @@ refuses, in one line naming the function and the leaf path with both shapes and 
 
 from __future__ import annotations
 
+import functools
+import inspect
 import numbers
-from typing import Any
+import os
+import traceback
+from pathlib import Path
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -37,7 +42,68 @@ tree_map = jax.tree_util.tree_map
 
 
 class ContractError(ValueError):
-    """An algorithm breaks the contract; the message names the function and the leaf."""
+    """An algorithm breaks the contract; the message names the function, where it is (file:line) and the leaf."""
+
+
+TRACEBACK_VARIABLE = "FEDJAX_SPARSE_TRACEBACK"  # set to 1: the command line prints an error's whole traceback
+# code that is not the algorithm author's: where a failure is raised, not where the author's mistake is
+_JAX_AND_LIBRARY = (str(Path(jax.__file__).resolve().parent) + os.sep, str(Path(__file__).resolve().parents[1]) + os.sep)
+_PYTHON = str(Path(os.__file__).resolve().parent) + os.sep
+_PACKAGES = ("jaxlib", "flax", "optax", "chex", "numpy", "jraph")
+
+
+def _authors(filename: str) -> bool:
+    """Whether `filename` is the algorithm author's code: not JAX's, the library's, Python's own or a package
+    the library builds on."""
+    if filename.startswith("<"):
+        return False
+    path = str(Path(filename).resolve())
+    installed = f"{os.sep}site-packages{os.sep}" in path or f"{os.sep}dist-packages{os.sep}" in path
+    if path.startswith(_JAX_AND_LIBRARY) or (path.startswith(_PYTHON) and not installed):
+        return False
+    return not (installed and any(f"-packages{os.sep}{name}{os.sep}" in path for name in _PACKAGES))
+
+
+def _shown(filename: str, line: int) -> str:
+    """file:line, relative to the current folder where it lies below it."""
+    try:
+        filename = os.path.relpath(filename) if not os.path.relpath(filename).startswith("..") else filename
+    except ValueError:  # another drive
+        pass
+    return f"{filename}:{line}"
+
+
+def location(function: Callable) -> str | None:
+    """Where `function` is defined (file:line), through partials and wrappers; None for a builtin."""
+    while isinstance(function, functools.partial):
+        function = function.func
+    function = inspect.unwrap(function)
+    code = getattr(function, "__code__", None)
+    return None if code is None else _shown(code.co_filename, code.co_firstlineno)
+
+
+def _named(function: str, fn: Callable | None) -> str:
+    where = location(fn) if fn is not None else None
+    return function if where is None else f"{function} ({where})"
+
+
+def _raised_at(err: BaseException) -> str | None:
+    """The innermost line of the algorithm author's code that the failure passed through (file:line in
+    function), skipping JAX, Flax, Optax, NumPy, the library and Python's own modules."""
+    frames = [f for f in traceback.extract_tb(err.__traceback__) if _authors(f.filename)]
+    if not frames:
+        return None
+    frame = frames[-1]
+    return f"{_shown(frame.filename, frame.lineno)} in {frame.name}"
+
+
+def _first_paragraph(err: BaseException, limit: int = 600) -> str:
+    """The error's own statement, whole: its first paragraph, without JAX's notes on where it traced."""
+    text = str(err).split("\n\n")[0]
+    lines = [line for line in text.splitlines() if not line.startswith(("The error occurred while tracing",
+                                                                           "See https://"))]
+    text = " ".join(" ".join(lines).split())
+    return text if len(text) <= limit else text[:limit].rsplit(" ", 1)[0] + " ..."
 
 
 def _path(path) -> str:
@@ -48,8 +114,10 @@ def _describe(x) -> str:
     return f"{jnp.dtype(x.dtype).name}{list(x.shape)}" if hasattr(x, "shape") else type(x).__name__
 
 
-def same_tree(name: str, function: str, got: Any, expected: Any, what: str) -> None:
-    """Raises ContractError at the first leaf where `got` differs from `expected` in place, shape or dtype."""
+def same_tree(name: str, function: str, got: Any, expected: Any, what: str, fn: Callable | None = None) -> None:
+    """Raises ContractError at the first leaf where `got` differs from `expected` in place, shape or dtype;
+    `fn`, the function that returned `got`, is named with where it is defined."""
+    function = _named(function, fn)
     got_leaves = dict((_path(p), x) for p, x in jax.tree_util.tree_flatten_with_path(got)[0])
     expected_leaves = dict((_path(p), x) for p, x in jax.tree_util.tree_flatten_with_path(expected)[0])
     for path in expected_leaves.keys() - got_leaves.keys():
@@ -78,17 +146,19 @@ def message_leaves(name: str, function: str, message: Any) -> None:
                                 f"({', '.join(t.__name__ for t in PRICED_LEAVES)})")
 
 
-def check_metrics(name: str, metrics: Any) -> None:
+def check_metrics(name: str, metrics: Any, fn: Callable | None = None) -> None:
+    client_update = _named("client_update", fn)
     if not isinstance(metrics, dict):
-        raise ContractError(f"{name}: client_update returns metrics of type {type(metrics).__name__}; they must be a "
+        raise ContractError(f"{name}: {client_update} returns metrics of type {type(metrics).__name__}; they must be a "
                             f"dict of scalars with 'loss' and 'num_steps'")
     missing = [k for k in ("loss", "num_steps") if k not in metrics]
     if missing:
-        raise ContractError(f"{name}: client_update's metrics lack {' and '.join(repr(k) for k in missing)} (they "
+        raise ContractError(f"{name}: {client_update}'s metrics lack {' and '.join(repr(k) for k in missing)} (they "
                             f"hold {sorted(metrics)}); the engine weighs the loss and counts the steps")
     for key, value in metrics.items():
         if not hasattr(value, "shape") or value.shape != ():
-            raise ContractError(f"{name}: client_update's metric {key!r} is {_describe(value)}; metrics are scalars")
+            raise ContractError(f"{name}: {client_update}'s metric {key!r} is {_describe(value)}; metrics are "
+                                f"scalars")
 
 
 def _abstractly(name: str, functions: str, fn, *args):
@@ -109,9 +179,10 @@ def _abstractly(name: str, functions: str, fn, *args):
     except ContractError:
         raise
     except Exception as err:  # noqa: BLE001 - whatever the algorithm's code raises on shapes
-        first = " ".join(str(err).split())[:300]
-        raise ContractError(f"{name}: {functions} fails when evaluated on shapes: {type(err).__name__}: {first}") \
-            from err
+        at = _raised_at(err)
+        raise ContractError(f"{name}: {functions} fails when evaluated on shapes{f' at {at}' if at else ''}: "
+                            f"{type(err).__name__}: {_first_paragraph(err)} ({TRACEBACK_VARIABLE}=1 shows the "
+                            f"whole traceback)") from err
     if not_arrays:
         raise ContractError(f"{name}: {functions} returns a leaf that is not an array: {not_arrays[0]}; states, "
                             f"messages and metrics hold arrays (and messages priced leaves, core.messages)")
@@ -134,7 +205,7 @@ def check_contract(algorithm: FederatedAlgorithm, variables: Any, num_clients: i
         fresh = _abstractly(name, "init_clients", algorithm.init_clients, key, variables,
                             jax.ShapeDtypeStruct((1,), jnp.int32))
         same_tree(name, "init_clients", tree_map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), fresh),
-                  one, "client state")
+                  one, "client state", algorithm.init_clients)
     ids = jnp.arange(clients_per_round, dtype=jnp.int32)
     info = round_info(seed, 0, ids)
 
@@ -149,8 +220,8 @@ def check_contract(algorithm: FederatedAlgorithm, variables: Any, num_clients: i
     new_state, metrics = out["client_update"]["client state"], out["client_update"]["metrics"]
     message_leaves(name, "broadcast", down)
     message_leaves(name, "client_update", up)
-    same_tree(name, "client_update", new_state, one, "client state")
-    check_metrics(name, metrics)
+    same_tree(name, "client_update", new_state, one, "client state", algorithm.client_update)
+    check_metrics(name, metrics, algorithm.client_update)
     stacked = tree_map(lambda x: jax.ShapeDtypeStruct((clients_per_round, *x.shape), x.dtype), up)
     weights = jax.ShapeDtypeStruct((clients_per_round,), jnp.float32)
     present = jax.ShapeDtypeStruct((clients_per_round,), jnp.bool_) if varies else None
@@ -161,7 +232,7 @@ def check_contract(algorithm: FederatedAlgorithm, variables: Any, num_clients: i
         message_leaves(name, "select_uploads", stacked)
     new_server, step_metrics = _abstractly(name, "server_update" + masked, lambda s, u, w, p: server_step(
         algorithm.server_update(s, u, w, info.replace(participating=p))), server, stacked, weights, present)
-    same_tree(name, "server_update", new_server, server, "server state")
+    same_tree(name, "server_update", new_server, server, "server state", algorithm.server_update)
     for key, value in step_metrics.items():
         if not hasattr(value, "shape") or value.shape != ():
             raise ContractError(f"{name}: server_update's step metric {key!r} is {_describe(value)}; metrics are "

@@ -16,12 +16,14 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import traceback
 import warnings
 from pathlib import Path
 
 from fedjax_sparse.run.signals import stop_start_up_at_once
 
-_HELP_EPILOG = "Algorithm options list, in brackets, the algorithms that read them."
+_HELP_EPILOG = ("Algorithm options list, in brackets, the algorithms that read them. An error is one line; "
+                "FEDJAX_SPARSE_TRACEBACK=1 prints its whole traceback first.")
 LAUNCH_FLAGS = ("coordinator", "num_processes", "process_id", "cluster", "launch_timeout")
 
 
@@ -244,6 +246,10 @@ def _main(argv: list[str] | None) -> int:
         sys.stderr.flush()
         os._exit(2)
     except (ValueError, FileNotFoundError, DivergenceError, CheckpointError, RunFailed, RunWriteError) as e:
+        from fedjax_sparse.core.contract import TRACEBACK_VARIABLE
+
+        if os.environ.get(TRACEBACK_VARIABLE, "") not in ("", "0"):  # the whole story, then the one line
+            traceback.print_exception(e)
         print(f"fedjax-sparse: error: {' '.join(str(e).split())}", file=sys.stderr)
         return 2
     except OSError as e:  # an I/O failure outside the rounds (reading the data, the run folder)
