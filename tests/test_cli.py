@@ -1,6 +1,7 @@
 """The command line end to end on digits, and its one-line errors."""
 
 import json
+import re
 
 import jax
 import jax.numpy as jnp
@@ -149,3 +150,26 @@ def test_auto_says_what_it_chose_and_keeps_on_the_device_what_needs_it(tmp_path,
     assert err.startswith("fedjax-sparse: --client-store auto chose disk: ") and "of available host memory" in err
     exp = build_experiment(RunConfig.create(**base, algorithm="fedgse", significant_labels=2), progress=False)
     assert exp.store.backend == "device" and capsys.readouterr().err == ""
+
+
+def test_version_names_the_library_and_what_it_computes_with(capsys):
+    import jax
+
+    from fedjax_sparse import __version__
+
+    assert main(["--version"]) == 0
+    line = capsys.readouterr().out.strip()
+    assert line.startswith(f"fedjax-sparse {__version__} (jax {jax.__version__}, jaxlib ") and "Python 3." in line
+
+
+def test_the_progress_bar_says_the_first_round_is_compiling(tmp_path, capsys):
+    """Until the first round's figures arrive the bar reads "compiling: N s" with what JAX's cache held (the
+    session's cache here); the rounds after show their figures."""
+    args = [a for a in SMALL if a != "--no-progress"]
+    assert main(["run", *args, "--rounds", "2", "--out", str(tmp_path / "r")]) == 0
+    lines = capsys.readouterr().err.replace("\r", "\n").splitlines()
+    compiling = [line for line in lines if "compiling: " in line]
+    assert compiling and all(" 0/2 " in line for line in compiling), compiling
+    assert re.search(r"compiling: \d+ s \(JAX's cache held \d+ programs; \d+ read from it, \d+ compiled so far\)",
+                     compiling[0])
+    assert any(" 2/2 " in line and "acc=" in line for line in lines)

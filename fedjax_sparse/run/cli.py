@@ -108,6 +108,7 @@ def _parser() -> argparse.ArgumentParser:
 
     parser = OneLineParser(prog="fedjax-sparse",
                            description="Communication-efficient, sparse federated learning in JAX.")
+    parser.add_argument("--version", action="store_true", help="print the version (and JAX's, Flax's, Optax's)")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=OneLineParser)
     with warnings.catch_warnings():  # a skipped plug-in: `_warn_refused` says it in one line, once the command is known
         warnings.simplefilter("ignore", PluginSkipped)
@@ -136,7 +137,7 @@ def _config(args: argparse.Namespace):
     from fedjax_sparse.run.folder import read_saved_config
     from fedjax_sparse.run import SHARED_OPTIONS, RunConfig
 
-    given = {k: v for k, v in vars(args).items() if k not in ("command", "config", "resume", "overwrite",
+    given = {k: v for k, v in vars(args).items() if k not in ("command", "version", "config", "resume", "overwrite",
                                                                "allow_data_change", "no_progress", *LAUNCH_FLAGS)}
     base = {}
     if args.config is not None:
@@ -197,8 +198,27 @@ def _launch(args: argparse.Namespace) -> int:
                       cluster=args.cluster).index
 
 
+def version() -> str:
+    """The library's version with those of what it computes with (read from the installed metadata: no import)."""
+    from importlib import metadata
+
+    from fedjax_sparse import __version__
+
+    def of(name: str) -> str:
+        try:
+            return metadata.version(name)
+        except metadata.PackageNotFoundError:
+            return "not installed"
+
+    parts = ", ".join(f"{name} {of(name)}" for name in ("jax", "jaxlib", "flax", "optax"))
+    return f"fedjax-sparse {__version__} ({parts}; Python {sys.version.split()[0]})"
+
+
 def _main(argv: list[str] | None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["--version"]:
+        print(version())
+        return 0
     if argv[:1] == ["sweep"]:
         from fedjax_sparse.run.sweep import main as sweep
 

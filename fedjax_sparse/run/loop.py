@@ -22,6 +22,7 @@ import numpy as np
 from fedjax_sparse.core.client_store import DeviceStore
 from fedjax_sparse.core.compilation import release_compiler_memory
 from fedjax_sparse.core.numerics import numerics
+from fedjax_sparse.run.compiling import Compiling
 from fedjax_sparse.core.device_split import balanced_padded_step_fraction, device_groups
 from fedjax_sparse.core.distributed import (agree, broadcast_text, current_process, gather_texts, max_over_processes,
                                            process_local)
@@ -409,6 +410,7 @@ def _run_rounds(exp: Experiment, config: RunConfig, out: Path, counters: Counter
         for r in range(counters.rounds_done, config.rounds):
             stop.round, stop.waiting_for = r + 1, f"round {r + 1} to finish"
             t0 = time.perf_counter()
+            compiling = Compiling(bar) if r == start_round else None  # until the first figures arrive
             try:
                 server_state, round_out = exp.round_fn(server_state, r, prefetch_next=r + 1 < config.rounds)
             except OSError as err:
@@ -467,8 +469,12 @@ def _run_rounds(exp: Experiment, config: RunConfig, out: Path, counters: Counter
                 if record["test_loss"] is not None and not math.isfinite(record["test_loss"]):
                     raise diverged(f"round {r + 1}: the test loss is {record['test_loss']}; the run diverged "
                                    f"({likely_culprit(config)})")
+                if compiling is not None:
+                    compiling.stop()
                 bar.set_postfix(acc=_fmt(record["test_accuracy"]), pacc=_fmt(record["personalized_accuracy"]),
                                 loss=_fmt(train_loss), MB=f"{counters.cumulative_bytes / 1e6:.1f}")
+            if compiling is not None:
+                compiling.stop()
             bar.update(1)
             if r == start_round:
                 release_compiler_memory()  # the round (and, evaluating every round, the evaluators) compiled
