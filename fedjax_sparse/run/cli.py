@@ -20,29 +20,12 @@ import traceback
 import warnings
 from pathlib import Path
 
+from fedjax_sparse.run.parsing import OneLineParser
 from fedjax_sparse.run.signals import stop_start_up_at_once
 
 _HELP_EPILOG = ("Algorithm options list, in brackets, the algorithms that read them. An error is one line; "
                 "FEDJAX_SPARSE_TRACEBACK=1 prints its whole traceback first.")
 LAUNCH_FLAGS = ("coordinator", "num_processes", "process_id", "cluster", "launch_timeout")
-
-
-class OneLineParser(argparse.ArgumentParser):
-    """A malformed or unknown flag is one line naming it (argparse prints its whole usage first);
-    `before_help` says what `--help` should be preceded by on stderr."""
-
-    def __init__(self, *args, before_help=None, **kwargs):
-        super().__init__(*args, **kwargs)
-        self._before_help = before_help
-
-    def print_help(self, file=None):
-        if self._before_help is not None:
-            self._before_help()
-        super().print_help(file)
-
-    def error(self, message: str):
-        self.exit(2, f"fedjax-sparse: error: {' '.join(message.split())} (`{self.prog} --help` lists the "
-                     f"options)\n")
 
 
 def _warn_refused() -> None:
@@ -122,6 +105,9 @@ def _parser() -> argparse.ArgumentParser:
                                                       "--list`)")
     sub.add_parser("benchmark", add_help=False, help="measure the library on this machine (`fedjax-sparse benchmark "
                                                      "--list`)")
+    sub.add_parser("compare", add_help=False, help="existing runs side by side: a table of their options that "
+                                                   "differ and their figures, and a plot (`fedjax-sparse compare "
+                                                   "--help`)")
     # listed for --help only: `_main` hands it to data.convert
     sub.add_parser("convert", add_help=False, help="write a data set as memory-mapped files for --dataset mmap:FOLDER "
                                                    "(`fedjax-sparse convert --help`)")
@@ -234,6 +220,10 @@ def _main(argv: list[str] | None) -> int:
                 registered()
             _warn_refused()
         return installed(argv[0], argv[1:])
+    if argv[:1] == ["compare"]:
+        from fedjax_sparse.run.compare import main as compare
+
+        return compare(argv[1:])
     if argv[:1] == ["convert"]:
         from fedjax_sparse.data.convert import main as convert
 

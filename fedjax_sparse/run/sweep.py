@@ -50,6 +50,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from fedjax_sparse.run.sweep_table import plot_sweep, point_row, run_figures, write_table
+from fedjax_sparse.run.trackers import SWEEP_ENV
 
 PLAN_FILE = "sweep.json"
 STUDY_FILE = "study.db"
@@ -329,6 +330,7 @@ class Runner:
     """Starts runs as processes, at most `parallel` at once, and reports each as it ends."""
 
     def __init__(self, out: Path, parallel: int):
+        self.name = out.resolve().name  # the group its runs' trackers log them in (`run.trackers`)
         self.logs = out / "logs"
         self.logs.mkdir(parents=True, exist_ok=True)
         self.parallel = parallel
@@ -356,7 +358,7 @@ class Runner:
         with log.open("a") as f:
             process = subprocess.Popen([sys.executable, "-m", "fedjax_sparse", "run", *args, "--no-progress"],
                                        stdout=f, stderr=subprocess.STDOUT,
-                                       env={**self.env, PARENT_ENV: str(os.getpid())})
+                                       env={**self.env, PARENT_ENV: str(os.getpid()), SWEEP_ENV: self.name})
         self.running[process] = (key, run_dir, flags, expected, retry)
         print(f"[sweep] {how} {run_dir.parent.name} seed {run_dir.name[5:]} (log: {log})", flush=True)
         return True
@@ -493,7 +495,7 @@ def write_summary(plan: Plan, points: list[tuple[str, dict]]) -> list[dict]:
 
 
 def _parser() -> argparse.ArgumentParser:
-    from fedjax_sparse.run.cli import OneLineParser
+    from fedjax_sparse.run.parsing import OneLineParser
 
     p = OneLineParser(prog="fedjax-sparse sweep", allow_abbrev=False,
                       description="Runs a grid, a list or an Optuna search of run options, each point over "
@@ -632,6 +634,7 @@ def _sweep(plan: Plan, parallel: int) -> int:
         for s, handler in previous.items():
             signal.signal(s, handler)
     rows = write_summary(plan, points)
+    print((plan.out / "sweep.md").read_text().split("\n\n", 3)[-1], end="")  # the table, as an experiment prints it
     failed, runs = sum(row["failed"] for row in rows), len(rows) * len(plan.seeds)
     print(f"done: {len(rows)} points x {len(plan.seeds)} seeds; table in {plan.out / 'sweep.md'}"
           + (f"; {failed} of {runs} runs FAILED (logs in {plan.out / 'logs'})" if failed else ""))

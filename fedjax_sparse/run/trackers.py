@@ -148,7 +148,8 @@ class MlflowTracker:
     """An MLflow run, through MLflow's client (`MlflowClient`): one `log_batch` a round, params once.
 
     The experiment is $MLFLOW_EXPERIMENT_ID, else $MLFLOW_EXPERIMENT_NAME (made where missing), else
-    MLflow's default one, as `mlflow.start_run` picks it; the run is named after the run folder.
+    MLflow's default one, as `mlflow.start_run` picks it; the run is named after the run folder (a sweep's
+    by its point and seed, tagged with the sweep: `run_identity`).
     Status: completed -> FINISHED, interrupted -> KILLED, diverged and failed -> FAILED."""
 
     name = "mlflow"
@@ -177,8 +178,9 @@ class MlflowTracker:
         run = self._recorded_run()
         self.resumed = run is not None
         if run is None:
-            run = self._client.create_run(self._experiment_id(), run_name=self._folder.name,
-                                          tags={"fedjax_sparse.run_folder": str(self._folder.resolve())})
+            name, _, tags = run_identity(self._folder)
+            run = self._client.create_run(self._experiment_id(), run_name=name,
+                                          tags={"fedjax_sparse.run_folder": str(self._folder.resolve()), **tags})
             self.run_id = run.info.run_id
             self._client.log_batch(self.run_id, params=[self._param(k, _text(v)) for k, v in config.items()])
             return
@@ -234,8 +236,23 @@ class MlflowTracker:
         self._client.set_terminated(self.run_id, self.STATUS.get(status, "FAILED"))
 
 
+SWEEP_ENV = "FEDJAX_SPARSE_SWEEP"  # set for a run a sweep started: the sweep's name (its folder's)
+
+
+def run_identity(folder: Path) -> tuple[str, str | None, dict]:
+    """(name, group, tags) of a run in the trackers: its folder's name, or in a sweep (`SWEEP_ENV`) its point and
+    seed (`lr=0.1/seed_0`, not `seed_0` for every run), grouped by the sweep."""
+    sweep = os.environ.get(SWEEP_ENV)
+    if not sweep:
+        return folder.name, None, {}
+    point, seed = folder.parent.name, folder.name
+    return f"{point}/{seed}", sweep, {"fedjax_sparse.sweep": sweep, "fedjax_sparse.point": point,
+                                      "fedjax_sparse.seed": seed.removeprefix("seed_")}
+
+
 class WandbTracker:
-    """A Weights & Biases run (`wandb.init`), named after the run folder; online or offline as
+    """A Weights & Biases run (`wandb.init`), named after the run folder (a sweep's by its point and seed, in the
+    sweep's group: `run_identity`); online or offline as
     WANDB_MODE says, its local files where WANDB_DIR says (W&B's own defaults otherwise). `wandb.log`
     gets each round at step = the round. The run's console stays its own (W&B copies none of it), and
     a W&B run the calling program has open is left open (`reinit="create_new"`). The run ends with
@@ -260,9 +277,11 @@ class WandbTracker:
 
     def start(self, config: dict) -> None:
         wandb, recorded = self._wandb, self._recorded
+        name, group, tags = run_identity(self._folder)
         self._run = wandb.init(project=self.project, entity=recorded.get("entity"), id=recorded.get("run_id"),
-                               resume="allow" if recorded else None, name=self._folder.name,
-                               reinit="create_new", settings=wandb.Settings(console="off", quiet=True))
+                               resume="allow" if recorded else None, name=name, group=group,
+                               job_type=tags.get("fedjax_sparse.point"), reinit="create_new",
+                               settings=wandb.Settings(console="off", quiet=True))
         self.resumed = bool(recorded)
         self._run.config.update(config, allow_val_change=True)
 
