@@ -778,3 +778,14 @@ def test_fedrolex_bytes_and_entries_at_a_round_where_the_window_has_wrapped(make
     count = 64 * 128 + 128 + 128 * 128 + 128 + 128 * 10 + 10
     assert int(down_bytes) == 4 * count
     assert int(up_bytes) == 4 * count
+
+
+def test_fedgse_takes_the_labels_a_typical_client_mostly_holds_where_the_partition_gives_none():
+    """The fewest labels holding 80 % of each client's examples, by hand: [8, 1, 1, 0] -> 1 (8 of 10),
+    [5, 5, 0, 0] -> 2, [3, 3, 2, 2] -> 3 (8 of 10), [0, 0, 0, 0] (no examples) left out; the median is 2, and
+    with [1, 1, 1, 1] too (4 labels: 0.75 < 0.8 at 3) the median of 1, 2, 3, 4 rounds up to 3."""
+    from fedjax_sparse.algorithms.fedgse import typical_labels
+
+    counts = [[8, 1, 1, 0], [5, 5, 0, 0], [3, 3, 2, 2], [0, 0, 0, 0]]
+    assert typical_labels(counts) == 2
+    assert typical_labels([*counts, [1, 1, 1, 1]]) == 3
