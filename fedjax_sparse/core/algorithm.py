@@ -108,6 +108,10 @@ class FederatedAlgorithm:
         (`aggregates_mean` False) still reads them through sums of the clients' changes whose movement by one
         client is bounded (FedLDF's per-layer choice, a compressed upload), so that differential privacy can
         noise them (`algorithms.differential_privacy`); None: it cannot (or it reads the plain mean).
+    client_metric_stats: ((metric, statistics), ...), optional: what a round logs of the algorithm's per-client
+        metrics besides their means over the clients (('reward', ('min', 'p90')),: 'min', 'max', 'std', 'pN';
+        `run.client_metrics`), on top of the run's `--client-metric-stats` (pairs, not a dict: an algorithm is
+        hashable).
     """
 
     name: str
@@ -128,6 +132,7 @@ class FederatedAlgorithm:
     stale_upload: "StaleUpload | None" = None
     aggregates_mean: bool = False
     private_sum: "PrivateSum | None" = None
+    client_metric_stats: tuple[tuple[str, tuple[str, ...]], ...] = ()
 
 
 @flax.struct.dataclass

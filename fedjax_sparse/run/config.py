@@ -20,6 +20,7 @@ from fedjax_sparse.data.partition import METHODS, NATURAL
 from fedjax_sparse.data.sources import has_own_clients
 from fedjax_sparse.models import MODEL_ALIASES, MODEL_NAMES, REFUSED, model_names
 from fedjax_sparse.models.structure import COMPUTE_DTYPES
+from fedjax_sparse.run.client_metrics import check_stats
 from fedjax_sparse.run.federation import FederationOptions
 from fedjax_sparse.run.trackers import TrackerOptions, check_trackers
 
@@ -117,6 +118,11 @@ class RunConfig(TrackerOptions, FederationOptions, DifferentialPrivacyOptions, U
                                            "are priced as sent)", choices=COMPUTE_DTYPES)
     deterministic: bool = option(False, "on a GPU, compile with XLA's deterministic ops (the same figures every "
                                         "time, at some speed); a CPU and a TPU are deterministic already")
+    client_metric_stats: tuple[str, ...] = option(("mean",), "what each round logs of a metric the clients report "
+                                                           "(an agent's reward, a sub-model's capacity) over the "
+                                                           "clients that trained, besides its mean: min, max, std, "
+                                                           "pN (a percentile, 0 <= N <= 100), e.g. "
+                                                           "mean,min,max,p10,p90")
     compilation_cache: bool = option(True, "keep compiled rounds in JAX's persistent cache "
                                            "($FEDJAX_SPARSE_CACHE or ~/.cache/fedjax_sparse/jax)")
     out: str = option("runs/default", "directory for config, metrics, summary and plot")
@@ -189,6 +195,7 @@ class RunConfig(TrackerOptions, FederationOptions, DifferentialPrivacyOptions, U
             given = "--round-deadline" if self.round_deadline is not None else "--over-selection"
             raise ValueError(f"{given} needs a clock: give --device-profile (phone, iot, edge or a profile file)")
         check_trackers(self)
+        check_stats(self.client_metric_stats)
         if self.client_chunk and self.shard_clients:
             raise ValueError(f"--client-chunk {self.client_chunk} and --shard-clients do not combine: "
                              f"sharding splits the vmap of all sampled clients over the devices")

@@ -39,6 +39,7 @@ from fedjax_sparse.data import load_dataset
 from fedjax_sparse.data.clients import federate
 from fedjax_sparse.data.mapped import PREFIX as MAPPED
 from fedjax_sparse.models import get_model
+from fedjax_sparse.run.client_metrics import check_stats
 from fedjax_sparse.run.checkpoints import KEEP
 from fedjax_sparse.run.config import RunConfig
 from fedjax_sparse.run.federation import buffering, round_conditions
@@ -150,6 +151,8 @@ def build_experiment(config: RunConfig, progress: bool = True, *, process: Proce
         algorithm, privacy = with_privacy(with_patterns(make_algorithm(config.algorithm, context,
                                                                        config.algorithm_options), context, config),
                                           context, config)
+    for metric, stats in algorithm.client_metric_stats:
+        check_stats(stats, f"{algorithm.name}'s client_metric_stats for {metric!r}")
     if conditions.secure is not None:  # what the protocol sums: refused in one line where the sum would not do
         conditions = dataclasses.replace(conditions, upload_entries=summed_entries(algorithm,
                                                                                    upload_shapes(algorithm, context)))

@@ -22,6 +22,7 @@ import numpy as np
 from fedjax_sparse.core.client_store import DeviceStore
 from fedjax_sparse.core.compilation import release_compiler_memory
 from fedjax_sparse.core.numerics import numerics
+from fedjax_sparse.run.client_metrics import client_metrics
 from fedjax_sparse.run.compiling import Compiling
 from fedjax_sparse.core.device_split import balanced_padded_step_fraction, device_groups
 from fedjax_sparse.core.distributed import (agree, broadcast_text, current_process, gather_texts, max_over_processes,
@@ -110,13 +111,6 @@ def evaluate(exp: Experiment, server_state) -> tuple[dict, bool]:
     if diagnostics is not None:
         out.update(jax.tree_util.tree_map(_to_python, diagnostics))
     return out, finite
-
-
-def client_metrics(metrics: dict, dispatched: np.ndarray) -> dict:
-    """The round's per-client figures beyond loss and steps (an agent's reward, a sub-model's
-    capacity, ...), each as `client_<name>`: the mean over the dispatched clients."""
-    return {f"client_{name}": float(np.mean(np.asarray(value, np.float64)[dispatched])) if dispatched.any() else None
-            for name, value in metrics.items() if name not in ("loss", "num_steps")}
 
 
 def _to_python(x):
@@ -458,7 +452,8 @@ def _run_rounds(exp: Experiment, config: RunConfig, out: Path, counters: Counter
                           "padded_step_fraction": counters.padded_step_fractions[-1],
                           "train_flops": counters.train_flops_total / config.num_clients,
                           **federation, **privacy_record(exp.privacy, counters.rounds_done),
-                          **client_metrics(round_out.metrics, dispatched),
+                          **client_metrics(round_out.metrics, dispatched, config.client_metric_stats,
+                                           exp.algorithm.client_metric_stats),
                           **{f"server_{name}": float(np.asarray(value))
                              for name, value in (round_out.server_metrics or {}).items()}, **figures}
                 history.append(record)
