@@ -303,7 +303,10 @@ def evaluation_chunk(config: RunConfig) -> int | None | str:
 
 
 def compilation_cache_dir() -> Path:
-    """Where compiled rounds are kept between runs: $FEDJAX_SPARSE_CACHE, else the user's cache folder."""
+    """Where compiled rounds are kept between runs: $FEDJAX_SPARSE_JAX_CACHE (the compiled programs alone, apart
+    from the decoded data sets), else $FEDJAX_SPARSE_CACHE, else the user's cache folder."""
+    if os.environ.get("FEDJAX_SPARSE_JAX_CACHE"):
+        return Path(os.environ["FEDJAX_SPARSE_JAX_CACHE"])
     if os.environ.get("FEDJAX_SPARSE_CACHE"):
         return Path(os.environ["FEDJAX_SPARSE_CACHE"])
     base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
