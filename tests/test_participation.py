@@ -136,11 +136,11 @@ def test_an_outside_sampler_registers_and_a_run_uses_it(tmp_path, capsys, monkey
 
 def test_client_seconds_and_the_round_by_hand():
     profiles = DeviceProfile("p", table=np.array([[1e9, 1e6, 5e5, 0.1], [2e9, 2e6, 1e6, 0.0], [1e8, 1e6, 1e6, 0.5]]))
-    flops = jnp.array([4e9, 4e9, 1e8])
+    macs = jnp.array([2e9, 2e9, 5e7])  # the library's FLOPs: multiply-accumulates, 2 FLOPs each at a FLOP/s rate
     down = jnp.array([2e6, 2e6, 1e6])
     up = jnp.array([1e6, 1e6, 0.0])
-    seconds = client_seconds(profiles.profiles(0, jnp.arange(3)), flops, down, up)
-    # 2 + 4 + 2 + 0.1; 1 + 2 + 1 + 0; 1 + 1 + 0 + 0.5
+    seconds = client_seconds(profiles.profiles(0, jnp.arange(3)), macs, down, up)
+    # 2 + 2 x 2e9 / 1e9 + 2 + 0.1; 1 + 2 x 2e9 / 2e9 + 1 + 0; 1 + 2 x 5e7 / 1e8 + 0 + 0.5
     np.testing.assert_allclose(seconds, [8.1, 4.0, 2.5], rtol=1e-6)
     reporting, failed = jnp.array([True, True, True]), jnp.zeros(3, bool)
     everyone = round_returns(reporting, failed, seconds, Stragglers())
@@ -204,10 +204,31 @@ def test_a_round_with_a_clock_trains_exactly_as_without_and_lasts_its_slowest_cl
     jax.tree_util.tree_map(np.testing.assert_array_equal, plain_server, clocked_server)  # bit for bit
     ids = np.asarray(out.client_ids)
     model_bytes = int(message_bytes(server["variables"]))
-    by_hand = (model_bytes / 1e6 + per_example * np.asarray(split.counts)[ids] / speeds[ids, 0]
+    by_hand = (model_bytes / 1e6 + 2 * per_example * np.asarray(split.counts)[ids] / speeds[ids, 0]
                + model_bytes / 5e5 + speeds[ids, 3])
     np.testing.assert_allclose(out.client_seconds, by_hand, rtol=1e-5)
     assert float(out.returns.seconds) == pytest.approx(by_hand.max(), rel=1e-5)
+
+
+def test_a_conv_models_round_lasts_its_multiply_accumulates_as_two_flops_each_by_hand():
+    """LeNet-5-Caffe on 16x16x1 (16 -> conv 12 -> pool 6 -> conv 2 -> pool 1), forward multiply-accumulates of
+    one example: conv1 5*5*1*20 * 12*12 = 72,000, conv2 5*5*20*50 * 2*2 = 100,000, fc1 50*500 = 25,000, fc2
+    500*10 = 5,000: 202,000; training 3 x that an example an epoch. A device of s FLOP/s takes 2 x MACs / s."""
+    split = synthetic_split([5, 7, 3], shape=(16, 16, 1))
+    model = get_model("lenet5_caffe", (16, 16, 1), 10)
+    assert forward_flops(model.structure) == 202_000
+    algorithm = fedavg(LocalSGD(model, learning_rate=0.1, epochs=2, batch_size=8))
+    server, clients = algorithm.init(jax.random.key(1), model.init(jax.random.key(0)), 3)
+    speeds = np.array([[1e7, 1e9, 1e9, 0.0], [2e7, 1e9, 1e9, 0.5], [4e6, 1e9, 1e9, 0.0]])
+    per_example = 3 * 202_000 * 2  # the dense count the run gives the clock: 3 x forward x epochs
+    conditions = RoundConditions(uniform_sampler(3, 2), DeviceProfile("t", table=speeds), Stragglers(), per_example)
+    _, _, out = build_round(algorithm, split, 2, seed=0, conditions=conditions)(server, clients, 0)
+    ids = np.asarray(out.client_ids)
+    model_bytes = 4 * (500 + 25_000 + 25_000 + 5_000)  # float32 weights, no biases, both ways
+    by_hand = 2 * model_bytes / 1e9 + 2 * per_example * np.array([5, 7, 3])[ids] / speeds[ids, 0] + speeds[ids, 3]
+    np.testing.assert_allclose(out.client_seconds, by_hand, rtol=1e-6)
+    assert float(out.returns.seconds) == pytest.approx(by_hand.max(), rel=1e-6)
+    assert by_hand.max() > 1.0  # compute, not the links, is what the round waits for
 
 
 def test_a_client_past_the_deadline_is_lost_and_the_round_equals_the_one_without_it(round_parts):
