@@ -102,8 +102,8 @@ def check_buffered(algorithm: FederatedAlgorithm, buffering: Buffering, conditio
         raise ValueError("asynchronous rounds take no --secure-aggregation: the protocol sums a round's clients "
                          "together, and a buffer's updates come from different rounds")
     if conditions.stragglers.active:
-        raise ValueError("asynchronous rounds take no --round-deadline, --over-selection or --dropout: every "
-                         "dispatched client returns, late or not, and its staleness weighs it")
+        raise ValueError("asynchronous rounds take no --round-deadline, --over-selection, --dropout or "
+                         "--min-reports: every dispatched client returns, late or not, and its staleness weighs it")
     if conditions.sampler.name != "uniform":
         raise ValueError(f"asynchronous rounds dispatch clients in a uniform random order; --sampler "
                          f"{conditions.sampler.name} is for synchronous rounds")

@@ -16,7 +16,9 @@ Profiles are pure functions of (seed, client id): each figure log-normal around 
 
 Stragglers (`Stragglers`): a deadline (clients over it are dropped: their update is lost), over-selection
 (a round dispatches ceil((1 + f) K) clients and aggregates the first K to return; the rest are discarded),
-and a dropout probability (a client fails before returning, independently per (seed, round, client)).
+a dropout probability (a client fails before returning, independently per (seed, round, client)), and a
+minimum report count (a round in which fewer return is abandoned, as Bonawitz et al. 2019's server does:
+it keeps its model and the updates that did return are lost).
 """
 
 from __future__ import annotations
@@ -185,11 +187,13 @@ class Stragglers:
 
     deadline: seconds after which the server closes the round (None: it waits for every client);
     target: the number of returned clients aggregated, the first to return (over-selection; None: all);
-    dropout: the probability that a dispatched client fails before returning."""
+    dropout: the probability that a dispatched client fails before returning;
+    min_reports: a round in which fewer clients return is abandoned (None: it aggregates whoever returned)."""
 
     deadline: float | None = None
     target: int | None = None
     dropout: float = 0.0
+    min_reports: int | None = None
 
     def __post_init__(self):
         if self.deadline is not None and not (self.deadline > 0 and math.isfinite(self.deadline)):
@@ -198,10 +202,16 @@ class Stragglers:
             raise ValueError(f"the clients aggregated per round must be at least 1, got {self.target}")
         if not 0 <= self.dropout < 1:
             raise ValueError(f"--dropout must be in [0, 1), got {self.dropout}")
+        if self.min_reports is not None and self.min_reports < 1:
+            raise ValueError(f"--min-reports must be at least 1, got {self.min_reports}")
+        if self.min_reports is not None and self.target is not None and self.min_reports > self.target:
+            raise ValueError(f"--min-reports {self.min_reports} exceeds the {self.target} clients over-selection "
+                             f"aggregates: every round would be abandoned")
 
     @property
     def active(self) -> bool:
-        return self.deadline is not None or self.target is not None or self.dropout > 0
+        return (self.deadline is not None or self.target is not None or self.dropout > 0
+                or self.min_reports is not None)
 
 
 def failed_clients(seed: int, round_index: jax.Array, client_ids: jax.Array, dropout: float) -> jax.Array:
@@ -214,7 +224,8 @@ def failed_clients(seed: int, round_index: jax.Array, client_ids: jax.Array, dro
 class Returns:
     """Which of the round's slots returned an update the server aggregates, and why the others did not.
 
-    returned, late (over the deadline), failed (dropout), surplus (returned after the first `target`):
+    returned, late (over the deadline), failed (dropout), surplus (returned after the first `target`),
+    abandoned (returned, in a round abandoned for want of `min_reports`; None: no such rule):
     [K] bool each, over the dispatched slots; seconds: the round's length."""
 
     returned: jax.Array
@@ -222,13 +233,15 @@ class Returns:
     failed: jax.Array
     surplus: jax.Array
     seconds: jax.Array
+    abandoned: jax.Array | None = None
 
 
 def round_returns(reporting: jax.Array, failed: jax.Array, seconds: jax.Array, stragglers: Stragglers) -> Returns:
     """The synchronous round's outcome. `reporting`: dispatched and not failed; `seconds`: each client's time.
 
     The round lasts until the last aggregated client returned; until the deadline where some client the
-    server waited for (failed or late: it cannot tell them apart) never returned in time."""
+    server waited for (failed or late: it cannot tell them apart) never returned in time. Where fewer than
+    `min_reports` returned, none is aggregated: their updates are `abandoned` (the round lasted as long)."""
     on_time = reporting if stragglers.deadline is None else reporting & (seconds <= stragglers.deadline)
     late = reporting & ~on_time
     returned = on_time
@@ -243,4 +256,7 @@ def round_returns(reporting: jax.Array, failed: jax.Array, seconds: jax.Array, s
         if stragglers.target is not None:
             waited &= jnp.sum(returned) < stragglers.target
         last = jnp.where(waited, jnp.float32(stragglers.deadline), last)
-    return Returns(returned, late, failed, surplus, last)
+    if stragglers.min_reports is None:
+        return Returns(returned, late, failed, surplus, last)
+    abandoned = returned & (jnp.sum(returned) < stragglers.min_reports)
+    return Returns(returned & ~abandoned, late, failed, surplus, last, abandoned)

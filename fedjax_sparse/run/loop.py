@@ -68,6 +68,7 @@ class Counters:
     padded_step_fractions: list = dataclasses.field(default_factory=list)
     clients_dispatched_total: int = 0  # the federation's (`run.federation`), where it is not today's
     updates_lost_total: int = 0
+    rounds_abandoned_total: int = 0  # abandoned for want of --min-reports
     simulated_seconds_total: float = 0.0
 
 

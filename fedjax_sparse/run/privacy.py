@@ -25,6 +25,9 @@ def privacy_ledger(config, keeps_state: Callable[[], bool]) -> PrivacyLedger | N
     if config.over_selection:
         raise ValueError("--dp-clip with --over-selection: the first K to return are chosen by speed, not by the "
                          "sampling the accountant amplifies by; leave --over-selection out")
+    if config.min_reports is not None:
+        raise ValueError("--dp-clip with --min-reports: abandoning a round tells how many clients returned, which "
+                         "the noise does not cover; leave --min-reports out")
     if config.dp_noise == "local":
         sampling = "local"
     elif config.sampler == "uniform" and keeps_state():
