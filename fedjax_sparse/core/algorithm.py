@@ -153,10 +153,14 @@ class StaleUpload:
     rebase(increment, down_now) -> the upload the client would have sent, had its training added
     `increment` to `down_now`. The server then aggregates rebased uploads as it aggregates fresh ones;
     an algorithm whose server cannot read an upload so (its uploads are not increments of what it sent:
-    a client-chosen layer or mask, a count) leaves `stale_upload` None and is refused asynchronous rounds."""
+    a client-chosen layer or mask, a count) leaves `stale_upload` None and is refused asynchronous rounds.
+    unweighted: keys of the increment (a dict) that count whole whatever their staleness, where the
+    client keeps the whole change as its own state (SCAFFOLD's control delta: the server's c stays the mean
+    of the clients' c_i only if it adds what each c_i added); the rest is weighted by s(tau)."""
 
     increment: Callable[[Message, Message], Any]
     rebase: Callable[[Any, Message], Message]
+    unweighted: tuple[str, ...] = ()
 
 
 def _subtract(up, down):
