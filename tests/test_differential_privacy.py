@@ -135,8 +135,13 @@ def test_without_noise_or_clipping_it_is_the_algorithm_itself(tmp_path, capsys, 
 
 
 def test_a_private_run_records_epsilon_and_resumes_exactly(tmp_path, capsys):
+    """With adaptive clipping (the clip norm resumes with the model): summary.json holds the mechanism's parts,
+    from which dp-accounting's own figure is recomputed: an update noised at multiplier z_delta (sensitivity 1
+    clip norm) and a count noised at sigma_b (sensitivity 1/2) are one Gaussian of multiplier
+    (z_delta^-2 + (sigma_b / (1/2))^-2)^(-1/2), Poisson-sampled at q = 3/8 each round."""
     flags = [*TINY, "--num-clients", "8", "--clients-per-round", "3", "--sampler", "poisson", "--dp-clip", "0.5",
-             "--dp-noise-multiplier", "0.8", "--checkpoint-every", "2"]
+             "--dp-noise-multiplier", "0.8", "--dp-target-quantile", "0.5", "--dp-count-noise", "1",
+             "--checkpoint-every", "2"]
     whole, half = tmp_path / "whole", tmp_path / "half"
     assert main(["run", *flags, "--rounds", "4", "--out", str(whole)]) == 0
     assert main(["run", *flags, "--rounds", "2", "--out", str(half)]) == 0
@@ -144,7 +149,15 @@ def test_a_private_run_records_epsilon_and_resumes_exactly(tmp_path, capsys):
     assert records(half) == records(whole)
     ledger = PrivacyLedger(0.8, 8, 3, "poisson", 1 / 8 ** 1.1)
     assert [r["dp_epsilon"] for r in records(whole)] == [ledger.epsilon(r) for r in (1, 2, 3, 4)]
-    assert summary(whole)["dp_epsilon"] == ledger.epsilon(4)
+    parts = summary(whole)
+    assert parts["dp_update_noise_multiplier"] == pytest.approx((0.8 ** -2 - 2.0 ** -2) ** -0.5)
+    assert parts["dp_count_noise"] == 1.0 and parts["dp_count_sensitivity"] == 0.5
+    combined = (parts["dp_update_noise_multiplier"] ** -2
+                + (parts["dp_count_noise"] / parts["dp_count_sensitivity"]) ** -2) ** -0.5
+    assert combined == pytest.approx(parts["dp_noise_multiplier"], rel=1e-12)
+    direct = dp_accounting.rdp.RdpAccountant()
+    direct.compose(dp_accounting.PoissonSampledDpEvent(3 / 8, dp_accounting.GaussianDpEvent(combined)), 4)
+    assert parts["dp_epsilon"] == pytest.approx(direct.get_epsilon(parts["dp_delta"]), rel=1e-9)
     capsys.readouterr()
 
 
@@ -265,7 +278,7 @@ def test_adaptive_clipping_steps_the_norm_toward_the_quantile(setting):
         _, _, metrics = algorithm.client_update(algorithm.broadcast(server, c, info), {}, split.client(c),
                                                 client_keys(0, 0, jnp.arange(4))[c], info)
         norms.append(float(metrics["update_norm"]))
-    under = np.array([float(u["under_clip"]) for u in ups])
+    under = np.array([float(u["under_clip"]) + 0.5 for u in ups])  # each indicator is sent centred
     np.testing.assert_array_equal(under, np.array(norms) <= 0.3)
     stacked = tree_map(lambda *x: jnp.stack(x), *ups)
     new = algorithm.server_update(server, stacked, jnp.ones(4), info)
@@ -275,6 +288,45 @@ def test_adaptive_clipping_steps_the_norm_toward_the_quantile(setting):
     assert adaptive_update_noise(1.0, 1.0) == pytest.approx((1 - 0.25) ** -0.5)
     with pytest.raises(ValueError, match="--dp-count-noise 0.4 is too small"):
         adaptive_update_noise(1.0, 0.4)
+
+
+def test_adaptive_clippings_count_moves_by_half_where_a_client_is_added(setting):
+    """Andrew et al.'s estimator centres each client's indicator, so that adding or removing a client moves the
+    count the server noises by 1/2, what z_delta = (z^-2 - (2 sigma_b)^-2)^(-1/2) pays for. Without noise the
+    count is read back off the step, K b = K (gamma - ln(C1 / C0) / eta), with each client in turn absent (Poisson
+    sampling leaves slots empty): it moves by exactly 1/2 for a client under the norm and one over it alike."""
+    model, split, variables = setting
+    local = LocalSGD(model, 0.1, 1, 8)
+    keys = client_keys(0, 0, jnp.arange(4))
+    norms = sorted(float(jnp.sqrt(sum(jnp.sum(jnp.square(a - b)) for a, b in zip(
+        jax.tree_util.tree_leaves(local.train(variables, split.client(c), keys[c], round_index=0)[0]),
+        jax.tree_util.tree_leaves(variables))))) for c in range(4))
+    clip = (norms[1] + norms[2]) / 2  # two clients under the norm, two over it
+    algorithm = _private(model, split, clip, 0.0, dp_target_quantile=0.5, dp_clip_lr=0.2)
+    server, _, ups, info = _uploads(algorithm, split, variables, [0, 1, 2, 3])
+    stacked = tree_map(lambda *x: jnp.stack(x), *ups)
+    under = [float(u["under_clip"]) > 0 for u in ups]
+    assert sum(under) == 2
+
+    def count(present):
+        new = algorithm.server_update(server, stacked, jnp.asarray(present, jnp.float32),
+                                      info.replace(participating=jnp.asarray(present)))
+        return 4 * (0.5 - math.log(float(new["dp_clip"]) / clip) / 0.2)
+
+    everyone = count([True] * 4)
+    for absent in range(4):
+        moved = everyone - count([c != absent for c in range(4)])
+        assert moved == pytest.approx(0.5 if under[absent] else -0.5, abs=1e-5), (absent, moved)
+
+
+def test_adaptive_clippings_default_count_noise_that_would_spend_the_budget_is_refused(tmp_path, capsys):
+    """sigma_b = K / 20 = 0.2 at 4 clients a round: the count alone is a Gaussian of multiplier 2 sigma_b = 0.4,
+    more than a budget of z = 1 allows."""
+    assert main(["run", *TINY, "--clients-per-round", "4", "--rounds", "1", "--dp-clip", "0.5",
+                 "--dp-target-quantile", "0.5", "--out", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and ("the default --dp-count-noise (K / 20 = 0.2 at 4 clients per round) is too "
+                                     "small for the noise multiplier 1: the count alone would spend the budget") in err
 
 
 def test_an_adaptive_run_raises_a_norm_that_clips_everyone(tmp_path, capsys):

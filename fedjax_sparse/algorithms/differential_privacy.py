@@ -61,10 +61,14 @@ tests/test_differential_privacy_sparse.py).
 Adaptive clipping (`--dp-target-quantile gamma`; Andrew et al., NeurIPS 2021, Algorithm 1 with their
 geometric update): the clip norm starts at `--dp-clip`, travels with the model, and after each round steps
 C <- C exp(-eta (b - gamma)), b the noised share of clients whose update was within C (each client sends
-its indicator; the server adds N(0, sigma_b^2) to their sum, sigma_b = `--dp-count-noise`, K / 20 by
-default, and divides by K). The count's privacy is paid out of the same budget: the update's noise
-multiplier becomes z_delta = (z^-2 - (2 sigma_b)^-2)^(-1/2) (their section 3.1), so the accountant's z is
-the run's total. The norm is kept beside the algorithm's server state (a dict) and logged as
+its indicator centred, 1/2 within C and -1/2 over it, as their estimator and TF Privacy's quantile query do;
+the server adds N(0, sigma_b^2) to their sum, sigma_b = `--dp-count-noise`, K / 20 by default, divides by K
+and adds 1/2). Centred, the sum moves by 1/2 where a client is added or removed (by 1 where one is
+replaced): half the update sum's sensitivity, so the count's privacy is paid out of the same budget with
+the update's noise multiplier z_delta = (z^-2 - (2 sigma_b)^-2)^(-1/2) (their section 3.1), and the
+accountant's z is the run's total. (An uncentred count, 0 or 1 a client, would move by 1 where a client is
+added: under Poisson sampling twice what that budget pays for.) Local noise does not take it: the server
+noises the count. The norm is kept beside the algorithm's server state (a dict) and logged as
 `client_clip_norm`.
 
 What the privacy covers: every leaf a client uploads that the server aggregates, which is all of its client
@@ -91,7 +95,8 @@ from fedjax_sparse.core.algorithm import BuildContext, FederatedAlgorithm, Priva
 from fedjax_sparse.core.contract import check_private_sum
 from fedjax_sparse.core.messages import PRICED_LEAVES, KnownMaskArray, SparseArray
 from fedjax_sparse.core.options import option
-from fedjax_sparse.core.privacy_accounting import ACCOUNTANTS, ACCOUNTED_SENSITIVITY, RELATION, adaptive_update_noise
+from fedjax_sparse.core.privacy_accounting import (ACCOUNTANTS, ACCOUNTED_SENSITIVITY, RELATION, adaptive_update_noise,
+                                                   count_noise_of)
 from fedjax_sparse.core.wrapping import (broadcast_shapes, flat_leaves, on_values, state_shapes, upload_changes,
                                          upload_shapes)
 
@@ -216,7 +221,7 @@ def privatize(algorithm: FederatedAlgorithm, context: BuildContext, options: Dif
         layer_of = dict(declared.clip_layers)
     layers = sorted({layer_of[p] for p in message.paths})
     share = {p: 1 / len(layers) ** 0.5 if options.dp_clipping == "per_layer" else 1.0 for p in message.paths}
-    count_noise = options.dp_count_noise or expected_clients / 20
+    count_noise = count_noise_of(options.dp_count_noise, expected_clients)
     # adaptive clipping spends part of the budget on the count (Andrew et al. 2021, section 3.1): the update's
     # noise z_delta and the count's sigma_b together cost one Gaussian of multiplier z
     update_z = adaptive_update_noise(z, count_noise) if adaptive else z
@@ -332,20 +337,21 @@ def privatize(algorithm: FederatedAlgorithm, context: BuildContext, options: Dif
     def adaptive_client_update(down, state, data, key, info):
         up, state, metrics = algorithm.client_update(down["message"], state, data, key, info)
         sent, norm = private_upload(down["message"], up, key, down[CLIP_KEY])
-        under = (norm <= down[CLIP_KEY]).astype(jnp.float32)  # client data too: the server noises its sum
-        return {"update": sent, "under_clip": under}, state, {**metrics, "update_norm": norm,
-                                                              "update_clipped": 1.0 - under,
-                                                              "clip_norm": down[CLIP_KEY]}
+        under = (norm <= down[CLIP_KEY]).astype(jnp.float32)
+        # client data too, centred (1/2 or -1/2) so that a client added or removed moves its noised sum by 1/2
+        return {"update": sent, "under_clip": under - 0.5}, state, {**metrics, "update_norm": norm,
+                                                                    "update_clipped": 1.0 - under,
+                                                                    "clip_norm": down[CLIP_KEY]}
 
     def adaptive_server_update(server_state, ups, weights, info):
         clip_now = server_state[CLIP_KEY]
         present = jnp.ones(weights.shape, bool) if info.participating is None else info.participating
         new, step_metrics = server_step(private_server_update(inner(server_state), ups["update"], weights, info,
                                                               clip_now))
-        count = jnp.sum(jnp.where(present, ups["under_clip"], 0.0))
+        centred = jnp.sum(jnp.where(present, ups["under_clip"], 0.0))
         if z > 0:
-            count = count + count_noise * jax.random.normal(jax.random.fold_in(info.server_key, COUNT_STREAM))
-        under = count / expected_clients  # the share of clients under the norm: it steps toward the quantile
+            centred = centred + count_noise * jax.random.normal(jax.random.fold_in(info.server_key, COUNT_STREAM))
+        under = centred / expected_clients + 0.5  # the share of clients under the norm: it steps toward the quantile
         new = {**new, CLIP_KEY: clip_now * jnp.exp(-options.dp_clip_lr * (under - options.dp_target_quantile))}
         return ServerStep(new, step_metrics) if step_metrics else new
 

@@ -7,7 +7,8 @@ import dataclasses
 import math
 from typing import Callable
 
-from fedjax_sparse.core.privacy_accounting import PrivacyLedger, calibrated_noise, default_delta
+from fedjax_sparse.core.privacy_accounting import (PrivacyLedger, adaptive_update_noise, calibrated_noise,
+                                                   count_noise_of, default_delta)
 from fedjax_sparse.run.outputs import say
 
 
@@ -41,12 +42,22 @@ def privacy_ledger(config, keeps_state: Callable[[], bool]) -> PrivacyLedger | N
     else:
         raise ValueError(f"--dp-clip accounts --sampler uniform (K of N) and poisson; --sampler {config.sampler} "
                          f"chooses clients in a way the accountant does not amplify by")
+    adaptive = config.dp_target_quantile is not None
+    if adaptive and config.dp_noise == "local":
+        raise ValueError("--dp-target-quantile with --dp-noise local: adaptive clipping's count is noised by the "
+                         "server, which local noise does not trust; use --dp-noise central or a fixed --dp-clip")
+    count_noise = count_noise_of(config.dp_count_noise, config.clients_per_round) if adaptive else None
     ledger = PrivacyLedger(config.dp_noise_multiplier, config.num_clients, config.clients_per_round, sampling,
                            config.dp_delta if config.dp_delta is not None else default_delta(config.num_clients),
-                           config.dp_accountant)
+                           config.dp_accountant, count_noise)
     if config.dp_target_epsilon is not None:
         ledger = dataclasses.replace(ledger, noise_multiplier=calibrated_noise(ledger, config.rounds,
                                                                                config.dp_target_epsilon))
+    if adaptive:  # refuses, in one line, a count whose noise alone would spend the budget
+        source = (f"--dp-count-noise {count_noise:g}" if config.dp_count_noise else
+                  f"the default --dp-count-noise (K / 20 = {count_noise:g} at {config.clients_per_round} clients "
+                  f"per round)")
+        adaptive_update_noise(ledger.noise_multiplier, count_noise, source)
     return ledger
 
 
@@ -63,9 +74,14 @@ def _finite(epsilon: float) -> float | None:
 
 
 def privacy_totals(ledger: PrivacyLedger | None, rounds_done: int) -> dict:
-    """The run's privacy for summary.json: epsilon at delta, the noise multiplier and how it was accounted."""
+    """The run's privacy for summary.json: epsilon at delta, the noise multiplier accounted and how; with adaptive
+    clipping the mechanism's parts, from which a reader recomputes the multiplier (docs/privacy.md): the update's
+    own noise multiplier, the count's noise and its sensitivity (half the update sum's)."""
     if ledger is None:
         return {}
+    parts = {} if ledger.count_noise is None else {
+        "dp_update_noise_multiplier": ledger.update_noise_multiplier, "dp_count_noise": ledger.count_noise,
+        "dp_count_sensitivity": ledger.count_sensitivity}
     return {"dp_epsilon": _finite(ledger.epsilon(rounds_done)), "dp_delta": ledger.delta,
             "dp_noise_multiplier": ledger.noise_multiplier, "dp_sampling": ledger.sampling,
-            "dp_accountant": ledger.accountant}
+            "dp_accountant": ledger.accountant, **parts}
