@@ -122,6 +122,72 @@ def test_the_noise_has_the_standard_deviation_it_should(setting):
     assert not np.allclose(*[jax.tree_util.tree_leaves(u)[0] for u in ups])  # each client its own draw
 
 
+@pytest.mark.parametrize("name", ["scaffold", "feddyn"])
+def test_every_released_state_has_the_same_spread_whoever_took_part(setting, name):
+    """Poisson sampling, K = 4 expected of N = 8, z = 2, C = 0.5: each released state's noise (its value with z
+    less its value without, from the same uploads) has the spread of the noised sum over its fixed denominator,
+    whether K' = 2 or 6 clients took part. SCAFFOLD: the model moves by the mean, z C / K, the control variate by
+    the sum over N, z C / N; FedDyn: h by alpha times the sum over N, alpha z C / N, the model by the mean less
+    h / alpha, z C (1 / K + 1 / N). The number taking part scaled the sums before (the control variate's spread
+    was K' / K of z C / N), so their norm told K'."""
+    model, split, variables = setting
+    context = BuildContext(local=LocalSGD(model, 0.1, 1, 8), num_clients=8, clients_per_round=4, train=split,
+                           num_classes=10)
+    algorithm = make_algorithm(name, context, make_options(name, {}))
+    clip, z, alpha = 0.5, 2.0, make_options("feddyn", {}).feddyn_alpha
+
+    def private(noise):
+        return privatize(algorithm, context, DifferentialPrivacyOptions(dp_clip=clip), noise_multiplier=noise,
+                         expected_clients=4, sampling="poisson")
+
+    noised, plain = private(z), private(0.0)
+    server, clients = noised.init(jax.random.key(1), variables, 8)
+    ids = jnp.arange(8)
+    info = round_info(0, 0, ids)
+    ups = jax.jit(jax.vmap(lambda c, state, key: noised.client_update(noised.broadcast(server, c, info), state,
+                                                                      split.client(c), key, info)[0]))(
+        ids, clients, client_keys(0, 0, ids))
+
+    @jax.jit
+    def noise_of(present):
+        step = info.replace(participating=present)
+        return tree_map(jnp.subtract, noised.server_update(server, ups, present.astype(jnp.float32), step),
+                        plain.server_update(server, ups, present.astype(jnp.float32), step))
+
+    expected = ({"variables": z * clip / 4, "control": z * clip / 8} if name == "scaffold" else
+                {"variables": z * clip * (1 / 4 + 1 / 8), "h": alpha * z * clip / 8})
+    for taking_part in (2, 6):
+        noise = noise_of(jnp.arange(8) < taking_part)
+        for key, spread in expected.items():
+            drawn = np.concatenate([np.ravel(x) for x in jax.tree_util.tree_leaves(noise[key])])
+            assert drawn.size > 80_000
+            assert abs(drawn.std() / spread - 1) < 0.02, (taking_part, key, drawn.std(), spread)
+
+
+def test_a_round_nobody_took_part_in_is_noised_as_any_other(setting):
+    """A Poisson round can draw nobody (here a sampler that dispatches no slot): the private run's model still
+    moves by the noise over K, N(0, (z C / 4)^2) per entry, so that it does not tell the round was empty; the
+    plain run's stays as it was."""
+    from fedjax_sparse.core.participation import Participants, Sampler  # noqa: PLC0415
+    from fedjax_sparse.core.round import RoundConditions, build_round  # noqa: PLC0415
+
+    model, split, variables = setting
+    nobody = Sampler("nobody", 8, False, lambda key, r: Participants(jnp.arange(8), jnp.zeros(8, bool),
+                                                                      jnp.int32(0)))
+    local = LocalSGD(model, 0.1, 1, 8)
+    context = BuildContext(local=local, num_clients=8, clients_per_round=4, train=split, num_classes=10)
+    plain = fedavg(local, "uniform")
+    private = privatize(plain, context, DifferentialPrivacyOptions(dp_clip=0.5), noise_multiplier=2.0,
+                        expected_clients=4, sampling="poisson")
+    for algorithm, spread in ((private, 2.0 * 0.5 / 4), (plain, 0.0)):
+        server, clients = algorithm.init(jax.random.key(1), variables, 8)
+        new, _, out = build_round(algorithm, split, 8, seed=0, conditions=RoundConditions(nobody))(server, clients, 0)
+        assert not np.asarray(out.dispatched).any()
+        moved = np.concatenate([np.ravel(a - b) for a, b in zip(jax.tree_util.tree_leaves(new["variables"]),
+                                                                 jax.tree_util.tree_leaves(server["variables"]))])
+        assert moved.std() == pytest.approx(spread, rel=0.02)
+
+
 @pytest.mark.parametrize("algorithm,extra", [("fedavg", ["--aggregation-weights", "uniform"]), ("scaffold", [])])
 def test_without_noise_or_clipping_it_is_the_algorithm_itself(tmp_path, capsys, algorithm, extra):
     flags = [*TINY, "--rounds", "2", "--algorithm", algorithm, *extra]

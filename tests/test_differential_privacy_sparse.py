@@ -120,6 +120,18 @@ def test_fedldf_noise_is_z_times_its_sensitivity_over_n(setting, sampling, sprea
     assert abs(moved.std() / (z * spread * clip / n) - 1) < 0.02 and abs(moved.mean()) < 0.02 * z * clip / n
 
 
+def test_fedldf_noises_a_round_nobody_took_part_in(setting):
+    """No client present, so no layer sent: FedLDF's masked mean would keep every entry as it was, telling the
+    round was empty. Each layer's mean still gains the noise over n, N(0, (z 2 C / n)^2) (Poisson sampling)."""
+    model, split, variables = setting
+    n, clip, z = 3, 0.5, 2.0
+    _, private = _private_fedldf(model, split, n, clip, z)
+    server, ups, info = _round(private, split, variables)
+    moved = _flat(_jitted_step(private, server, ups, info, jnp.zeros(SLOTS, bool))["variables"]) - _flat(
+        server["variables"])
+    assert abs(moved.std() / (z * 2 * clip / n) - 1) < 0.02
+
+
 def test_fedldf_without_noise_or_clipping_is_fedldf_itself(setting):
     """z = 0 and C = inf: every upload and the server's step equal FedLDF's bit for bit (its mean at equal
     weights), with every client taking part and with some absent (n or more present)."""

@@ -13,6 +13,11 @@ DP-FedAvg (McMahan et al., ICLR 2018), as one wrapper around the algorithm's own
                algorithm's own count: a count that depended on who took part would itself need privacy;
                each change times (its senders / D)), and `central` noise: one N(0, (s z C)^2) / D added to
                every slot's upload, so the mean the algorithm takes is (sum_k Delta_k + N(0, (s z C)^2)) / D.
+               Where participation varies (Poisson sampling, stragglers) and the server reads the plain mean,
+               it is told that K fixed slots took part, each holding that released mean: a server that also
+               reads the present clients' sum (SCAFFOLD's control variate, FedDyn's h: their number times
+               the mean) then reads the noised sum, not K' / K of it, which would tell K'. A round nobody
+               took part in is noised as any other (`steps_when_empty`): an unchanged model would tell it.
 
 What the wrapper reads of the algorithm is its `core.algorithm.PrivateSum`: which leaves are released and
 of what they are changes, how it may be clipped, the denominator, and s, how far (in clip norms) one client
@@ -275,25 +280,50 @@ def privatize(algorithm: FederatedAlgorithm, context: BuildContext, options: Dif
         sent, norm = private_upload(down, up, key, clip)
         return sent, state, {**metrics, "update_norm": norm, "update_clipped": (norm > clip).astype(jnp.float32)}
 
-    def fixed_denominator(server_state, ups, present, info):
-        """The uploads whose mean, as the algorithm takes it, is the sum of the changes over the fixed
-        denominator: each change times (its senders / denominator); the uploads as they are where that is 1."""
+    central = options.dp_noise == "central" and update_z > 0
+
+    def released_mean(server_state, ups, present, info, clip):
+        """Where participation varies, for a server reading the plain mean: (uploads, slots) such that the
+        algorithm, told that the first K `slots` took part, reads the released mean alone: every slot's upload
+        is the broadcast plus (the present clients' changes summed, + the noise) / K. A server that also reads
+        the present clients' sum (SCAFFOLD's control variate, FedDyn's h: their number times the mean) then
+        reads the noised sum itself, not K' / K of it, and an empty round is noised as any other."""
+        slots = present.shape[0]
+        if slots < expected_clients:
+            raise ValueError(f"privatize: {slots} slots cannot stand for the {expected_clients} expected clients")
         downs = jax.vmap(lambda c: algorithm.broadcast(server_state, c, info))(info.client_ids)
         changes, rest = message.split(ups, downs)
-        if not masked:  # every slot taking part sends every entry: one factor, K' / K
-            factor = jnp.sum(present).astype(jnp.float32) / expected_clients
-            return message.rebuild({p: on_values(lambda v: (v * factor).astype(v.dtype), x)
-                                    for p, x in changes.items()}, rest, downs)
+        changes = {p: _dense(x) for p, x in changes.items()}  # a sparse leaf's zeros count in the mean: sent dense
+        drawn = dict(zip(noised_paths, gaussian([changes[p][0] for p in noised_paths], info.server_key,
+                                                update_z * clip * sensitivity))) if central else {}
+        mean = {}
+        for p, x in changes.items():
+            total = jnp.sum(jnp.where(present.reshape((-1,) + (1,) * (x.ndim - 1)), x.astype(jnp.float32), 0.0),
+                            axis=0)
+            total = total + drawn[p].astype(jnp.float32) if p in drawn else total
+            mean[p] = jnp.broadcast_to((total / expected_clients).astype(x.dtype), x.shape)
+        return message.rebuild(mean, rest, downs), jnp.arange(slots) < expected_clients
+
+    def fixed_denominator(server_state, ups, present, info):
+        """The uploads whose masked mean, as the algorithm takes it, is the sum of the changes over the fixed
+        denominator: each change times (its senders / denominator); the uploads as they are where that is 1.
+        In a round nobody took part, the first slot carries every entry (a change of zero; `private_server_update`
+        counts it present), so that its noise is released as any round's."""
+        downs = jax.vmap(lambda c: algorithm.broadcast(server_state, c, info))(info.client_ids)
+        changes, rest = message.split(ups, downs)
+        nobody = ~jnp.any(present)
         factors = {}
         for p, x in changes.items():
             carried = x.mask if isinstance(x, SPARSE_LEAVES) else jnp.ones(x.shape, bool)
             senders = jnp.sum(carried & present.reshape((-1,) + (1,) * (carried.ndim - 1)), axis=0)
             factors[p] = senders.astype(jnp.float32) / denominator
+            if isinstance(x, SPARSE_LEAVES):
+                changes[p] = x.replace(mask=x.mask.at[0].set(x.mask[0] | nobody))
         scaled = flat_leaves(message.rebuild({p: on_values(lambda v, f=factors[p]: (v * f[None]).astype(v.dtype), x)
                                               for p, x in changes.items()}, rest, downs))
         flat = flat_leaves(ups)
 
-        def kept(p):  # an entry whose senders are the denominator keeps its upload bit for bit
+        def kept(p):  # an entry whose senders are the denominator keeps its upload bit for bit (and its mask)
             old = flat[p].values if isinstance(flat[p], SPARSE_LEAVES) else flat[p]
             return on_values(lambda v: jnp.where(factors[p][None] == 1.0, old, v), scaled[p])
 
@@ -301,10 +331,18 @@ def privatize(algorithm: FederatedAlgorithm, context: BuildContext, options: Dif
                                                                 for p in message.order])
 
     def private_server_update(server_state, ups, weights, info, clip):
-        present = jnp.ones(weights.shape, bool) if info.participating is None else info.participating
-        if info.participating is not None or masked:
+        varying = info.participating is not None
+        present = info.participating if varying else jnp.ones(weights.shape, bool)
+        if varying and not masked:
+            ups, fixed = released_mean(server_state, ups, present, info, clip)
+            return algorithm.server_update(server_state, ups, fixed.astype(weights.dtype),
+                                           info.replace(participating=fixed))
+        if masked:
             ups = fixed_denominator(server_state, ups, present, info)
-        if options.dp_noise == "central" and update_z > 0:
+            if varying:  # the first slot carries an empty round
+                present = present.at[0].set(present[0] | ~jnp.any(present))
+                info = info.replace(participating=present)
+        if central:
             # one draw added to every slot: the mean the algorithm takes gains N(0, (s z C)^2) / denominator, s the
             # algorithm's sensitivity; a sparse leaf whose zeros count in the mean is sent dense (the noise is)
             flat = flat_leaves(ups)
@@ -322,7 +360,7 @@ def privatize(algorithm: FederatedAlgorithm, context: BuildContext, options: Dif
             return private_server_update(server_state, ups, weights, info, clip)
 
         return dataclasses.replace(algorithm, client_update=client_update, server_update=server_update,
-                                   stale_upload=None, private_sum=None)
+                                   stale_upload=None, private_sum=None, steps_when_empty=central)
 
     def inner(server_state):
         return {k: v for k, v in server_state.items() if k != CLIP_KEY}
@@ -362,4 +400,4 @@ def privatize(algorithm: FederatedAlgorithm, context: BuildContext, options: Dif
 
     return dataclasses.replace(algorithm, init=init, broadcast=broadcast, client_update=adaptive_client_update,
                                server_update=adaptive_server_update, select_uploads=select_uploads,
-                               stale_upload=None, private_sum=None)
+                               stale_upload=None, private_sum=None, steps_when_empty=central)

@@ -108,6 +108,9 @@ class FederatedAlgorithm:
         (`aggregates_mean` False) still reads them through sums of the clients' changes whose movement by one
         client is bounded (FedLDF's per-layer choice, a compressed upload), so that differential privacy can
         noise them (`algorithms.differential_privacy`); None: it cannot (or it reads the plain mean).
+    steps_when_empty: True where `server_update` must run in a round no client returned (differential
+        privacy's noise is added whatever took part: an unchanged model would tell that nobody did); False:
+        such a round leaves the server state as it was (`core.round.server_phase`).
     """
 
     name: str
@@ -128,6 +131,7 @@ class FederatedAlgorithm:
     stale_upload: "StaleUpload | None" = None
     aggregates_mean: bool = False
     private_sum: "PrivateSum | None" = None
+    steps_when_empty: bool = False
 
 
 @flax.struct.dataclass

@@ -183,7 +183,7 @@ def server_phase(algorithm: FederatedAlgorithm, clients_per_round: int, seed: in
 
     Where participation varies (`RoundConditions.varies`) the selection sees the clients that did not fail,
     the update those that returned, each as `info.participating` with the others' weights zero; a round in
-    which none returned leaves the server's state as it was. Uplink bytes count every client that uploaded
+    which none returned leaves the server's state as it was (but for an algorithm that `steps_when_empty`). Uplink bytes count every client that uploaded
     (returned, or surplus to over-selection), not one that failed or was cut off by the deadline; downlink
     bytes every client dispatched. With secure aggregation (`conditions.secure`) each dispatched client's
     bytes are the protocol's (`secure_bytes`), and the clock reads them. A round abandoned for want of reports
@@ -242,8 +242,9 @@ def server_phase(algorithm: FederatedAlgorithm, clients_per_round: int, seed: in
         present = returns.returned
         new_state, metrics = server_step(algorithm.server_update(server_state, ups, weights * present,
                                                                  info.replace(participating=present)))
-        anyone = jnp.any(present)
-        new_state = jax.tree_util.tree_map(lambda new, old: jnp.where(anyone, new, old), new_state, server_state)
+        if not algorithm.steps_when_empty:
+            anyone = jnp.any(present)
+            new_state = jax.tree_util.tree_map(lambda new, old: jnp.where(anyone, new, old), new_state, server_state)
         return new_state, metrics, up_bytes, down_bytes, seconds, returns
 
     return server
