@@ -14,7 +14,7 @@ import pytest
 from fedjax_sparse.algorithms import fedavg, make_algorithm, make_options
 from fedjax_sparse.algorithms.differential_privacy import DifferentialPrivacyOptions, keeps_client_state, privatize
 from fedjax_sparse.algorithms.fedldf import fedldf_random
-from fedjax_sparse.core.algorithm import BuildContext
+from fedjax_sparse.core.algorithm import BuildContext, server_step
 from fedjax_sparse.core.local_training import LocalSGD
 from fedjax_sparse.core.privacy_accounting import PrivacyLedger, calibrated_noise
 from fedjax_sparse.core.round import client_keys, round_info
@@ -215,7 +215,12 @@ def test_a_private_run_records_epsilon_and_resumes_exactly(tmp_path, capsys):
     assert records(half) == records(whole)
     ledger = PrivacyLedger(0.8, 8, 3, "poisson", 1 / 8 ** 1.1)
     assert [r["dp_epsilon"] for r in records(whole)] == [ledger.epsilon(r) for r in (1, 2, 3, 4)]
+    # what is released, and nothing else: no training loss, client figures, participation, bytes or FLOPs
+    assert all(set(r) == {"round", "dp_epsilon", "test_accuracy", "test_loss", "server_dp_clip_norm"}
+               for r in records(whole)), records(whole)[0]
     parts = summary(whole)
+    assert not {"final_train_loss", "final_personalized_accuracy", "cumulative_bytes", "train_flops_total",
+                "clients_dispatched_total", "num_train_examples"} & set(parts)
     assert parts["dp_update_noise_multiplier"] == pytest.approx((0.8 ** -2 - 2.0 ** -2) ** -0.5)
     assert parts["dp_count_noise"] == 1.0 and parts["dp_count_sensitivity"] == 0.5
     combined = (parts["dp_update_noise_multiplier"] ** -2
@@ -347,7 +352,8 @@ def test_adaptive_clipping_steps_the_norm_toward_the_quantile(setting):
     under = np.array([float(u["under_clip"]) + 0.5 for u in ups])  # each indicator is sent centred
     np.testing.assert_array_equal(under, np.array(norms) <= 0.3)
     stacked = tree_map(lambda *x: jnp.stack(x), *ups)
-    new = algorithm.server_update(server, stacked, jnp.ones(4), info)
+    new, metrics = server_step(algorithm.server_update(server, stacked, jnp.ones(4), info))
+    assert float(metrics["dp_clip_norm"]) == pytest.approx(0.3)  # the norm the clients were sent, released
     assert float(new["dp_clip"]) == pytest.approx(0.3 * math.exp(-0.2 * (under.mean() - 0.5)), rel=1e-6)
     # the count's noise is paid from the same budget: z_delta = (z^-2 - (2 sigma_b)^-2)^(-1/2)
     from fedjax_sparse.core.privacy_accounting import adaptive_update_noise  # noqa: PLC0415
@@ -375,8 +381,8 @@ def test_adaptive_clippings_count_moves_by_half_where_a_client_is_added(setting)
     assert sum(under) == 2
 
     def count(present):
-        new = algorithm.server_update(server, stacked, jnp.asarray(present, jnp.float32),
-                                      info.replace(participating=jnp.asarray(present)))
+        new, _ = server_step(algorithm.server_update(server, stacked, jnp.asarray(present, jnp.float32),
+                                                     info.replace(participating=jnp.asarray(present))))
         return 4 * (0.5 - math.log(float(new["dp_clip"]) / clip) / 0.2)
 
     everyone = count([True] * 4)
@@ -396,10 +402,15 @@ def test_adaptive_clippings_default_count_noise_that_would_spend_the_budget_is_r
 
 
 def test_an_adaptive_run_raises_a_norm_that_clips_everyone(tmp_path, capsys):
+    """--dp-record-unreleased records the clients' figures too (here: every update clipped), which a private run
+    otherwise leaves out."""
     run = tmp_path / "run"
     assert main(["run", *TINY, "--rounds", "3", "--dp-clip", "0.01", "--dp-target-quantile", "0.5",
-                 "--dp-noise-multiplier", "1", "--dp-count-noise", "2", "--out", str(run)]) == 0
-    clips = [r["client_clip_norm"] for r in records(run)]
+                 "--dp-noise-multiplier", "1", "--dp-count-noise", "2", "--dp-record-unreleased", "--out",
+                 str(run)]) == 0
+    clips = [r["server_dp_clip_norm"] for r in records(run)]
     assert clips[0] == pytest.approx(0.01) and clips[0] < clips[1] < clips[2]
-    assert all(r["client_update_clipped"] == 1.0 for r in records(run))
+    assert [r["client_clip_norm"] for r in records(run)] == pytest.approx(clips)
+    assert all(r["client_update_clipped"] == 1.0 and r["train_loss"] > 0 for r in records(run))
+    assert summary(run)["cumulative_bytes"] > 0
     capsys.readouterr()

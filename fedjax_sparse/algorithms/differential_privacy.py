@@ -74,7 +74,7 @@ the update's noise multiplier z_delta = (z^-2 - (2 sigma_b)^-2)^(-1/2) (their se
 accountant's z is the run's total. (An uncentred count, 0 or 1 a client, would move by 1 where a client is
 added: under Poisson sampling twice what that budget pays for.) Local noise does not take it: the server
 noises the count. The norm is kept beside the algorithm's server state (a dict) and logged as
-`client_clip_norm`.
+`server_dp_clip_norm` (the norm the round's clients were sent).
 
 What the privacy covers: every leaf a client uploads that the server aggregates, which is all of its client
 data that the model carries: the model's weights and BatchNorm statistics (FedAvg, FedProx, FedDyn),
@@ -136,10 +136,14 @@ class DifferentialPrivacyOptions:
     dp_count_noise: float | None = option(None, "adaptive clipping: the noise on the count of clients under the clip "
                                                 "norm (default: the clients per round / 20, the paper's)",
                                           low=0.0, low_open=True)
+    dp_record_unreleased: bool = option(False, "also record, every round, the figures the privacy does not cover "
+                                               "(the training loss, the clients' update norms and accuracies, who "
+                                               "took part, bytes, FLOPs, time): a simulation's diagnostics, not for "
+                                               "publishing (default: the metrics hold what is released)")
 
     def ignored(self) -> dict[str, str]:
         names = ("dp_noise_multiplier", "dp_target_epsilon", "dp_delta", "dp_clipping", "dp_noise", "dp_accountant",
-                 "dp_target_quantile", "dp_clip_lr", "dp_count_noise")
+                 "dp_target_quantile", "dp_clip_lr", "dp_count_noise", "dp_record_unreleased")
         if self.dp_clip is None:
             return {name: "is read only with --dp-clip" for name in names}
         out = {"dp_noise_multiplier": "is chosen by --dp-target-epsilon"} if self.dp_target_epsilon is not None else {}
@@ -391,7 +395,7 @@ def privatize(algorithm: FederatedAlgorithm, context: BuildContext, options: Dif
             centred = centred + count_noise * jax.random.normal(jax.random.fold_in(info.server_key, COUNT_STREAM))
         under = centred / expected_clients + 0.5  # the share of clients under the norm: it steps toward the quantile
         new = {**new, CLIP_KEY: clip_now * jnp.exp(-options.dp_clip_lr * (under - options.dp_target_quantile))}
-        return ServerStep(new, step_metrics) if step_metrics else new
+        return ServerStep(new, {**step_metrics, "dp_clip_norm": clip_now})  # released: it was broadcast
 
     select_uploads = None
     if algorithm.select_uploads is not None:  # the server's choice reads the algorithm's own upload

@@ -1,5 +1,6 @@
-"""The run's differential privacy: its ledger (noise, sampling, delta), calibrated before the first round, and
-the epsilon each round has spent so far (metrics.jsonl, TensorBoard, summary.json)."""
+"""The run's differential privacy: its ledger (noise, sampling, delta), calibrated before the first round, the
+epsilon each round has spent so far (metrics.jsonl, TensorBoard, summary.json), and which of a round's figures
+a private run records: those it releases (docs/privacy.md)."""
 
 from __future__ import annotations
 
@@ -85,3 +86,37 @@ def privacy_totals(ledger: PrivacyLedger | None, rounds_done: int) -> dict:
     return {"dp_epsilon": _finite(ledger.epsilon(rounds_done)), "dp_delta": ledger.delta,
             "dp_noise_multiplier": ledger.noise_multiplier, "dp_sampling": ledger.sampling,
             "dp_accountant": ledger.accountant, **parts}
+
+
+# What a private run's metrics.jsonl holds of a round: the figures of what the server releases, the noised model
+# (its evaluation on the test split; the step's own figures, `server_<name>`, computed from the noised sums it was
+# handed, adaptive clipping's norm among them) and the privacy spent. Everything else a round measures reads the
+# clients' data or who took part, which the noise does not cover: the training loss, the clients' figures, how
+# many were dispatched or returned, bytes, FLOPs and seconds (which count them), the clients' own accuracies.
+RELEASED_FIGURES = ("round", "dp_epsilon", "test_accuracy", "test_loss")
+# summary.json's figures of the same kinds, which it then leaves out
+UNRELEASED_TOTALS = ("final_train_loss", "final_personalized_accuracy", "best_personalized_accuracy",
+                     "total_uplink_bytes", "total_downlink_bytes", "cumulative_bytes", "dense_train_flops_total",
+                     "train_flops_total", "mean_padded_step_fraction", "num_train_examples",
+                     "clients_dispatched_total", "updates_lost_total", "updates_lost_share", "simulated_seconds_total",
+                     "rounds_abandoned_total")
+
+
+def _withholds(ledger: PrivacyLedger | None, config) -> bool:
+    # without noise (z = 0) nothing is private, and a run asked to record everything records it
+    return ledger is not None and ledger.noise_multiplier > 0 and not config.dp_record_unreleased
+
+
+def released_record(ledger: PrivacyLedger | None, config, record: dict) -> dict:
+    """A round's record as metrics.jsonl holds it: under differential privacy with noise, what is released
+    (`RELEASED_FIGURES`, `server_<name>`) unless `--dp-record-unreleased`; else all of it."""
+    if not _withholds(ledger, config):
+        return record
+    return {k: v for k, v in record.items() if k in RELEASED_FIGURES or k.startswith("server_")}
+
+
+def released_summary(ledger: PrivacyLedger | None, config, summary: dict) -> dict:
+    """summary.json without the totals of what a private run does not release (`UNRELEASED_TOTALS`)."""
+    if not _withholds(ledger, config):
+        return summary
+    return {k: v for k, v in summary.items() if k not in UNRELEASED_TOTALS}
