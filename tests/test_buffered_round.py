@@ -111,6 +111,26 @@ def test_a_timeline_worked_out_by_hand(tmp_path):
                            x2["variables"], expected)
 
 
+def test_asynchronous_scaffolds_control_variate_stays_the_mean_of_the_clients_under_staleness(tmp_path):
+    """SCAFFOLD's invariant c = (1/N) sum_i c_i (both start at zero; each step adds (1/N) sum of the buffer's
+    control deltas to c, and each of its clients adds its own to c_i) holds after every buffered step, with
+    updates of staleness 1 to 3 weighted by (1 + tau)^-1/2: the model's delta is down-weighted, the control
+    delta counts whole."""
+    train, local, variables = _setup()
+    algorithm, key = scaffold(local, 10), jax.random.key(1)
+    conditions = RoundConditions(uniform_sampler(10, 4), _latency_profile(tmp_path, [1.0 + 0.7 * c for c in range(10)]))
+    buffered = BufferedRound(algorithm, DeviceStore(algorithm, key, variables, 10), train, Buffering(1, 4), seed=3,
+                             conditions=conditions, counts=COUNTS)
+    server, staleness = initial_server_state(algorithm, key, variables, 10), []
+    for r in range(6):
+        server, out = buffered(server, r)
+        staleness += np.asarray(out.metrics["staleness"]).tolist()
+        mean = jax.tree_util.tree_map(lambda c: jnp.mean(c, axis=0), buffered.store.states)
+        jax.tree_util.tree_map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7),
+                               server["control"], mean)
+    assert max(staleness) >= 2 and min(staleness) == 0, staleness
+
+
 def test_an_asynchronous_run_resumes_exactly_on_every_client_store(tmp_path, capsys):
     """4 rounds on the device store; 2 on the disk store resumed to 4: the same records (the clients' states
     and data read from rows and windows, the updates in flight and the clock kept by the checkpoint)."""

@@ -13,6 +13,11 @@ DP-FedAvg (McMahan et al., ICLR 2018), as one wrapper around the algorithm's own
                algorithm's own count: a count that depended on who took part would itself need privacy;
                each change times (its senders / D)), and `central` noise: one N(0, (s z C)^2) / D added to
                every slot's upload, so the mean the algorithm takes is (sum_k Delta_k + N(0, (s z C)^2)) / D.
+               Where participation varies (Poisson sampling, stragglers) and the server reads the plain mean,
+               it is told that K fixed slots took part, each holding that released mean: a server that also
+               reads the present clients' sum (SCAFFOLD's control variate, FedDyn's h: their number times
+               the mean) then reads the noised sum, not K' / K of it, which would tell K'. A round nobody
+               took part in is noised as any other (`steps_when_empty`): an unchanged model would tell it.
 
 What the wrapper reads of the algorithm is its `core.algorithm.PrivateSum`: which leaves are released and
 of what they are changes, how it may be clipped, the denominator, and s, how far (in clip norms) one client
@@ -61,11 +66,15 @@ tests/test_differential_privacy_sparse.py).
 Adaptive clipping (`--dp-target-quantile gamma`; Andrew et al., NeurIPS 2021, Algorithm 1 with their
 geometric update): the clip norm starts at `--dp-clip`, travels with the model, and after each round steps
 C <- C exp(-eta (b - gamma)), b the noised share of clients whose update was within C (each client sends
-its indicator; the server adds N(0, sigma_b^2) to their sum, sigma_b = `--dp-count-noise`, K / 20 by
-default, and divides by K). The count's privacy is paid out of the same budget: the update's noise
-multiplier becomes z_delta = (z^-2 - (2 sigma_b)^-2)^(-1/2) (their section 3.1), so the accountant's z is
-the run's total. The norm is kept beside the algorithm's server state (a dict) and logged as
-`client_clip_norm`.
+its indicator centred, 1/2 within C and -1/2 over it, as their estimator and TF Privacy's quantile query do;
+the server adds N(0, sigma_b^2) to their sum, sigma_b = `--dp-count-noise`, K / 20 by default, divides by K
+and adds 1/2). Centred, the sum moves by 1/2 where a client is added or removed (by 1 where one is
+replaced): half the update sum's sensitivity, so the count's privacy is paid out of the same budget with
+the update's noise multiplier z_delta = (z^-2 - (2 sigma_b)^-2)^(-1/2) (their section 3.1), and the
+accountant's z is the run's total. (An uncentred count, 0 or 1 a client, would move by 1 where a client is
+added: under Poisson sampling twice what that budget pays for.) Local noise does not take it: the server
+noises the count. The norm is kept beside the algorithm's server state (a dict) and logged as
+`server_dp_clip_norm` (the norm the round's clients were sent).
 
 What the privacy covers: every leaf a client uploads that the server aggregates, which is all of its client
 data that the model carries: the model's weights and BatchNorm statistics (FedAvg, FedProx, FedDyn),
@@ -91,7 +100,8 @@ from fedjax_sparse.core.algorithm import BuildContext, FederatedAlgorithm, Priva
 from fedjax_sparse.core.contract import check_private_sum
 from fedjax_sparse.core.messages import PRICED_LEAVES, KnownMaskArray, SparseArray
 from fedjax_sparse.core.options import option
-from fedjax_sparse.core.privacy_accounting import ACCOUNTANTS, ACCOUNTED_SENSITIVITY, RELATION, adaptive_update_noise
+from fedjax_sparse.core.privacy_accounting import (ACCOUNTANTS, ACCOUNTED_SENSITIVITY, RELATION, adaptive_update_noise,
+                                                   count_noise_of)
 from fedjax_sparse.core.wrapping import (broadcast_shapes, flat_leaves, on_values, state_shapes, upload_changes,
                                          upload_shapes)
 
@@ -126,10 +136,14 @@ class DifferentialPrivacyOptions:
     dp_count_noise: float | None = option(None, "adaptive clipping: the noise on the count of clients under the clip "
                                                 "norm (default: the clients per round / 20, the paper's)",
                                           low=0.0, low_open=True)
+    dp_record_unreleased: bool = option(False, "also record, every round, the figures the privacy does not cover "
+                                               "(the training loss, the clients' update norms and accuracies, who "
+                                               "took part, bytes, FLOPs, time): a simulation's diagnostics, not for "
+                                               "publishing (default: the metrics hold what is released)")
 
     def ignored(self) -> dict[str, str]:
         names = ("dp_noise_multiplier", "dp_target_epsilon", "dp_delta", "dp_clipping", "dp_noise", "dp_accountant",
-                 "dp_target_quantile", "dp_clip_lr", "dp_count_noise")
+                 "dp_target_quantile", "dp_clip_lr", "dp_count_noise", "dp_record_unreleased")
         if self.dp_clip is None:
             return {name: "is read only with --dp-clip" for name in names}
         out = {"dp_noise_multiplier": "is chosen by --dp-target-epsilon"} if self.dp_target_epsilon is not None else {}
@@ -216,7 +230,7 @@ def privatize(algorithm: FederatedAlgorithm, context: BuildContext, options: Dif
         layer_of = dict(declared.clip_layers)
     layers = sorted({layer_of[p] for p in message.paths})
     share = {p: 1 / len(layers) ** 0.5 if options.dp_clipping == "per_layer" else 1.0 for p in message.paths}
-    count_noise = options.dp_count_noise or expected_clients / 20
+    count_noise = count_noise_of(options.dp_count_noise, expected_clients)
     # adaptive clipping spends part of the budget on the count (Andrew et al. 2021, section 3.1): the update's
     # noise z_delta and the count's sigma_b together cost one Gaussian of multiplier z
     update_z = adaptive_update_noise(z, count_noise) if adaptive else z
@@ -270,25 +284,50 @@ def privatize(algorithm: FederatedAlgorithm, context: BuildContext, options: Dif
         sent, norm = private_upload(down, up, key, clip)
         return sent, state, {**metrics, "update_norm": norm, "update_clipped": (norm > clip).astype(jnp.float32)}
 
-    def fixed_denominator(server_state, ups, present, info):
-        """The uploads whose mean, as the algorithm takes it, is the sum of the changes over the fixed
-        denominator: each change times (its senders / denominator); the uploads as they are where that is 1."""
+    central = options.dp_noise == "central" and update_z > 0
+
+    def released_mean(server_state, ups, present, info, clip):
+        """Where participation varies, for a server reading the plain mean: (uploads, slots) such that the
+        algorithm, told that the first K `slots` took part, reads the released mean alone: every slot's upload
+        is the broadcast plus (the present clients' changes summed, + the noise) / K. A server that also reads
+        the present clients' sum (SCAFFOLD's control variate, FedDyn's h: their number times the mean) then
+        reads the noised sum itself, not K' / K of it, and an empty round is noised as any other."""
+        slots = present.shape[0]
+        if slots < expected_clients:
+            raise ValueError(f"privatize: {slots} slots cannot stand for the {expected_clients} expected clients")
         downs = jax.vmap(lambda c: algorithm.broadcast(server_state, c, info))(info.client_ids)
         changes, rest = message.split(ups, downs)
-        if not masked:  # every slot taking part sends every entry: one factor, K' / K
-            factor = jnp.sum(present).astype(jnp.float32) / expected_clients
-            return message.rebuild({p: on_values(lambda v: (v * factor).astype(v.dtype), x)
-                                    for p, x in changes.items()}, rest, downs)
+        changes = {p: _dense(x) for p, x in changes.items()}  # a sparse leaf's zeros count in the mean: sent dense
+        drawn = dict(zip(noised_paths, gaussian([changes[p][0] for p in noised_paths], info.server_key,
+                                                update_z * clip * sensitivity))) if central else {}
+        mean = {}
+        for p, x in changes.items():
+            total = jnp.sum(jnp.where(present.reshape((-1,) + (1,) * (x.ndim - 1)), x.astype(jnp.float32), 0.0),
+                            axis=0)
+            total = total + drawn[p].astype(jnp.float32) if p in drawn else total
+            mean[p] = jnp.broadcast_to((total / expected_clients).astype(x.dtype), x.shape)
+        return message.rebuild(mean, rest, downs), jnp.arange(slots) < expected_clients
+
+    def fixed_denominator(server_state, ups, present, info):
+        """The uploads whose masked mean, as the algorithm takes it, is the sum of the changes over the fixed
+        denominator: each change times (its senders / denominator); the uploads as they are where that is 1.
+        In a round nobody took part, the first slot carries every entry (a change of zero; `private_server_update`
+        counts it present), so that its noise is released as any round's."""
+        downs = jax.vmap(lambda c: algorithm.broadcast(server_state, c, info))(info.client_ids)
+        changes, rest = message.split(ups, downs)
+        nobody = ~jnp.any(present)
         factors = {}
         for p, x in changes.items():
             carried = x.mask if isinstance(x, SPARSE_LEAVES) else jnp.ones(x.shape, bool)
             senders = jnp.sum(carried & present.reshape((-1,) + (1,) * (carried.ndim - 1)), axis=0)
             factors[p] = senders.astype(jnp.float32) / denominator
+            if isinstance(x, SPARSE_LEAVES):
+                changes[p] = x.replace(mask=x.mask.at[0].set(x.mask[0] | nobody))
         scaled = flat_leaves(message.rebuild({p: on_values(lambda v, f=factors[p]: (v * f[None]).astype(v.dtype), x)
                                               for p, x in changes.items()}, rest, downs))
         flat = flat_leaves(ups)
 
-        def kept(p):  # an entry whose senders are the denominator keeps its upload bit for bit
+        def kept(p):  # an entry whose senders are the denominator keeps its upload bit for bit (and its mask)
             old = flat[p].values if isinstance(flat[p], SPARSE_LEAVES) else flat[p]
             return on_values(lambda v: jnp.where(factors[p][None] == 1.0, old, v), scaled[p])
 
@@ -296,10 +335,18 @@ def privatize(algorithm: FederatedAlgorithm, context: BuildContext, options: Dif
                                                                 for p in message.order])
 
     def private_server_update(server_state, ups, weights, info, clip):
-        present = jnp.ones(weights.shape, bool) if info.participating is None else info.participating
-        if info.participating is not None or masked:
+        varying = info.participating is not None
+        present = info.participating if varying else jnp.ones(weights.shape, bool)
+        if varying and not masked:
+            ups, fixed = released_mean(server_state, ups, present, info, clip)
+            return algorithm.server_update(server_state, ups, fixed.astype(weights.dtype),
+                                           info.replace(participating=fixed))
+        if masked:
             ups = fixed_denominator(server_state, ups, present, info)
-        if options.dp_noise == "central" and update_z > 0:
+            if varying:  # the first slot carries an empty round
+                present = present.at[0].set(present[0] | ~jnp.any(present))
+                info = info.replace(participating=present)
+        if central:
             # one draw added to every slot: the mean the algorithm takes gains N(0, (s z C)^2) / denominator, s the
             # algorithm's sensitivity; a sparse leaf whose zeros count in the mean is sent dense (the noise is)
             flat = flat_leaves(ups)
@@ -317,7 +364,7 @@ def privatize(algorithm: FederatedAlgorithm, context: BuildContext, options: Dif
             return private_server_update(server_state, ups, weights, info, clip)
 
         return dataclasses.replace(algorithm, client_update=client_update, server_update=server_update,
-                                   stale_upload=None, private_sum=None)
+                                   stale_upload=None, private_sum=None, steps_when_empty=central)
 
     def inner(server_state):
         return {k: v for k, v in server_state.items() if k != CLIP_KEY}
@@ -332,22 +379,23 @@ def privatize(algorithm: FederatedAlgorithm, context: BuildContext, options: Dif
     def adaptive_client_update(down, state, data, key, info):
         up, state, metrics = algorithm.client_update(down["message"], state, data, key, info)
         sent, norm = private_upload(down["message"], up, key, down[CLIP_KEY])
-        under = (norm <= down[CLIP_KEY]).astype(jnp.float32)  # client data too: the server noises its sum
-        return {"update": sent, "under_clip": under}, state, {**metrics, "update_norm": norm,
-                                                              "update_clipped": 1.0 - under,
-                                                              "clip_norm": down[CLIP_KEY]}
+        under = (norm <= down[CLIP_KEY]).astype(jnp.float32)
+        # client data too, centred (1/2 or -1/2) so that a client added or removed moves its noised sum by 1/2
+        return {"update": sent, "under_clip": under - 0.5}, state, {**metrics, "update_norm": norm,
+                                                                    "update_clipped": 1.0 - under,
+                                                                    "clip_norm": down[CLIP_KEY]}
 
     def adaptive_server_update(server_state, ups, weights, info):
         clip_now = server_state[CLIP_KEY]
         present = jnp.ones(weights.shape, bool) if info.participating is None else info.participating
         new, step_metrics = server_step(private_server_update(inner(server_state), ups["update"], weights, info,
                                                               clip_now))
-        count = jnp.sum(jnp.where(present, ups["under_clip"], 0.0))
+        centred = jnp.sum(jnp.where(present, ups["under_clip"], 0.0))
         if z > 0:
-            count = count + count_noise * jax.random.normal(jax.random.fold_in(info.server_key, COUNT_STREAM))
-        under = count / expected_clients  # the share of clients under the norm: it steps toward the quantile
+            centred = centred + count_noise * jax.random.normal(jax.random.fold_in(info.server_key, COUNT_STREAM))
+        under = centred / expected_clients + 0.5  # the share of clients under the norm: it steps toward the quantile
         new = {**new, CLIP_KEY: clip_now * jnp.exp(-options.dp_clip_lr * (under - options.dp_target_quantile))}
-        return ServerStep(new, step_metrics) if step_metrics else new
+        return ServerStep(new, {**step_metrics, "dp_clip_norm": clip_now})  # released: it was broadcast
 
     select_uploads = None
     if algorithm.select_uploads is not None:  # the server's choice reads the algorithm's own upload
@@ -356,4 +404,4 @@ def privatize(algorithm: FederatedAlgorithm, context: BuildContext, options: Dif
 
     return dataclasses.replace(algorithm, init=init, broadcast=broadcast, client_update=adaptive_client_update,
                                server_update=adaptive_server_update, select_uploads=select_uploads,
-                               stale_upload=None, private_sum=None)
+                               stale_upload=None, private_sum=None, steps_when_empty=central)

@@ -39,8 +39,9 @@ def _rebase(increment, down):
 
 
 # asynchronous rounds: the model's and the control variate's deltas are increments already; the BatchNorm
-# statistics travel as values, taken as their change of what the client received
-STALE_UPLOAD = StaleUpload(_increment, _rebase)
+# statistics travel as values, taken as their change of what the client received. The control delta counts
+# whole at any staleness: the client keeps its whole new c_i, so c = mean(c_i) holds only so
+STALE_UPLOAD = StaleUpload(_increment, _rebase, unweighted=("control_delta",))
 
 
 def scaffold(local: LocalSGD, num_clients: int, server: ServerOptimizer | None = None) -> FederatedAlgorithm:

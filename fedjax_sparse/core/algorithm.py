@@ -108,6 +108,9 @@ class FederatedAlgorithm:
         (`aggregates_mean` False) still reads them through sums of the clients' changes whose movement by one
         client is bounded (FedLDF's per-layer choice, a compressed upload), so that differential privacy can
         noise them (`algorithms.differential_privacy`); None: it cannot (or it reads the plain mean).
+    steps_when_empty: True where `server_update` must run in a round no client returned (differential
+        privacy's noise is added whatever took part: an unchanged model would tell that nobody did); False:
+        such a round leaves the server state as it was (`core.round.server_phase`).
     client_metric_stats: ((metric, statistics), ...), optional: what a round logs of the algorithm's per-client
         metrics besides their means over the clients (('reward', ('min', 'p90')),: 'min', 'max', 'std', 'pN';
         `run.client_metrics`), on top of the run's `--client-metric-stats` (pairs, not a dict: an algorithm is
@@ -132,6 +135,7 @@ class FederatedAlgorithm:
     stale_upload: "StaleUpload | None" = None
     aggregates_mean: bool = False
     private_sum: "PrivateSum | None" = None
+    steps_when_empty: bool = False
     client_metric_stats: tuple[tuple[str, tuple[str, ...]], ...] = ()
 
 
@@ -158,10 +162,14 @@ class StaleUpload:
     rebase(increment, down_now) -> the upload the client would have sent, had its training added
     `increment` to `down_now`. The server then aggregates rebased uploads as it aggregates fresh ones;
     an algorithm whose server cannot read an upload so (its uploads are not increments of what it sent:
-    a client-chosen layer or mask, a count) leaves `stale_upload` None and is refused asynchronous rounds."""
+    a client-chosen layer or mask, a count) leaves `stale_upload` None and is refused asynchronous rounds.
+    unweighted: keys of the increment (a dict) that count whole whatever their staleness, where the
+    client keeps the whole change as its own state (SCAFFOLD's control delta: the server's c stays the mean
+    of the clients' c_i only if it adds what each c_i added); the rest is weighted by s(tau)."""
 
     increment: Callable[[Message, Message], Any]
     rebase: Callable[[Any, Message], Message]
+    unweighted: tuple[str, ...] = ()
 
 
 def _subtract(up, down):

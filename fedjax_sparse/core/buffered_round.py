@@ -9,7 +9,9 @@ updates have arrived, the server steps:
 
 tau_i: the server steps taken since client i was dispatched (its staleness); s(tau) = (1 + tau)^-a,
 a = 0.5 by default (FedBuff's 1 / sqrt(1 + tau)); increment_i: what its training added to the
-model it received (`core.algorithm.StaleUpload`). With FedAvg at server lr 1 and uniform weights
+model it received (`core.algorithm.StaleUpload`), but for the parts the client keeps whole as its own
+state (`StaleUpload.unweighted`: SCAFFOLD's control delta, so that c stays the mean of the c_i), which
+count whole. With FedAvg at server lr 1 and uniform weights
 this is FedBuff's x + (1/B) sum_i s(tau_i) Delta_i; with data weights (FedAvg's default) the mean
 is weighted by the clients' examples; the server optimizer (FedAdam, FedAvgM) steps as in a
 synchronous round. A run's round is one server step.
@@ -102,8 +104,8 @@ def check_buffered(algorithm: FederatedAlgorithm, buffering: Buffering, conditio
         raise ValueError("asynchronous rounds take no --secure-aggregation: the protocol sums a round's clients "
                          "together, and a buffer's updates come from different rounds")
     if conditions.stragglers.active:
-        raise ValueError("asynchronous rounds take no --round-deadline, --over-selection or --dropout: every "
-                         "dispatched client returns, late or not, and its staleness weighs it")
+        raise ValueError("asynchronous rounds take no --round-deadline, --over-selection, --dropout or "
+                         "--min-reports: every dispatched client returns, late or not, and its staleness weighs it")
     if conditions.sampler.name != "uniform":
         raise ValueError(f"asynchronous rounds dispatch clients in a uniform random order; --sampler "
                          f"{conditions.sampler.name} is for synchronous rounds")
@@ -267,8 +269,14 @@ class BufferedRound:
         info = round_info(self.seed, round_index, ids)
         downs = jax.vmap(lambda c: algorithm.broadcast(server_state, c, info))(ids)
         scale = self.buffering.weight(staleness)
-        ups = jax.vmap(lambda inc, down, s: algorithm.stale_upload.rebase(tree_map(lambda x: x * s, inc), down))(
-            entry["increment"], downs, scale)
+        stale = algorithm.stale_upload
+
+        def weighted(increment, s):
+            if not stale.unweighted:
+                return tree_map(lambda x: x * s, increment)
+            return {k: v if k in stale.unweighted else tree_map(lambda x: x * s, v) for k, v in increment.items()}
+
+        ups = jax.vmap(lambda inc, down, s: stale.rebase(weighted(inc, s), down))(entry["increment"], downs, scale)
         server_state, server_metrics = server_step(algorithm.server_update(server_state, ups, weights, info))
         everyone = jnp.ones(ids.shape, bool)
         nobody = jnp.zeros(ids.shape, bool)

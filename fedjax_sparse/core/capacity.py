@@ -7,12 +7,12 @@ opposite: a client's capacity is what its device can afford. `device_capacity` i
 library's clock (`core.clock`) as the device model: client k gets the largest level whose predicted
 round time fits the deadline D,
 
-    t_k(beta) = down_bytes(beta) / downlink_k + train_flops_k(beta) / speed_k + up_bytes(beta) / uplink_k
+    t_k(beta) = down_bytes(beta) / downlink_k + 2 train_flops_k(beta) / speed_k + up_bytes(beta) / uplink_k
                 + latency_k <= D,
 
 where the bytes are those of the sub-model's messages at beta as `core.messages` prices them, and
-train_flops_k(beta) = 3 x (forward FLOPs of one example's step at beta, `core.flops`) x n_k x epochs
-(n_k the client's examples): the figures the clock itself reads after the round, computed by the same
+train_flops_k(beta) = 3 x (forward FLOPs of one example's step at beta, `core.flops`: multiply-accumulates,
+2 FLOPs each at a speed in FLOP/s) x n_k x epochs (n_k the client's examples): the figures the clock itself reads after the round, computed by the same
 functions (`client_seconds`), so a client that fits is not late. A client that fits no level gets the
 smallest: it will most likely miss the deadline and its update be lost (`updates_late`). Left out of
 the round instead, it would change who takes part, which is the sampler's choice

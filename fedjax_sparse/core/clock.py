@@ -2,10 +2,12 @@
 
 A client's round time is what the library already counts exactly, turned into seconds by its profile:
 
-    seconds_k = downlink_bytes_k / downlink_k + train_flops_k / speed_k + uplink_bytes_k / uplink_k + latency_k
+    seconds_k = downlink_bytes_k / downlink_k + 2 train_macs_k / speed_k + uplink_bytes_k / uplink_k + latency_k
 
-(the FLOPs a sparse method reports, `train_flops`, else the dense model's 3 x forward x epochs x examples;
-the bytes the messages hold, the upload after the server's selection of what is sent). A synchronous round
+(train_macs: the FLOPs a sparse method reports, `train_flops`, else the dense model's 3 x forward x epochs x
+examples, both counted as the papers count them, one per multiply-accumulate (`core.flops`); a speed is in
+FLOP/s, which counts a multiply-accumulate as 2, `FLOPS_PER_MAC`; the bytes the messages hold, the upload
+after the server's selection of what is sent). A synchronous round
 lasts until the last client it aggregates has returned, or until `deadline` where a client it waited for
 did not return by then.
 
@@ -14,7 +16,9 @@ Profiles are pure functions of (seed, client id): each figure log-normal around 
 
 Stragglers (`Stragglers`): a deadline (clients over it are dropped: their update is lost), over-selection
 (a round dispatches ceil((1 + f) K) clients and aggregates the first K to return; the rest are discarded),
-and a dropout probability (a client fails before returning, independently per (seed, round, client)).
+a dropout probability (a client fails before returning, independently per (seed, round, client)), and a
+minimum report count (a round in which fewer return is abandoned, as Bonawitz et al. 2019's server does:
+it keeps its model and the updates that did return are lost).
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from fedjax_sparse.core.flops import FLOPS_PER_MAC
 from fedjax_sparse.core.streams import stream_key
 
 FIGURES = ("flops_per_second", "downlink_bytes_per_second", "uplink_bytes_per_second", "latency_seconds")
@@ -47,13 +52,21 @@ class ProfileDistribution:
     summary: str = ""
 
 
-# Medians of the effective rates a training step and a transfer reach (not peak figures):
-# phone: a mid-range phone's CPU training at ~5 GFLOP/s, LTE-like 20 Mbit/s down and 5 Mbit/s up;
-# iot: a microcontroller-class board at ~0.2 GFLOP/s, 2 Mbit/s down and 0.5 Mbit/s up, 200 ms latency;
-# edge: an edge server or laptop GPU at ~1 TFLOP/s on a 100 Mbit/s link (FedScale's device traces span these).
+# Medians of the effective rates a training step and a transfer reach (not peak figures). None is measured
+# here: each speed is a share of a named device class's float32 peak, the share and every link figure our
+# assumption (docs/federation.md gives the arithmetic; a profile file gives measured figures instead):
+# phone: a mid-range phone's CPU, an Arm Cortex-A76-class core (two 128-bit NEON pipelines with fused
+#   multiply-add: 16 float32 FLOPs a cycle, ~32 GFLOP/s at 2 GHz), ~5 GFLOP/s effective; LTE-like 20 Mbit/s
+#   down and 5 Mbit/s up;
+# iot: a microcontroller, an Arm Cortex-M4F at 168 MHz (STM32F407): its FPU takes 1 cycle for VADD.F32 or
+#   VMUL.F32 and 3 for VFMA.F32 (Cortex-M4 Technical Reference Manual), at most 1 FLOP a cycle, 0.17 GFLOP/s
+#   peak; with the loads of a multiply-accumulate's operands, ~0.05 GFLOP/s; 2 Mbit/s down and 0.5 Mbit/s
+#   up, 200 ms latency;
+# edge: a laptop GPU, an NVIDIA GTX 1650 class (896 cores x 2 FLOPs x ~1.5 GHz = ~2.7 TFLOP/s peak),
+#   ~1 TFLOP/s effective, on a 100 Mbit/s link.
 PRESETS = {p.name: p for p in (
     ProfileDistribution("phone", 5e9, 2.5e6, 6.25e5, 0.05, 0.7, "mid-range phones on LTE"),
-    ProfileDistribution("iot", 2e8, 2.5e5, 6.25e4, 0.2, 0.5, "microcontroller-class devices on a slow link"),
+    ProfileDistribution("iot", 5e7, 2.5e5, 6.25e4, 0.2, 0.5, "microcontrollers on a slow link"),
     ProfileDistribution("edge", 1e12, 1.25e7, 1.25e7, 0.01, 0.3, "edge servers and laptops on broadband"),
 )}
 
@@ -160,9 +173,10 @@ def device_profile(name: str, num_clients: int) -> DeviceProfile:
 
 def client_seconds(profiles: ClientProfiles, train_flops: jax.Array, downlink_bytes: jax.Array,
                    uplink_bytes: jax.Array) -> jax.Array:
-    """Each client's round time ([K], float32; see the module's docstring)."""
+    """Each client's round time ([K], float32; see the module's docstring). `train_flops`: multiply-accumulates,
+    the library's FLOPs (`core.flops`), each 2 FLOPs of the profiles' FLOP/s."""
     return (downlink_bytes.astype(jnp.float32) / profiles.downlink_bytes_per_second
-            + train_flops.astype(jnp.float32) / profiles.flops_per_second
+            + FLOPS_PER_MAC * train_flops.astype(jnp.float32) / profiles.flops_per_second
             + uplink_bytes.astype(jnp.float32) / profiles.uplink_bytes_per_second
             + profiles.latency_seconds)
 
@@ -173,11 +187,13 @@ class Stragglers:
 
     deadline: seconds after which the server closes the round (None: it waits for every client);
     target: the number of returned clients aggregated, the first to return (over-selection; None: all);
-    dropout: the probability that a dispatched client fails before returning."""
+    dropout: the probability that a dispatched client fails before returning;
+    min_reports: a round in which fewer clients return is abandoned (None: it aggregates whoever returned)."""
 
     deadline: float | None = None
     target: int | None = None
     dropout: float = 0.0
+    min_reports: int | None = None
 
     def __post_init__(self):
         if self.deadline is not None and not (self.deadline > 0 and math.isfinite(self.deadline)):
@@ -186,10 +202,16 @@ class Stragglers:
             raise ValueError(f"the clients aggregated per round must be at least 1, got {self.target}")
         if not 0 <= self.dropout < 1:
             raise ValueError(f"--dropout must be in [0, 1), got {self.dropout}")
+        if self.min_reports is not None and self.min_reports < 1:
+            raise ValueError(f"--min-reports must be at least 1, got {self.min_reports}")
+        if self.min_reports is not None and self.target is not None and self.min_reports > self.target:
+            raise ValueError(f"--min-reports {self.min_reports} exceeds the {self.target} clients over-selection "
+                             f"aggregates: every round would be abandoned")
 
     @property
     def active(self) -> bool:
-        return self.deadline is not None or self.target is not None or self.dropout > 0
+        return (self.deadline is not None or self.target is not None or self.dropout > 0
+                or self.min_reports is not None)
 
 
 def failed_clients(seed: int, round_index: jax.Array, client_ids: jax.Array, dropout: float) -> jax.Array:
@@ -202,7 +224,8 @@ def failed_clients(seed: int, round_index: jax.Array, client_ids: jax.Array, dro
 class Returns:
     """Which of the round's slots returned an update the server aggregates, and why the others did not.
 
-    returned, late (over the deadline), failed (dropout), surplus (returned after the first `target`):
+    returned, late (over the deadline), failed (dropout), surplus (returned after the first `target`),
+    abandoned (returned, in a round abandoned for want of `min_reports`; None: no such rule):
     [K] bool each, over the dispatched slots; seconds: the round's length."""
 
     returned: jax.Array
@@ -210,13 +233,15 @@ class Returns:
     failed: jax.Array
     surplus: jax.Array
     seconds: jax.Array
+    abandoned: jax.Array | None = None
 
 
 def round_returns(reporting: jax.Array, failed: jax.Array, seconds: jax.Array, stragglers: Stragglers) -> Returns:
     """The synchronous round's outcome. `reporting`: dispatched and not failed; `seconds`: each client's time.
 
     The round lasts until the last aggregated client returned; until the deadline where some client the
-    server waited for (failed or late: it cannot tell them apart) never returned in time."""
+    server waited for (failed or late: it cannot tell them apart) never returned in time. Where fewer than
+    `min_reports` returned, none is aggregated: their updates are `abandoned` (the round lasted as long)."""
     on_time = reporting if stragglers.deadline is None else reporting & (seconds <= stragglers.deadline)
     late = reporting & ~on_time
     returned = on_time
@@ -231,4 +256,7 @@ def round_returns(reporting: jax.Array, failed: jax.Array, seconds: jax.Array, s
         if stragglers.target is not None:
             waited &= jnp.sum(returned) < stragglers.target
         last = jnp.where(waited, jnp.float32(stragglers.deadline), last)
-    return Returns(returned, late, failed, surplus, last)
+    if stragglers.min_reports is None:
+        return Returns(returned, late, failed, surplus, last)
+    abandoned = returned & (jnp.sum(returned) < stragglers.min_reports)
+    return Returns(returned & ~abandoned, late, failed, surplus, last, abandoned)

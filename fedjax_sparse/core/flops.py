@@ -1,5 +1,9 @@
 """Training FLOPs of a dense or unit-masked model, by SpaFL's appendix A.5 (eq. 50).
 
+The counts here are in the papers' convention, one FLOP per multiply-accumulate (MAC): every `train_flops`,
+`forward_flops` and FLOPs figure a run records is a MAC count. A rate in FLOP/s (a device's speed,
+`core.clock`) divides `FLOPS_PER_MAC` = 2 FLOPs per MAC, a multiply and an add.
+
 SpaFL counts, for N training examples (one multiply-accumulate = one FLOP):
   convolution  forward  N x (C x R x S) x F x H x W   (C R S = the filter's fan-in,
                                                        F filters, H x W output map)
@@ -53,6 +57,8 @@ from fedjax_sparse.core.unit_masks import UnitMasks, live_input_fraction
 from fedjax_sparse.models.conv import Conv2D
 from fedjax_sparse.models.recurrent import LSTM
 from fedjax_sparse.models.structure import ModelStructure
+
+FLOPS_PER_MAC = 2  # a multiply-accumulate is a multiply and an add: what a FLOP/s rate counts
 
 
 def layer_forward_flops(structure: ModelStructure, unit_masks: UnitMasks | None = None, *,

@@ -21,6 +21,13 @@ These are a plain sum's sensitivities (`ACCOUNTED_SENSITIVITY`). An algorithm wh
 by 2 C where a client is added: `core.algorithm.PrivateSum`) is noised by the privacy wrapper in proportion,
 so that the events above, of multiplier z, stay true of it.
 
+Adaptive clipping (`count_noise`, Andrew et al. 2021) releases a second sum each round: the count of clients
+whose update was within the clip norm, each client's indicator centred (1/2 or -1/2, as their estimator and TF
+Privacy's quantile query centre it), noised with standard deviation sigma_b. A client added or removed moves it
+by 1/2, one replaced by 1: half the update sum's sensitivity in clip norms under either relation. The update's
+own noise multiplier z_delta = (z^-2 - (2 sigma_b)^-2)^(-1/2) then makes the two one Gaussian of multiplier z,
+the multiplier accounted (`PrivacyLedger.update_noise_multiplier`, `count_sensitivity`).
+
 `accountant` 'rdp' (Renyi DP, Mironov 2017; Mironov et al. 2019 for the subsampled Gaussian) or 'pld'
 (privacy loss distributions, tighter; `dp-accounting` supports it for Poisson sampling and local noise
 here). delta defaults to 1 / N^1.1 (`default_delta`): below 1 / N, as a meaningful delta must be for a
@@ -47,6 +54,11 @@ ACCOUNTED_SENSITIVITY = {"add_or_remove": 1.0, "replace_one": 2.0}
 MAX_NOISE_MULTIPLIER = 1e4
 
 
+def count_noise_of(given: float | None, clients_per_round: int) -> float:
+    """Adaptive clipping's count noise sigma_b: `given` (`--dp-count-noise`), else K / 20, Andrew et al.'s."""
+    return given if given else clients_per_round / 20
+
+
 def default_delta(num_clients: int) -> float:
     """1 / N^1.1: below 1 / N, so that releasing one client's data outright is not within delta."""
     return 1.0 / num_clients ** 1.1
@@ -54,7 +66,9 @@ def default_delta(num_clients: int) -> float:
 
 @dataclasses.dataclass(frozen=True)
 class PrivacyLedger:
-    """A run's privacy: noise multiplier z, N clients, K a round, how they are sampled (`SAMPLINGS`), delta."""
+    """A run's privacy: noise multiplier z, N clients, K a round, how they are sampled (`SAMPLINGS`), delta;
+    `count_noise`: sigma_b, where adaptive clipping also releases a noised count (None: a fixed clip norm), which
+    takes its share of z (the module docstring)."""
 
     noise_multiplier: float
     num_clients: int
@@ -62,6 +76,7 @@ class PrivacyLedger:
     sampling: str
     delta: float
     accountant: str = "rdp"
+    count_noise: float | None = None
 
     def __post_init__(self):
         if self.sampling not in SAMPLINGS:
@@ -80,6 +95,18 @@ class PrivacyLedger:
     def relation(self) -> str:
         """The neighbouring relation the run is accounted under (`ACCOUNTED_SENSITIVITY`)."""
         return RELATION[self.sampling]
+
+    @property
+    def count_sensitivity(self) -> float:
+        """How far one neighbour moves adaptive clipping's centred count: 1/2 added or removed, 1 replaced."""
+        return ACCOUNTED_SENSITIVITY[self.relation] / 2
+
+    @property
+    def update_noise_multiplier(self) -> float:
+        """The update's own noise over the clip norm: z, or z_delta where the count takes its share."""
+        if self.count_noise is None:
+            return self.noise_multiplier
+        return adaptive_update_noise(self.noise_multiplier, self.count_noise)
 
     def event(self, rounds: int) -> "dp_accounting.DpEvent":
         from dp_accounting import dp_event  # imported where used: its SciPy costs every run 0.6 s to start
@@ -146,16 +173,17 @@ def calibrated_noise(ledger: PrivacyLedger, rounds: int, target_epsilon: float) 
     return high
 
 
-def adaptive_update_noise(noise_multiplier: float, count_noise: float) -> float:
-    """Adaptive clipping's share of the budget (Andrew et al. 2021, section 3.1): the count of clients under
-    the clip norm (sensitivity 1/2 once centred), noised with standard deviation `count_noise`, and the update,
-    noised with the returned multiplier z_delta, together cost one Gaussian of multiplier z:
-    z_delta = (z^-2 - (2 sigma_b)^-2)^(-1/2). A ValueError in one line where the count alone would spend it."""
+def adaptive_update_noise(noise_multiplier: float, count_noise: float, source: str | None = None) -> float:
+    """Adaptive clipping's share of the budget (Andrew et al. 2021, section 3.1): the centred count of clients
+    under the clip norm (its sensitivity half the update sum's), noised with standard deviation `count_noise`,
+    and the update, noised with the returned multiplier z_delta, together cost one Gaussian of multiplier z:
+    z_delta = (z^-2 - (2 sigma_b)^-2)^(-1/2). A ValueError in one line where the count alone would spend it,
+    naming `source` (where sigma_b came from; default `--dp-count-noise sigma_b`)."""
     if noise_multiplier == 0:
         return 0.0
     rest = noise_multiplier ** -2 - (2 * count_noise) ** -2
     if not rest > 0:
-        raise ValueError(f"--dp-count-noise {count_noise:g} is too small for the noise multiplier "
+        raise ValueError(f"{source or f'--dp-count-noise {count_noise:g}'} is too small for the noise multiplier "
                          f"{noise_multiplier:g}: the count alone would spend the budget (it needs more than "
-                         f"{noise_multiplier / 2:g})")
+                         f"{noise_multiplier / 2:g}); give a larger --dp-count-noise")
     return rest ** -0.5

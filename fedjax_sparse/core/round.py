@@ -99,6 +99,9 @@ class RoundConditions:
         if self.stragglers.target is not None and self.stragglers.target > self.sampler.slots:
             raise ValueError(f"over-selection aggregates {self.stragglers.target} clients of the "
                              f"{self.sampler.slots} dispatched: it needs at least as many dispatched")
+        if self.stragglers.min_reports is not None and self.stragglers.min_reports > self.sampler.slots:
+            raise ValueError(f"--min-reports {self.stragglers.min_reports} exceeds the {self.sampler.slots} clients "
+                             f"a round dispatches: every round would be abandoned")
         if self.secure is not None and self.stragglers.target is not None:
             raise ValueError("--secure-aggregation with --over-selection: the protocol sums every client that "
                              "sends its masked input, so the surplus could not be left out; leave one of them out")
@@ -180,10 +183,11 @@ def server_phase(algorithm: FederatedAlgorithm, clients_per_round: int, seed: in
 
     Where participation varies (`RoundConditions.varies`) the selection sees the clients that did not fail,
     the update those that returned, each as `info.participating` with the others' weights zero; a round in
-    which none returned leaves the server's state as it was. Uplink bytes count every client that uploaded
+    which none returned leaves the server's state as it was (but for an algorithm that `steps_when_empty`). Uplink bytes count every client that uploaded
     (returned, or surplus to over-selection), not one that failed or was cut off by the deadline; downlink
     bytes every client dispatched. With secure aggregation (`conditions.secure`) each dispatched client's
-    bytes are the protocol's (`secure_bytes`), and the clock reads them. With none of these, `flops` and
+    bytes are the protocol's (`secure_bytes`), and the clock reads them. A round abandoned for want of reports
+    (`Stragglers.min_reports`) aggregates none: the uploads that arrived count as sent. With none of these, `flops` and
     `down_bytes` are None and so are the down_bytes, seconds and returns given back."""
     varies = conditions is not None and conditions.varies
     timed = conditions is not None and conditions.timed
@@ -228,9 +232,9 @@ def server_phase(algorithm: FederatedAlgorithm, clients_per_round: int, seed: in
                        - protocol_bytes("down_survivor", count, down_bytes.dtype))
             down_bytes = down_bytes + jnp.where(dropped, instead, told.astype(down_bytes.dtype))
             up_bytes = jnp.where(dropped, protocol_bytes("up_dropped", count, up_bytes.dtype), up_bytes)
-            up_bytes = jnp.where(returns.returned | returns.surplus | dropped, up_bytes, 0)
+            up_bytes = jnp.where(returns.returned | returns.surplus | sent_in_vain(returns) | dropped, up_bytes, 0)
         else:
-            up_bytes = jnp.where(returns.returned | returns.surplus, up_bytes, 0)
+            up_bytes = jnp.where(returns.returned | returns.surplus | sent_in_vain(returns), up_bytes, 0)
         down_bytes = jnp.where(dispatched, down_bytes, 0)
         if not varies:
             return (*server_step(algorithm.server_update(server_state, ups, weights, info)), up_bytes, down_bytes,
@@ -238,11 +242,17 @@ def server_phase(algorithm: FederatedAlgorithm, clients_per_round: int, seed: in
         present = returns.returned
         new_state, metrics = server_step(algorithm.server_update(server_state, ups, weights * present,
                                                                  info.replace(participating=present)))
-        anyone = jnp.any(present)
-        new_state = jax.tree_util.tree_map(lambda new, old: jnp.where(anyone, new, old), new_state, server_state)
+        if not algorithm.steps_when_empty:
+            anyone = jnp.any(present)
+            new_state = jax.tree_util.tree_map(lambda new, old: jnp.where(anyone, new, old), new_state, server_state)
         return new_state, metrics, up_bytes, down_bytes, seconds, returns
 
     return server
+
+
+def sent_in_vain(returns: Returns) -> jax.Array:
+    """[K] bool: the uploads that arrived in a round abandoned for want of reports (none without the rule)."""
+    return jnp.zeros_like(returns.returned) if returns.abandoned is None else returns.abandoned
 
 
 def client_flops(metrics: dict, weights: jax.Array, conditions: RoundConditions | None) -> jax.Array:

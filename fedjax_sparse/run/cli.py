@@ -274,10 +274,14 @@ def _main(argv: list[str] | None) -> int:
         accuracy = f"test accuracy {summary['final_test_accuracy']:.4f}"
     else:
         accuracy = "no global model"
+    # a private run's summary holds what it releases alone (docs/privacy.md): the rest is not reported either
+    if summary.get("final_personalized_accuracy") is not None:
+        accuracy += f", personalized accuracy {summary['final_personalized_accuracy']:.4f}"
+    if "cumulative_bytes" in summary:
+        accuracy += f", {summary['cumulative_bytes']:,} bytes"
     simulated = summary.get("simulated_seconds_total")
     clock = f" ({simulated:,.1f} simulated s)" if simulated is not None else ""
-    print(f"done: {accuracy}, personalized accuracy {summary['final_personalized_accuracy']:.4f}, "
-          f"{summary['cumulative_bytes']:,} bytes in {summary['wall_seconds']:.1f} s{clock}; results in {config.out}")
+    print(f"done: {accuracy} in {summary['wall_seconds']:.1f} s{clock}; results in {config.out}")
     return 0
 
 

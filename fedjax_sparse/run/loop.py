@@ -40,7 +40,7 @@ from fedjax_sparse.run.federation import federation_record, federation_totals
 from fedjax_sparse.run.folder import (SHARED_CHECK, RunFolderError, RunManifest, claim_run_folder, hold_run_folder,
                                       recorded_files, shared_folder_problem)
 from fedjax_sparse.run.outputs import RunWriteError, RunWriter, device_description, progress_bar
-from fedjax_sparse.run.privacy import privacy_record, privacy_totals
+from fedjax_sparse.run.privacy import privacy_record, privacy_totals, released_record, released_summary
 from fedjax_sparse.run.resume import check_resume, restore
 from fedjax_sparse.run.signals import StopAfterRound
 from fedjax_sparse.run.trackers import Trackers
@@ -71,6 +71,7 @@ class Counters:
     padded_step_fractions: list = dataclasses.field(default_factory=list)
     clients_dispatched_total: int = 0  # the federation's (`run.federation`), where it is not today's
     updates_lost_total: int = 0
+    rounds_abandoned_total: int = 0  # abandoned for want of --min-reports
     simulated_seconds_total: float = 0.0
 
 
@@ -359,9 +360,10 @@ def _run_rounds(exp: Experiment, config: RunConfig, out: Path, counters: Counter
         first_round_seconds = round_seconds[0] if round_seconds else None
         totals = {**_totals(counters), **federation_totals(exp.round_fn.conditions, counters),
                   **privacy_totals(exp.privacy, counters.rounds_done)}
-        summary = {**_summary(exp, history, totals, first_round_seconds, time.perf_counter() - start),
-                   "median_round_seconds": float(np.median(round_seconds[1:])) if len(round_seconds) > 1 else None,
-                   "status": status, **stopped, **extra}
+        summary = released_summary(exp.privacy, config, {
+            **_summary(exp, history, totals, first_round_seconds, time.perf_counter() - start),
+            "median_round_seconds": float(np.median(round_seconds[1:])) if len(round_seconds) > 1 else None,
+            "status": status, **stopped, **extra})
         if lead and writer is not None:
             writer.write_summary(summary)
             plot = writer.plot(history, title=title)
@@ -456,11 +458,12 @@ def _run_rounds(exp: Experiment, config: RunConfig, out: Path, counters: Counter
                                            exp.algorithm.client_metric_stats),
                           **{f"server_{name}": float(np.asarray(value))
                              for name, value in (round_out.server_metrics or {}).items()}, **figures}
-                history.append(record)
+                released = released_record(exp.privacy, config, record)  # a private run's: what it releases
+                history.append(released)
                 if lead:
-                    writer.append_metrics(record)
+                    writer.append_metrics(released)
                 if trackers is not None:
-                    trackers.log_metrics(record)
+                    trackers.log_metrics(released)
                 if record["test_loss"] is not None and not math.isfinite(record["test_loss"]):
                     raise diverged(f"round {r + 1}: the test loss is {record['test_loss']}; the run diverged "
                                    f"({likely_culprit(config)})")

@@ -152,14 +152,15 @@ def plot_accuracy(histories: dict[str, list[dict]], path: Path, title: str,
     for i, (name, history) in enumerate(histories.items()):
         color = f"C{i % 10}"  # one color per run in every panel, also when a run skips one
         for key, style in zip(metrics, ("-", "--", ":")):
-            points = [(h["round"], h["cumulative_bytes"], h.get("cumulative_simulated_seconds"), h[key])
+            points = [(h["round"], h.get("cumulative_bytes"), h.get("cumulative_simulated_seconds"), h[key])
                       for h in history if h.get(key) is not None]
             if not points:
                 continue
             rounds, nbytes, seconds, acc = zip(*points)
             label = f"{name} {key.replace('_accuracy', '')}" if len(metrics) > 1 else name
             by_round.plot(rounds, acc, style, color=color, label=label)
-            if max(nbytes) > 0:  # a run that sends nothing has no place on the bytes axis
+            # a run that sends nothing, or records no bytes (a private run's), has no place on the bytes axis
+            if None not in nbytes and max(nbytes) > 0:
                 by_bytes.plot([b / 1e6 for b in nbytes], acc, style, color=color, label=label)
                 sent += [b for b in nbytes if b > 0]
             if all(t is not None for t in seconds):
