@@ -147,9 +147,12 @@ _BARRIER_FAILURES = ("Barrier timed out", "Barrier failed", "DEADLINE_EXCEEDED",
 
 
 def _first_sentence(err: BaseException) -> str:
-    text = " ".join(str(err).split())
-    text = text.split(". ", 1)[0]
-    return text if len(text) <= 160 else text[:text.rfind(" ", 0, 157)] + " ..."
+    """The first sentence of `err`, at most 160 characters, cut between words (never mid-token)."""
+    text = " ".join(str(err).split()).split(". ", 1)[0]
+    if len(text) <= 160:
+        return text
+    cut = text.rfind(" ", 0, 157)
+    return text[:cut if cut > 0 else 157] + " ..."
 
 
 def _written_with_checksums(step: Path) -> bool:
@@ -387,9 +390,9 @@ class RunCheckpointer:
         if not checksums.exists():
             if not _written_with_checksums(step):
                 return  # a version before checksums wrote it: restored unchecked, as then
-            raise CheckpointError(f"the checkpoint {step} has no checksums ({checksums} is missing: deleted, or "
-                                  f"written by a version before them), so its files cannot be checked; delete "
-                                  f"{step} to resume from the checkpoint before, or start again with --overwrite")
+            raise CheckpointError(f"the checkpoint {step} has no checksums ({checksums} is missing), so its files "
+                                  f"cannot be checked; delete {step} to resume from the checkpoint before, or start "
+                                  f"again with --overwrite")
         try:
             recorded = json.loads(checksums.read_text())
             if not isinstance(recorded, dict) or not all(isinstance(c, int) for c in recorded.values()):
