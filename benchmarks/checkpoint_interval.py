@@ -24,6 +24,7 @@ from __future__ import annotations
 import json
 import os
 import resource
+import shutil
 import statistics
 import subprocess
 import sys
@@ -77,6 +78,7 @@ def main(argv=None) -> int:
             runs[name].append(one_run(flags, root / f"{name.replace(' ', '_')}_{i}", cache))
             print(name, runs[name][-1], flush=True)
     env["load_average_at_end"] = load_average()
+    shutil.rmtree(root, ignore_errors=True)
     accuracies = {r["final_test_accuracy"] for arm in runs.values() for r in arm}
     assert len(accuracies) == 1, f"the arms' figures differ: {accuracies}"  # checkpoints change no result
     assert all(r["checkpoints"] == [ROUNDS] for r in runs["default"]), "the default run did not save at its end alone"
