@@ -16,9 +16,9 @@ sharded over every device of the `processes` x `clients` mesh (`process_mesh`).
 
 What is not a round (evaluation, a run's decisions) runs in each process on its own device,
 and the small results every process needs are exchanged with `jax.experimental.multihost_utils`:
-each client's figures (`gather_clients`), a stop signal (`max_over_processes`), whether every
-process got through a step that may fail in one of them (`agree`), so that no process waits in
-a collective for one that has given up.
+each client's figures (`gather_clients`), a stop signal and a checkpoint falling due
+(`max_over_processes`), whether every process got through a step that may fail in one of them
+(`agree`), so that no process waits in a collective for one that has given up.
 
 On CPU, processes reach each other through gloo collectives, so two processes on one
 machine run the same code a multi-host GPU or TPU job runs.
@@ -45,6 +45,18 @@ from fedjax_sparse.data.process_layout import ProcessLayout  # noqa: F401 - re-e
 PROCESSES_AXIS = "processes"
 LAUNCH_FAILURE_EXIT = 3
 DEFAULT_TIMEOUT_S = 60
+
+
+_meeting_timeout_s = DEFAULT_TIMEOUT_S  # `initialize`'s: how long processes wait for each other to meet
+
+
+def meeting_timeout() -> int:
+    """Seconds within which the run's processes must meet (`initialize`'s `timeout_s`, --launch-timeout): at
+    the start, and wherever they wait for each other outside a collective (a checkpoint's barriers, of which
+    a failed save meets two in a row). JAX's heartbeat waits three times as long for a process that stopped
+    answering, so that such a wait ends first, in Python, where the run can say so in one line (JAX's own
+    ending is a trace)."""
+    return _meeting_timeout_s
 
 
 def current_process() -> ProcessLayout:
@@ -200,6 +212,7 @@ def initialize(coordinator: str | None = None, num_processes: int | None = None,
     way back from a failed rendezvous (its own deadline aborts the process with a stack
     trace), so a watchdog ends the process first, `timeout_s` after the call.
     """
+    global _meeting_timeout_s
     explicit = check_launch(coordinator, num_processes, process_id)
     if not explicit and not cluster:
         return ProcessLayout()
@@ -221,7 +234,7 @@ def initialize(coordinator: str | None = None, num_processes: int | None = None,
     try:
         jax.distributed.initialize(coordinator_address=coordinator, num_processes=num_processes,
                                    process_id=process_id, initialization_timeout=timeout_s + 60,
-                                   heartbeat_timeout_seconds=max(timeout_s, 10),
+                                   heartbeat_timeout_seconds=3 * max(timeout_s, 10),
                                    local_device_ids=local_devices)
         jax.devices()  # the collectives backend connects here
     except Exception as e:  # noqa: BLE001 - JAX raises several kinds; the user gets one line either way
@@ -232,6 +245,7 @@ def initialize(coordinator: str | None = None, num_processes: int | None = None,
                               f"({first}); give --coordinator, --num-processes and --process-id instead") from None
         raise LaunchError(f"jax.distributed could not start {where}: {first}") from None
     watchdog.cancel()
+    _meeting_timeout_s = max(timeout_s, 10)
     check_devices_per_process(jax.devices())  # before any process loads data: every one sees the same devices
     return current_process()
 
@@ -336,11 +350,12 @@ def gather_clients(values: Any, process: ProcessLayout, num_clients: int) -> Any
     return jax.tree_util.tree_map(place, gathered)
 
 
-def max_over_processes(value: int) -> int:
-    """The largest of the processes' `value`s, on every process."""
+def max_over_processes(*values: int) -> tuple[int, ...]:
+    """For each of `values`, the largest of the processes' values, on every process (one collective)."""
     if jax.process_count() == 1:
-        return value
-    return int(np.max(multihost_utils.process_allgather(np.int64(value))))
+        return tuple(values)
+    gathered = np.asarray(multihost_utils.process_allgather(np.asarray(values, np.int64))).reshape(-1, len(values))
+    return tuple(int(v) for v in gathered.max(axis=0))
 
 
 def agree(failure: BaseException | None, when: str) -> None:

@@ -8,6 +8,9 @@ The folder holds what a `Dataset` holds, split by split, in the source's own exa
   {train,test}_y.npy     int32 labels
   {train,test}_clients.npy  each example's own client (LEAF's user), where the source has clients
 The manifest is written last, so a folder whose conversion was cut short has none and is refused.
+A conversion writes only into an empty or new folder, or one a conversion cut short left (it marks
+the folder first, `WRITING`): a folder holding anything else (the user's own files, which it would
+overwrite) is refused in one line naming them.
 
 Keeping the source's order (rather than one client after another) lets every `--partition` split the
 folder exactly as it splits the source in memory, from the labels alone: a run on `mmap:FOLDER` is the
@@ -147,9 +150,31 @@ class ChunkedSource:
     client_names: tuple | None = None
 
 
+WRITING = ".fedjax_sparse_converting"  # in a folder while `write_source` writes it: the files there are its own
+
+
+def _written_files(split: str) -> tuple[str, ...]:
+    return tuple(f"{split}_{part}.npy" for part in ("x", "y", "clients"))
+
+
 def _refuse_written(folder: Path) -> None:
+    """Refuses a folder holding anything a conversion did not write (the user's files, which it would
+    overwrite or mix with its own), or a finished data set; an empty or new folder, or one a conversion cut
+    short left (its mark and its files), is written."""
     if (folder / MANIFEST).exists():
         raise ValueError(f"{folder} already holds a data set ({MANIFEST}); choose an empty folder")
+    try:
+        present = sorted(p.name for p in folder.iterdir())
+    except FileNotFoundError:
+        return
+    except NotADirectoryError:
+        raise ValueError(f"{folder} is a file, not a folder; choose an empty or new folder") from None
+    ours = {WRITING, *(name for split in SPLITS for name in _written_files(split))}
+    foreign = [name for name in present if name not in ours or WRITING not in present]
+    if foreign:
+        shown = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
+        raise ValueError(f"{folder} is not empty ({shown}) and fedjax-sparse convert did not write it: a conversion "
+                         f"would overwrite or mix with those files; choose an empty or new folder")
 
 
 def _in_memory(x: np.ndarray, y: np.ndarray, clients: np.ndarray | None) -> SplitSource:
@@ -162,6 +187,8 @@ def write_source(source: ChunkedSource, folder: str | os.PathLike) -> Path:
     returns the folder."""
     folder = Path(folder)
     _refuse_written(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / WRITING).touch()  # before any file of its own: a conversion cut short may be run again
     splits, histograms = {}, None
     for split in SPLITS:
         part = getattr(source, split)
@@ -178,6 +205,7 @@ def write_source(source: ChunkedSource, folder: str | os.PathLike) -> Path:
     mean, std = (source.mean, source.std) if histograms is None else histogram_stats(histograms)
     write_manifest(folder, name=source.name, num_classes=source.num_classes, class_names=source.class_names,
                    mean=mean, std=std, augment=source.augment, splits=splits, client_names=source.client_names)
+    (folder / WRITING).unlink()
     return folder
 
 

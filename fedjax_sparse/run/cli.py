@@ -74,8 +74,9 @@ def _run_parser(sub) -> argparse.ArgumentParser:
                              "the three flags above)")
     launch.add_argument("--launch-timeout", metavar="S", type=int, default=DEFAULT_TIMEOUT_S,
                         help=f"seconds within which all processes must meet, else each ends with one line and "
-                             f"exit code {LAUNCH_FAILURE_EXIT} (default {DEFAULT_TIMEOUT_S}); also how long JAX's "
-                             f"heartbeat waits for a process that stopped answering")
+                             f"exit code {LAUNCH_FAILURE_EXIT} (default {DEFAULT_TIMEOUT_S}); also how long they wait "
+                             f"for each other in a checkpoint's save (JAX's heartbeat waits three times as long for a "
+                             f"process that stopped answering)")
     reserve(p._option_string_actions, "fedjax-sparse run's own flags")  # (argparse's table of the flags so far)
     users = option_users()
     for spec in registered().values():

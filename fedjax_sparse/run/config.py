@@ -103,6 +103,10 @@ class RunConfig(TrackerOptions, FederationOptions, DifferentialPrivacyOptions, U
     max_test_examples: int | None = option(None, "use a random subset of this many test examples", low=1)
     checkpoint_every: int | None = option(None, "save the whole run state every R rounds and at the end (an "
                                                 "interrupted run saves anyway)", low=1)
+    checkpoint_minutes: float = option(5.0, "save the whole run state once M minutes of wall time have passed since "
+                                            "its last save (or its start), at the end of the next round, and at the "
+                                            "end, so that a killed run resumes (--resume); 0: only --checkpoint-every "
+                                            "saves", low=0.0)
     tensorboard: bool = option(True, "also write every per-round figure as TensorBoard event files into the run "
                                      "folder (on by default; view with tensorboard --logdir runs)")
     matmul_precision: str = option("float32", "how float32 matrix products and convolutions are computed: float32 "

@@ -8,7 +8,7 @@ import os
 import re
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import jax
 import numpy as np
@@ -92,11 +92,13 @@ def load_run_dataset(config: RunConfig, progress: bool = True):
 
 
 def build_experiment(config: RunConfig, progress: bool = True, *, process: ProcessLayout | None = None,
-                     snapshot: str | None = None, dataset: Any = None) -> Experiment:
+                     snapshot: str | None = None, dataset: Any = None,
+                     before_store: Callable[[str], None] | None = None) -> Experiment:
     """The run's data, model, algorithm, client store and round, for this process (default: the
     one `jax.distributed` says it is). `snapshot`: the backend of the client-state snapshot a
     resumed run restores (a disk store's restores only into the disk store); `dataset`: the
-    loaded data set (default: loaded here)."""
+    loaded data set (default: loaded here); `before_store(backend)`: called before the store is
+    made (the run records a disk store's folder before it exists)."""
     config.validate()
     process = process or current_process()
     if process.count > 1 and config.cpu_devices is not None:
@@ -159,6 +161,8 @@ def build_experiment(config: RunConfig, progress: bool = True, *, process: Proce
     if config.algorithm not in BUILT_IN:  # an algorithm from outside the library: its contract, on shapes, first
         check_contract(algorithm, jax.eval_shape(model.init, stream_key(config.seed, "model_init")), config.num_clients,
                        slots, federation.first_client(), config.seed, varies=conditions.varies)
+    if before_store is not None:
+        before_store(backend)
     store = make_store(backend, algorithm, key, variables, config.num_clients,
                        directory=Path(config.out) / "client_store", process=process, keep=KEEP)
     mesh = None

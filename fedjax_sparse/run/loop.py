@@ -32,18 +32,23 @@ from fedjax_sparse.core.flops import forward_flops
 from fedjax_sparse.core.participation import check_drawn
 from fedjax_sparse.core.store_evaluation import evaluate_store
 from fedjax_sparse.data.federated import padded_step_fraction
-from fedjax_sparse.run.checkpoints import CheckpointError, RunCheckpointer, io_reason
+from fedjax_sparse.run.checkpoints import (ROWS_FOLDER, CheckpointError, RunCheckpointer, SaveLostAProcess,
+                                           discard_cut_short, io_reason)
 from fedjax_sparse.run.config import RunConfig
 from fedjax_sparse.run.experiment import Experiment, build_experiment, load_run_dataset, use_compilation_cache
 from fedjax_sparse.run.faults import fault_point
 from fedjax_sparse.run.federation import federation_record, federation_totals
 from fedjax_sparse.run.folder import (SHARED_CHECK, RunFolderError, RunManifest, claim_run_folder, hold_run_folder,
                                       recorded_files, shared_folder_problem)
-from fedjax_sparse.run.outputs import RunWriteError, RunWriter, device_description, progress_bar
+from fedjax_sparse.run.outputs import RunWriteError, RunWriter, device_description, progress_bar, say
 from fedjax_sparse.run.privacy import privacy_record, privacy_totals, released_record, released_summary
-from fedjax_sparse.run.resume import check_resume, restore
+from fedjax_sparse.run.resume import NoCheckpoint, check_resume, restore
 from fedjax_sparse.run.signals import StopAfterRound
 from fedjax_sparse.run.trackers import Trackers
+
+
+# summary.json's "status", each as docs/cli.md says: every failure but a divergence is "failed"
+STATUSES = ("completed", "interrupted", "diverged", "failed")
 
 
 class DivergenceError(RuntimeError):
@@ -51,7 +56,7 @@ class DivergenceError(RuntimeError):
 
 
 class Interrupted(RuntimeError):
-    """SIGINT, SIGTERM or SIGHUP stopped the run after a round, whose checkpoint was saved and verified."""
+    """A signal (`run.signals.SIGNALS`) stopped the run after a round, whose checkpoint was saved and verified."""
 
     def __init__(self, message: str, signum: int):
         super().__init__(message)
@@ -138,19 +143,21 @@ def run_experiment(config: RunConfig, *, progress: bool = True, resume: bool = F
     earlier run's files unless `overwrite` (which deletes them first, only those recorded), and files
     of a run's names that no record vouches for in any case (`run.folder.claim_run_folder`); `resume=True`
     continues the run in `config.out` from its latest checkpoint, refusing one made with a config
-    that would change the results, or `config.rounds` below the rounds done. With
-    `config.checkpoint_every` the whole run state is saved every so many rounds and at the end, with
-    every record so far and a fingerprint of the data (`run.resume`: a resume rewrites what the
-    checkpoint covers and refuses other data unless `allow_data_change`).
-    SIGINT, SIGTERM or SIGHUP during the rounds finishes the current round, saves it and raises
+    that would change the results, or `config.rounds` below the rounds done (a run that has no
+    checkpoint yet is run again from its first round, as a new run with `overwrite`). The whole run
+    state is saved every `config.checkpoint_minutes` of wall time (at the end of the round after),
+    every `config.checkpoint_every` rounds and at the end, with every record so far and a fingerprint
+    of the data (`run.resume`: a resume rewrites what the checkpoint covers and refuses other data
+    unless `allow_data_change`).
+    A signal (`run.signals.SIGNALS`) during the rounds finishes the current round, saves it and raises
     `Interrupted` after writing summary.json with status "interrupted". A non-finite loss or model
     stops the run with `DivergenceError` after writing what was measured so far. A file or checkpoint
     that cannot be written stops it with `RunFailed` (one line: the path and the OS's reason) after
     writing summary.json with status "failed" where it still can (the metrics file, the TensorBoard
     events and the summary are written apart, so either's failure still reaches the summary); earlier
-    checkpoints stay intact. A refusal, or data that cannot be loaded, leave a new run's folder holding
-    its lock alone (no summary), so the same command may simply be run again; a resumed run's summary
-    says "failed" then, keeping what the run had measured (`FailedResume`).
+    checkpoints stay intact. A refusal, or data that cannot be loaded, leave a new run's folder as it
+    was (no summary), so the same command may simply be run again; a resumed run's summary says
+    "failed" then, keeping what the run had measured (`FailedResume`).
 
     Several processes (`core.distributed.initialize` first): every process calls this with the
     same config. Process 0 alone holds the lock, claims the folder and writes the run's files;
@@ -165,38 +172,62 @@ def run_experiment(config: RunConfig, *, progress: bool = True, resume: bool = F
     use_compilation_cache(config.compilation_cache)
     process = current_process()
     lead = process.index == 0
-    with (numerics(config.numerics), hold_run_folder(out) if lead else contextlib.nullcontext(out),
-          FailedResume(out, resume and lead) as refused):
-        failure, snapshot, dataset, counters, manifest = None, None, None, Counters(), None
-        try:  # the folder made this run's (by process 0) before any process writes into it
+    folder = hold_run_folder(out) if lead else contextlib.nullcontext()
+    with numerics(config.numerics), folder as held, FailedResume(out, resume and lead) as refused:
+        failure, snapshot, dataset, counters, manifest, restart = None, None, None, Counters(), None, False
+        try:  # by process 0, before any process reads or writes the folder
+            if lead and resume:
+                for rounds_done in discard_cut_short(out):
+                    say(f"the checkpoint of round {rounds_done} in {out / 'checkpoints'} was cut short while it was "
+                        f"saved (a kill, a lost process); deleted it")
             if lead and not resume:
                 claim_run_folder(out, overwrite)
-            fault_point("start_up")
+        except Exception as e:  # noqa: BLE001 - raised below, in every process
+            failure = e
+        agree(failure, "taking the run folder")
+        try:
             if resume:
                 snapshot = check_resume(config, out, process)
+        except NoCheckpoint:  # killed before its first checkpoint: its rounds are run again, as a new run's
+            restart = True
+        except Exception as e:  # noqa: BLE001
+            failure = e
+        agree(failure, "checking the run to resume")
+        try:
+            if lead and restart:
+                claim_run_folder(out, overwrite=True)  # only what the attempt before wrote, as --overwrite
+                say(f"--resume {out}: no checkpoint there yet (the run stopped before its first); running it from "
+                    f"round 1 again")
+            if lead:
+                held.announce()
+            fault_point("start_up")
             if lead:  # first, so that a data set prepared on first use is prepared once
                 with _logged_only_if_it_works("absl"):
                     dataset = load_run_dataset(config, progress)
-                # A new run stopped before here has written nothing but the lock (the same command may simply
-                # be run again). From here on each run file is recorded before any process may write it: the
-                # client stores are built next, the checkpoints come with any signal.
+                # A new run stopped before here has written nothing (the same command may simply be run again).
+                # From here on each run file is recorded before any process may write it: the disk client
+                # store's rows before the store is built, the checkpoints before the first save.
                 manifest = RunManifest(out)
-                manifest.record("checkpoints", *(["client_store"] if config.client_store in ("disk", "auto") else []))
-        except Exception as e:  # noqa: BLE001 - raised below, in every process
+        except Exception as e:  # noqa: BLE001
             failure = e
         agree(failure, "preparing the run folder")
-        if process.count > 1 and (config.checkpoint_every or resume):
+        if process.count > 1 and (checkpoints_on(config) or resume):
             check_shared_folder(out, process)
+
+        def before_store(backend: str) -> None:
+            if lead and backend == "disk":
+                manifest.record(ROWS_FOLDER)
+
         exp, failure = None, None
         try:
             exp = build_experiment(config, progress=progress and lead, process=process, snapshot=snapshot,
-                                   dataset=dataset)
+                                   dataset=dataset, before_store=before_store)
         except Exception as e:  # noqa: BLE001
             failure = e
         agree(failure, "during start-up")
         try:
             server_state, records = exp.server_state, []
-            if resume:
+            if resume and not restart:
                 server_state, meta, records = restore(exp, out, lead, allow_data_change)
                 counters = Counters(**meta["counters"])
             with StopAfterRound(first_round=counters.rounds_done + 1, last_round=config.rounds) as stop:
@@ -269,8 +300,13 @@ def check_shared_folder(out: Path, process) -> None:
         raise RunFolderError(
             f"--out {out} is not one folder for all {process.count} processes ({'; '.join(lost)}): checkpoints "
             f"and --resume need a file system every process reaches under the same path (NFS; on a TPU pod "
-            f"slice a bucket mounted with gcsfuse, or Filestore); without --checkpoint-every process 0 alone "
-            f"writes the run's files and each process's own disk is enough")
+            f"slice a bucket mounted with gcsfuse, or Filestore); without checkpoints (--checkpoint-minutes 0, no "
+            f"--checkpoint-every) process 0 alone writes the run's files and each process's own disk is enough")
+
+
+def checkpoints_on(config: RunConfig) -> bool:
+    """Whether the run saves checkpoints of its own accord (an interrupted run saves in any case)."""
+    return bool(config.checkpoint_every or config.checkpoint_minutes)
 
 
 class RunFailed(RuntimeError):
@@ -340,19 +376,30 @@ def _run_rounds(exp: Experiment, config: RunConfig, out: Path, counters: Counter
     bar = progress_bar(config.rounds, f"{config.algorithm} on {config.dataset}", enabled=progress,
                        initial=counters.rounds_done)
 
+    last_save = time.monotonic()  # for `config.checkpoint_minutes`
+
     def save() -> Path:
-        nonlocal checkpointer
-        checkpointer = checkpointer or RunCheckpointer(out)
+        nonlocal checkpointer, last_save
+        if checkpointer is None:  # the folder recorded before any process writes there (`RunManifest`)
+            failure = None
+            try:
+                if lead:
+                    manifest.record("checkpoints")
+            except Exception as e:  # noqa: BLE001 - raised below, in every process
+                failure = e
+            agree(failure, "recording the checkpoints folder")
+            checkpointer = RunCheckpointer(out)
         before, stop.waiting_for = stop.waiting_for, f"the checkpoint of round {counters.rounds_done} to be saved"
         meta = {"config": config.to_dict(), "counters": dataclasses.asdict(counters), "processes": exp.process.count,
                 "history": history, "data": exp.data_fingerprint, **exp.round_fn.saved_meta(),
                 **({"sharded_devices": jax.device_count()} if config.shard_clients else {})}
         saved[counters.rounds_done] = checkpointer.save(counters.rounds_done, exp.round_fn.saved_state(server_state),
                                                         exp.store, meta)
-        stop.waiting_for = before
+        stop.waiting_for, last_save = before, time.monotonic()
         return saved[counters.rounds_done]
 
     def finish(status: str, **extra) -> dict:
+        assert status in STATUSES, status
         bar.close()
         if trackers is not None:
             trackers.close_event_files(status)
@@ -403,6 +450,7 @@ def _run_rounds(exp: Experiment, config: RunConfig, out: Path, counters: Counter
         split, slots = exp.round_fn.conditions.split, exp.round_fn.conditions.sampler.slots
         groups = (None if split is None else device_groups(slots, mesh_size=mesh.size) if mesh is not None
                   else device_groups(slots, client_chunk=exp.client_chunk, num_devices=len(exp.round_fn.cpu_devices)))
+        late = False  # the checkpoint interval has passed: the next round's end saves
         for r in range(counters.rounds_done, config.rounds):
             stop.round, stop.waiting_for = r + 1, f"round {r + 1} to finish"
             t0 = time.perf_counter()
@@ -476,10 +524,13 @@ def _run_rounds(exp: Experiment, config: RunConfig, out: Path, counters: Counter
             bar.update(1)
             if r == start_round:
                 release_compiler_memory()  # the round (and, evaluating every round, the evaluators) compiled
-            if config.checkpoint_every and ((r + 1) % config.checkpoint_every == 0 or r + 1 == config.rounds):
+            every = config.checkpoint_every
+            if late or (every and (r + 1) % every == 0) or (r + 1 == config.rounds and checkpoints_on(config)):
                 save()
             fault_point("round_end")
-            signum = max_over_processes(stop.signum or 0)  # a signal to one process stops them all
+            # a signal to one process stops them all; the interval that passed on one saves after the next round
+            signum, late = max_over_processes(stop.signum or 0, int(
+                config.checkpoint_minutes > 0 and time.monotonic() - last_save >= 60 * config.checkpoint_minutes))
             if signum and r + 1 < config.rounds:
                 path = saved.get(r + 1) or save()
                 name = signal.Signals(signum).name
@@ -488,6 +539,8 @@ def _run_rounds(exp: Experiment, config: RunConfig, out: Path, counters: Counter
                 raise Interrupted(f"{name}: stopped after round {r + 1} of {config.rounds}; checkpoint saved in "
                                   f"{path}; continue with --resume {out}", signum)
         return finish("completed")
+    except SaveLostAProcess as err:
+        raise failed(ProcessLost(_one_line(err))) from None
     except (CheckpointError, RunWriteError, OSError) as err:
         raise failed(RunFailed(_one_line(err))) from None
     except (jax.errors.JaxRuntimeError, ValueError) as err:
@@ -497,7 +550,7 @@ def _run_rounds(exp: Experiment, config: RunConfig, out: Path, counters: Counter
         first = next((line for line in str(err).splitlines() if line.strip()), type(err).__name__)
         message = (f"another process stopped while {stop.waiting_for} ({first[:200]}); every process stops; "
                    + (f"resume from round {max(saved)} with --resume {out}" if saved else
-                      "no checkpoint was saved: start again with --overwrite (and --checkpoint-every)"))
+                      f"no checkpoint was saved yet: --resume {out} runs it again from round 1"))
         raise failed(ProcessLost(message)) from None
     finally:  # the trackers elsewhere end their runs whatever ended this one (a no-op where `finish` did)
         if trackers is not None:

@@ -49,6 +49,7 @@ import time
 from pathlib import Path
 from typing import Any, Sequence
 
+from fedjax_sparse.run.signals import SIGNALS
 from fedjax_sparse.run.sweep_table import plot_sweep, point_row, run_figures, write_table
 from fedjax_sparse.run.trackers import SWEEP_ENV
 
@@ -614,8 +615,7 @@ def _sweep(plan: Plan, parallel: int) -> int:
         raise _Stop(signum)
 
     # a SIGHUP ignored from the start (nohup) stays ignored, as a run leaves it (`run.signals`)
-    previous = {s: signal.signal(s, stop) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
-                if signal.getsignal(s) is not signal.SIG_IGN}
+    previous = {s: signal.signal(s, stop) for s in SIGNALS if signal.getsignal(s) is not signal.SIG_IGN}
     try:
         if plan.search is None:
             points = [(point_name(v), v) for v in plan.points]
