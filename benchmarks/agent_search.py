@@ -42,7 +42,7 @@ import numpy as np
 from fedjax_sparse.agent import AgentConfig
 from fedjax_sparse.algorithms import make_options
 from fedjax_sparse.algorithms.spatl import agent_policy, encoder_layers
-from fedjax_sparse.core.compilation import jit
+from fedjax_sparse.core.round.compilation import jit
 from fedjax_sparse.data.federated import federated_split
 from fedjax_sparse.models import get_model
 

@@ -2,7 +2,7 @@
 
 The question these methods exist for: how much sooner, in wall-clock on slow devices and links, does a sparse
 method reach an accuracy? Every client's round time is its counted training FLOPs over its device's speed, plus
-its counted bytes over its link's bandwidth, plus latency (`fedjax_sparse.core.clock`); a synchronous round lasts
+its counted bytes over its link's bandwidth, plus latency (`fedjax_sparse.core.federation.clock`); a synchronous round lasts
 until its last aggregated client returns, or until the deadline where a client did not make it (its update is
 lost). The columns: `seconds_to_0.9x_fedavg` (simulated seconds until the personalized accuracy first reaches 90 %
 of FedAvg's final one, averaged over the seeds), `simulated_seconds` (the whole run), `updates_lost_share` (the

@@ -1,9 +1,17 @@
-"""Libraries' log lines the library reports itself, or that are no concern of the user's, held back."""
+"""What the library says to the user (one line, clear of any progress bar), and the libraries' log lines it
+reports itself, or that are no concern of the user's, held back."""
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import sys
+
+
+def say(message: str) -> None:
+    """One line to the user on stderr, clear of any progress bar."""
+    from tqdm.auto import tqdm
+    tqdm.write(f"fedjax-sparse: {message}", file=sys.stderr)
 
 
 @contextlib.contextmanager

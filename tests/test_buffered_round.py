@@ -1,4 +1,4 @@
-"""Asynchronous rounds (FedBuff, `core.buffered_round`): against synchronous FedAvg, a timeline worked out
+"""Asynchronous rounds (FedBuff, `core.round.buffered`): against synchronous FedAvg, a timeline worked out
 by hand, exact resume, and what they refuse."""
 
 import jax
@@ -11,14 +11,14 @@ from fedjax_sparse.algorithms.fedldf import fedldf
 from fedjax_sparse.algorithms.fednova import fednova
 from fedjax_sparse.algorithms.feddyn import FedDynOptions, feddyn
 from fedjax_sparse.algorithms.scaffold import scaffold
-from fedjax_sparse.core.algorithm import BuildContext
-from fedjax_sparse.core.buffered_round import Buffering, BufferedRound, check_buffered
-from fedjax_sparse.core.client_store import DeviceStore, initial_server_state
-from fedjax_sparse.core.clock import DeviceProfile, ProfileDistribution, Stragglers, read_profile_file
-from fedjax_sparse.core.local_training import LocalSGD
-from fedjax_sparse.core.participation import poisson_sampler, sampling_order, uniform_sampler
-from fedjax_sparse.core.round import RoundConditions, build_round, client_keys
-from fedjax_sparse.core.server_optimizer import server_optimizer
+from fedjax_sparse.core.contract.algorithm import BuildContext
+from fedjax_sparse.core.round.buffered import Buffering, BufferedRound, check_buffered
+from fedjax_sparse.core.client_state.store import DeviceStore, initial_server_state
+from fedjax_sparse.core.federation.clock import DeviceProfile, ProfileDistribution, Stragglers, read_profile_file
+from fedjax_sparse.core.round.local_training import LocalSGD
+from fedjax_sparse.core.federation.participation import poisson_sampler, sampling_order, uniform_sampler
+from fedjax_sparse.core.round.step import RoundConditions, build_round, client_keys
+from fedjax_sparse.building_blocks.server_optimizer import server_optimizer
 from fedjax_sparse.models import get_model
 from fedjax_sparse.run.cli import main
 

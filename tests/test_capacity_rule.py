@@ -15,15 +15,15 @@ from test_structure import zoo_model
 
 from conftest import initialized
 from fedjax_sparse.algorithms import make_algorithm, make_options
-from fedjax_sparse.core.algorithm import BuildContext
-from fedjax_sparse.core.clock import PRESETS, DeviceProfile, ProfileDistribution, Stragglers, device_profile
-from fedjax_sparse.core.flops import forward_flops
-from fedjax_sparse.core.local_training import LocalSGD
-from fedjax_sparse.core.messages import message_bytes
-from fedjax_sparse.core.participation import uniform_sampler
-from fedjax_sparse.core.round import RoundConditions, build_round, round_info
-from fedjax_sparse.core.unit_masks import variable_masks
-from fedjax_sparse.core.unit_selection import keep_top_units, prefix_scores, random_scores
+from fedjax_sparse.core.contract.algorithm import BuildContext
+from fedjax_sparse.core.federation.clock import PRESETS, DeviceProfile, ProfileDistribution, Stragglers, device_profile
+from fedjax_sparse.core.structure.flops import forward_flops
+from fedjax_sparse.core.round.local_training import LocalSGD
+from fedjax_sparse.core.messages.pricing import message_bytes
+from fedjax_sparse.core.federation.participation import uniform_sampler
+from fedjax_sparse.core.round.step import RoundConditions, build_round, round_info
+from fedjax_sparse.core.structure.unit_masks import variable_masks
+from fedjax_sparse.core.structure.unit_selection import keep_top_units, prefix_scores, random_scores
 from fedjax_sparse.models import MODEL_NAMES, get_model
 from fedjax_sparse.run.cli import main
 

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from fedjax_sparse.algorithms import fedavg, registry
-from fedjax_sparse.core.algorithm import AlgorithmSpec, NoOptions
+from fedjax_sparse.core.contract.algorithm import AlgorithmSpec, NoOptions
 from fedjax_sparse.run.cli import main
 from fedjax_sparse.run.client_metrics import check_stats, client_metrics
 from test_tensorboard import read_scalars

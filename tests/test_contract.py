@@ -10,9 +10,9 @@ import pytest
 from conftest import synthetic_split
 from fedjax_sparse.algorithms import BUILT_IN, fedavg, make_algorithm, make_options
 from fedjax_sparse.algorithms.personalization import PersonalizationOptions, personalize
-from fedjax_sparse.core.algorithm import BuildContext, PrivateSum
-from fedjax_sparse.core.contract import ContractError, check_contract
-from fedjax_sparse.core.local_training import LocalSGD
+from fedjax_sparse.core.contract.algorithm import BuildContext, PrivateSum
+from fedjax_sparse.core.contract.check import ContractError, check_contract
+from fedjax_sparse.core.round.local_training import LocalSGD
 from fedjax_sparse.models import get_model
 
 tree_map = jax.tree_util.tree_map
@@ -121,7 +121,7 @@ def test_a_server_step_may_report_metrics_and_the_run_logs_them(setting, tmp_pat
     figures are FedAvg's."""
     from fedjax_sparse.algorithms import registry  # noqa: PLC0415
     from fedjax_sparse.algorithms.fedavg import FedAvgOptions  # noqa: PLC0415
-    from fedjax_sparse.core.algorithm import AlgorithmSpec, ServerStep  # noqa: PLC0415
+    from fedjax_sparse.core.contract.algorithm import AlgorithmSpec, ServerStep  # noqa: PLC0415
     from fedjax_sparse.run import RunConfig, run_experiment  # noqa: PLC0415
     import json  # noqa: PLC0415
 
@@ -154,7 +154,7 @@ def test_a_server_step_may_report_metrics_and_the_run_logs_them(setting, tmp_pat
 
 def test_a_step_metric_that_is_not_a_scalar_is_refused(setting):
     model, split, local, context, variables = setting
-    from fedjax_sparse.core.algorithm import ServerStep  # noqa: PLC0415
+    from fedjax_sparse.core.contract.algorithm import ServerStep  # noqa: PLC0415
     base = fedavg(local)
     bad = dataclasses.replace(base, server_update=lambda s, u, w, i: ServerStep(base.server_update(s, u, w, i),
                                                                                 {"per_client": w}))
@@ -197,7 +197,7 @@ def test_an_algorithms_shapes_are_traced_once_per_context_and_forgotten_with_it(
     import gc
 
     from conftest import linear_model
-    from fedjax_sparse.core import wrapping
+    from fedjax_sparse.core.contract import wrapping
 
     context = BuildContext(local=LocalSGD(linear_model(), 0.1, 1, 2), num_clients=3, clients_per_round=3, train=None,
                            num_classes=3)
@@ -250,7 +250,7 @@ def test_a_classic_mistake_on_the_command_line_is_one_line_naming_file_line_and_
     """One line naming the function with its file:line (where it is defined, or for a failure the author's line
     it passed through) and the leaf, with JAX's statement whole; FEDJAX_SPARSE_TRACEBACK=1 adds the traceback."""
     from fedjax_sparse.algorithms import registry
-    from fedjax_sparse.core.algorithm import AlgorithmSpec, NoOptions
+    from fedjax_sparse.core.contract.algorithm import AlgorithmSpec, NoOptions
     from fedjax_sparse.run.cli import main
 
     holder = {}

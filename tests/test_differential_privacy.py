@@ -12,12 +12,12 @@ import numpy as np
 import pytest
 
 from fedjax_sparse.algorithms import fedavg, make_algorithm, make_options
-from fedjax_sparse.algorithms.differential_privacy import DifferentialPrivacyOptions, keeps_client_state, privatize
+from fedjax_sparse.privacy.mechanism import DifferentialPrivacyOptions, keeps_client_state, privatize
 from fedjax_sparse.algorithms.fedldf import fedldf_random
-from fedjax_sparse.core.algorithm import BuildContext, server_step
-from fedjax_sparse.core.local_training import LocalSGD
-from fedjax_sparse.core.privacy_accounting import PrivacyLedger, calibrated_noise
-from fedjax_sparse.core.round import client_keys, round_info
+from fedjax_sparse.core.contract.algorithm import BuildContext, server_step
+from fedjax_sparse.core.round.local_training import LocalSGD
+from fedjax_sparse.privacy.accounting import PrivacyLedger, calibrated_noise
+from fedjax_sparse.core.round.step import client_keys, round_info
 from fedjax_sparse.models import get_model
 from fedjax_sparse.run.cli import main
 
@@ -168,8 +168,8 @@ def test_a_round_nobody_took_part_in_is_noised_as_any_other(setting):
     """A Poisson round can draw nobody (here a sampler that dispatches no slot): the private run's model still
     moves by the noise over K, N(0, (z C / 4)^2) per entry, so that it does not tell the round was empty (a plain
     run's stays as it was: tests/test_participation.py)."""
-    from fedjax_sparse.core.participation import Participants, Sampler  # noqa: PLC0415
-    from fedjax_sparse.core.round import RoundConditions, build_round  # noqa: PLC0415
+    from fedjax_sparse.core.federation.participation import Participants, Sampler  # noqa: PLC0415
+    from fedjax_sparse.core.round.step import RoundConditions, build_round  # noqa: PLC0415
 
     model, split, variables = setting
     nobody = Sampler("nobody", 8, False, lambda key, r: Participants(jnp.arange(8), jnp.zeros(8, bool),
@@ -354,7 +354,7 @@ def test_adaptive_clipping_steps_the_norm_toward_the_quantile(setting):
     assert float(metrics["dp_clip_norm"]) == pytest.approx(0.3)  # the norm the clients were sent, released
     assert float(new["dp_clip"]) == pytest.approx(0.3 * math.exp(-0.2 * (under.mean() - 0.5)), rel=1e-6)
     # the count's noise is paid from the same budget: z_delta = (z^-2 - (2 sigma_b)^-2)^(-1/2)
-    from fedjax_sparse.core.privacy_accounting import adaptive_update_noise  # noqa: PLC0415
+    from fedjax_sparse.privacy.accounting import adaptive_update_noise  # noqa: PLC0415
     assert adaptive_update_noise(1.0, 1.0) == pytest.approx((1 - 0.25) ** -0.5)
     with pytest.raises(ValueError, match="--dp-count-noise 0.4 is too small"):
         adaptive_update_noise(1.0, 0.4)

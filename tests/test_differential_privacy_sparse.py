@@ -12,15 +12,15 @@ import numpy as np
 import pytest
 
 from fedjax_sparse.algorithms import fedavg
-from fedjax_sparse.algorithms.differential_privacy import DifferentialPrivacyOptions, private_sum_of, privatize
+from fedjax_sparse.privacy.mechanism import DifferentialPrivacyOptions, private_sum_of, privatize
 from fedjax_sparse.algorithms.fedldf import fedldf
 from fedjax_sparse.algorithms.scaffold import scaffold
 from fedjax_sparse.algorithms.uplink_compression import UplinkCompressionOptions, compress_uplink
-from fedjax_sparse.core.algorithm import BuildContext
-from fedjax_sparse.core.local_training import LocalSGD
-from fedjax_sparse.core.messages import KnownMaskArray, SparseArray, message_bytes
-from fedjax_sparse.core.round import client_keys, round_info
-from fedjax_sparse.core.wrapping import broadcast_shapes, upload_changes, upload_shapes
+from fedjax_sparse.core.contract.algorithm import BuildContext
+from fedjax_sparse.core.round.local_training import LocalSGD
+from fedjax_sparse.core.messages.pricing import KnownMaskArray, SparseArray, message_bytes
+from fedjax_sparse.core.round.step import client_keys, round_info
+from fedjax_sparse.core.contract.wrapping import broadcast_shapes, upload_changes, upload_shapes
 from fedjax_sparse.models import MODEL_NAMES, get_model
 from fedjax_sparse.run.cli import main
 

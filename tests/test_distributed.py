@@ -17,8 +17,8 @@ import pytest
 import distributed_job
 from conftest import SCAFFOLD_ARGS
 from fedjax_sparse.run.cli import main
-from fedjax_sparse.core import distributed
-from fedjax_sparse.core.participation import sample_clients_host
+from fedjax_sparse.core.round import distributed
+from fedjax_sparse.core.federation.participation import sample_clients_host
 
 ROOT = Path(__file__).resolve().parents[1]
 JOB = Path(__file__).resolve().parent / "distributed_job.py"

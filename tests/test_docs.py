@@ -97,7 +97,7 @@ def test_an_options_class_shows_every_option_with_its_flag_default_and_help(site
     Run configuration page said "the fields below" and showed none. Every option of RunConfig and of each
     built-in algorithm's options class is on the page that renders the class, with its flag, help and default."""
     from fedjax_sparse.algorithms import BUILT_IN, get_spec
-    from fedjax_sparse.core.options import flag_name, option_fields, spec_of
+    from fedjax_sparse.core.contract.options import flag_name, option_fields, spec_of
     from fedjax_sparse.run import RunConfig
 
     classes = {RunConfig, *(get_spec(name).options for name in BUILT_IN)}
@@ -157,8 +157,8 @@ def test_the_contracts_types_document_every_field(site):
     """Each field of what an algorithm builds on and receives is named in its class's docstring (BuildContext's
     once listed 7 of its 10; ClientData and Batch none), those classes are on the contract's page, and the
     contract says what a stateless algorithm's `init` returns for its clients."""
-    from fedjax_sparse.core.algorithm import BuildContext, FederatedAlgorithm, RoundInfo, ServerStep, StaleUpload
-    from fedjax_sparse.core.local_training import LocalObjective
+    from fedjax_sparse.core.contract.algorithm import BuildContext, FederatedAlgorithm, RoundInfo, ServerStep, StaleUpload
+    from fedjax_sparse.core.round.local_training import LocalObjective
     from fedjax_sparse.data.federated import Batch, ClientData
 
     for cls in (BuildContext, FederatedAlgorithm, RoundInfo, ServerStep, StaleUpload, LocalObjective, ClientData,
@@ -170,7 +170,7 @@ def test_the_contracts_types_document_every_field(site):
     assert "`{}`" in FederatedAlgorithm.__doc__
     ids = rendered_ids([site / "reference" / "contract" / "index.html"])
     for cls in (BuildContext, RoundInfo, ClientData, Batch):
-        assert f"{cls.__module__}.{cls.__qualname__}" in ids or f"fedjax_sparse.core.algorithm.{cls.__name__}" in ids
+        assert f"{cls.__module__}.{cls.__qualname__}" in ids or f"fedjax_sparse.core.contract.algorithm.{cls.__name__}" in ids
 
 
 def test_the_site_knows_its_address_and_links_the_repositorys_files(site):

@@ -23,7 +23,7 @@ from PIL import Image
 
 from fedjax_sparse.run.cli import main
 from fedjax_sparse.run.folder import LOCK_FILE, RunFolderError, hold_run_folder
-from fedjax_sparse.run.outputs import say
+from fedjax_sparse.console import say
 from fedjax_sparse.run import loop
 from fedjax_sparse.run.signals import StopAfterRound, stop_start_up_at_once
 

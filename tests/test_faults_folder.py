@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from fedjax_sparse.core.client_store import DiskStore
+from fedjax_sparse.core.client_state.store import DiskStore
 from fedjax_sparse.run.cli import main
 from fedjax_sparse.run.folder import LOCK_FILE
 from fedjax_sparse.run.loop import STATUSES

@@ -16,11 +16,11 @@ from conftest import synthetic_split
 from fedjax_sparse.algorithms import BUILT_IN, make_algorithm, make_options
 from fedjax_sparse.algorithms.personalization import PersonalizationOptions, personalize
 from fedjax_sparse.algorithms.uplink_compression import UplinkCompressionOptions, compress_uplink
-from fedjax_sparse.core.algorithm import BuildContext
-from fedjax_sparse.core.contract import ContractError, check_contract
-from fedjax_sparse.core.distributed import ProcessLayout, process_mesh
-from fedjax_sparse.core.local_training import LocalSGD
-from fedjax_sparse.core.round import build_round
+from fedjax_sparse.core.contract.algorithm import BuildContext
+from fedjax_sparse.core.contract.check import ContractError, check_contract
+from fedjax_sparse.core.round.distributed import ProcessLayout, process_mesh
+from fedjax_sparse.core.round.local_training import LocalSGD
+from fedjax_sparse.core.round.step import build_round
 from fedjax_sparse.models import get_model
 from fedjax_sparse.run import RunConfig, build_experiment
 from test_faults import TINY, cli, one_line, records

@@ -1,7 +1,7 @@
 """The launch templates docs/scale.md shows (docs/launch/): the page includes every one of them, and each runs as
 it is meant to. The SLURM batch scripts are run by bash with SLURM's commands stubbed; the srun line they run
 is then given, task by task, the variables SLURM sets for its tasks, and the layout the library derives from
-them (`core.distributed.slurm_local_devices`, JAX's own SLURM detection for the rest) must give every process
+them (`core.round.distributed.slurm_local_devices`, JAX's own SLURM detection for the rest) must give every process
 the same number of GPUs, every GPU of the step to one process, and K a multiple of the devices: under both
 readings of SLURM_GPUS_ON_NODE (the step's GPUs on the node, as srun(1) documents it, or the task's). Tasks
 split unevenly over nodes sharing their GPUs are refused by every task alike, in one line, before any waits.
@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 from jax._src.clusters import ClusterEnv  # what jax.distributed.initialize asks for what it was not given
 
-from fedjax_sparse.core import distributed
+from fedjax_sparse.core.round import distributed
 from fedjax_sparse.run.cli import _config, _parser
 
 ROOT = Path(__file__).resolve().parents[1]

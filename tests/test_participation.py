@@ -12,17 +12,17 @@ from scipy.stats import binom
 
 from fedjax_sparse import plugins
 from fedjax_sparse.algorithms.fedavg import fedavg
-from fedjax_sparse.core.clock import (DeviceProfile, ProfileDistribution, Stragglers, client_seconds, device_profile,
+from fedjax_sparse.core.federation.clock import (DeviceProfile, ProfileDistribution, Stragglers, client_seconds, device_profile,
                                       read_profile_file, round_returns)
-from fedjax_sparse.core.evaluation import client_accuracy_figures
-from fedjax_sparse.core.local_training import LocalSGD
-from fedjax_sparse.core.messages import message_bytes
-from fedjax_sparse.core.participation import (SamplerContext, SamplerSpec, build_sampler, data_size_sampler,
+from fedjax_sparse.core.evaluation.evaluators import client_accuracy_figures
+from fedjax_sparse.core.round.local_training import LocalSGD
+from fedjax_sparse.core.messages.pricing import message_bytes
+from fedjax_sparse.core.federation.participation import (SamplerContext, SamplerSpec, build_sampler, data_size_sampler,
                                               diurnal_online, poisson_sampler, poisson_slots,
                                               read_availability_trace, register_sampler, sample_clients,
                                               uniform_sampler, SAMPLERS)
-from fedjax_sparse.core.round import RoundConditions, build_round, client_keys, round_info
-from fedjax_sparse.core.flops import forward_flops
+from fedjax_sparse.core.round.step import RoundConditions, build_round, client_keys, round_info
+from fedjax_sparse.core.structure.flops import forward_flops
 from fedjax_sparse.models import get_model
 from fedjax_sparse.run.cli import main
 from conftest import synthetic_split
@@ -339,7 +339,7 @@ def test_federation_flags_that_cannot_apply_are_one_line(tmp_path, capsys, flags
 
 
 def test_an_installed_sampler_is_found_through_its_entry_point_and_a_broken_one_skipped(monkeypatch):
-    from fedjax_sparse.core import participation
+    from fedjax_sparse.core.federation import participation
 
     class Entry:
         def __init__(self, name, spec):
@@ -367,7 +367,7 @@ def test_an_installed_sampler_is_found_through_its_entry_point_and_a_broken_one_
 
 
 def test_poisson_slots_split_evenly_over_a_sharded_rounds_devices(monkeypatch):
-    from fedjax_sparse.core.participation import poisson_slots
+    from fedjax_sparse.core.federation.participation import poisson_slots
     from fedjax_sparse.run import federation
     from fedjax_sparse.run.config import RunConfig
 

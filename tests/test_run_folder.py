@@ -235,8 +235,8 @@ def test_a_save_that_cannot_happen_is_an_error(tmp_path):
     import jax
     from conftest import linear_model
     from fedjax_sparse.algorithms import fedavg
-    from fedjax_sparse.core.client_store import make_store
-    from fedjax_sparse.core.local_training import LocalSGD
+    from fedjax_sparse.core.client_state.store import make_store
+    from fedjax_sparse.core.round.local_training import LocalSGD
 
     model = linear_model()
     store = make_store("device", fedavg(LocalSGD(model, 0.1, 1, 2)), jax.random.key(0), model.init(jax.random.key(1)),

@@ -116,7 +116,7 @@ def reporting_fedavg(monkeypatch):
 
     from fedjax_sparse.algorithms import registry
     from fedjax_sparse.algorithms.fedavg import FedAvgOptions, fedavg
-    from fedjax_sparse.core.algorithm import AlgorithmSpec, ServerStep
+    from fedjax_sparse.core.contract.algorithm import AlgorithmSpec, ServerStep
 
     def build(context, options):
         base = fedavg(context.local)

@@ -121,7 +121,7 @@ def fixed_data_order():
     training (`epoch_permutations`, its shuffle) replaced by the identity, as their data loaders are
     replaced by ours. Patched where local training looks it up, for the jit traces made inside."""
     import jax.numpy as jnp
-    from fedjax_sparse.core import local_training
+    from fedjax_sparse.core.round import local_training
 
     original = local_training.epoch_permutations
 

@@ -50,11 +50,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from fedjax_sparse.algorithms.submodels import ServerMemory, SubmodelOptions, submodel_algorithm
-from fedjax_sparse.core.algorithm import AlgorithmSpec, BuildContext, FederatedAlgorithm
-from fedjax_sparse.core.local_training import masked_cross_entropy
-from fedjax_sparse.core.messages import KnownMaskArray
-from fedjax_sparse.core.options import option
-from fedjax_sparse.core.streams import stream_seed
+from fedjax_sparse.core.contract.algorithm import AlgorithmSpec, BuildContext, FederatedAlgorithm
+from fedjax_sparse.core.round.local_training import masked_cross_entropy
+from fedjax_sparse.core.messages.pricing import KnownMaskArray
+from fedjax_sparse.core.contract.options import option
+from fedjax_sparse.core.round.streams import stream_seed
 from fedjax_sparse.data.federated import FederatedSplit, client_label_counts, normalize
 from fedjax_sparse.models.structure import Model
 

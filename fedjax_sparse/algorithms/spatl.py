@@ -5,7 +5,7 @@ Split (section 3.1). Every model names its encoder and predictor in its
 structure description (`Layer.part`; e.g. ResNet-20/32: the three stages are
 the encoder, the stem and the classifier stay private; models no paper splits:
 hidden layers = encoder, output layer = predictor). A variable belongs to the
-part of the layer that owns it (`core.layer_groups.part_labels`): a layer's
+part of the layer that owns it (`core.structure.layer_groups.part_labels`): a layer's
 kernel, bias and normalization, running statistics included. The server holds
 only the encoder and its control variate c_g; a client holds its whole model
 (its private parts and its last local encoder), its control variate c_l
@@ -19,18 +19,18 @@ corrected by c_g - c_l (eq. 9; `gradient_control=False` drops it, section
     c_l+ = c_l - c_g + (w_g - w_e) / (a x lr)                                    (eq. 10)
 The paper writes E (local epochs) for a; we read it as SCAFFOLD's option II
 count the equation comes from, the number of local steps, momentum-aware
-(`LocalSGD.effective_steps`, `core.control_variates`): divided by epochs, c_l
+(`LocalSGD.effective_steps`, `building_blocks.control_variates`): divided by epochs, c_l
 would be the sum of an epoch's gradients rather than their mean, ~steps-per-
 epoch times too large for c to correct a gradient with.
 
 Salient selection. A policy gives a keep ratio per encoder layer; within a
 layer the units with the largest L2 norm of their incoming weights are kept
-(`core.unit_selection.keep_top_units`, a residual unit_group ranked by its
+(`core.structure.unit_selection.keep_top_units`, a residual unit_group ranked by its
 members' summed norms at the mean of their ratios). Policy `fixed`: one ratio
 for every layer, `salient_keep`, or by default the largest uniform ratio whose
 masks cut the encoder's FLOPs by at least `flops_reduction` (default 0.2, the
 official code's target), counted with the inputs a pruned unit removes from its
-consumers (`core.flops`, count_inputs=True). Policy `agent`: each client's GNN-PPO
+consumers (`core.structure.flops`, count_inputs=True). Policy `agent`: each client's GNN-PPO
 agent (`fedjax_sparse.agent`, `agent_policy`), rewarded by the accuracy of the
 candidate sub-model on a held-out share of the client's own data (the paper's
 "validation dataset"; `agent_validation_fraction`, kept out of local training):
@@ -41,7 +41,7 @@ image folder would be one class.
 Messages. Down: the encoder (weights and BatchNorm statistics) and c_g, dense.
 Up: the kept units' encoder values (their kernel entries from kept inputs,
 biases, normalization parameters and statistics) as unit-structured sparse
-leaves (`core.messages.unit_sparse`: the server learns which units were kept
+leaves (`core.messages.pricing.unit_sparse`: the server learns which units were kept
 from the message and pays, once per layer, the cheaper of a bitmask over the
 layer's units and a list of their ids, as eq. 12 indexes filters), and the
 control delta Delta c = c_l+ - c_l, dense (Algorithm 2 sends it whole).
@@ -54,7 +54,7 @@ so an entry sent by few clients moves a fraction of the way. Options:
 `masked_mean` (per entry, w_g + eta_g (mean over the clients that sent it - w_g))
 and `fedavg` (what the official code does: clients send whole encoders, the
 data-weighted mean replaces w_g). The step on the encoder's weights is the server
-optimizer's (`core.server_optimizer`, on the mean delta of the rule: sgd at
+optimizer's (`building_blocks.server_optimizer`, on the mean delta of the rule: sgd at
 --server-lr eta_g by default, i.e. the rules above; entries nobody sent keep their
 value and optimizer state); its BatchNorm statistics, not gradients, take the rule's
 result at eta_g = 1. Then c_g <- c_g + (1/N) sum_k Delta c_k (eq. 11).
@@ -97,18 +97,18 @@ import numpy as np
 
 from fedjax_sparse.agent import (AgentConfig, AgentState, GraphTemplate, PruningEnv, init_agent, load_agent,
                                  search, unit_norm_statistics)
-from fedjax_sparse.core.aggregation import masked_mean, present_only, uniform_mean, weighted_mean
-from fedjax_sparse.core.algorithm import AlgorithmSpec, BuildContext, FederatedAlgorithm, replicate
-from fedjax_sparse.core.control_variates import control_update, corrected_gradients, server_control_update
-from fedjax_sparse.core.flops import layer_forward_flops
-from fedjax_sparse.core.model_parts import overlay, part_labels, take_part
-from fedjax_sparse.core.local_training import LocalObjective, LocalSGD
-from fedjax_sparse.core.messages import SparseArray, unit_sparse
-from fedjax_sparse.core.options import option
-from fedjax_sparse.core.server_optimizer import ServerOptimizerOptions, from_options
-from fedjax_sparse.core.unit_masks import full_unit_masks, variable_masks
-from fedjax_sparse.core.unit_selection import keep_top_units, prefix_scores
-from fedjax_sparse.core.streams import stream_key, stream_seed
+from fedjax_sparse.core.messages.aggregation import masked_mean, present_only, uniform_mean, weighted_mean
+from fedjax_sparse.core.contract.algorithm import AlgorithmSpec, BuildContext, FederatedAlgorithm, replicate
+from fedjax_sparse.building_blocks.control_variates import control_update, corrected_gradients, server_control_update
+from fedjax_sparse.core.structure.flops import layer_forward_flops
+from fedjax_sparse.core.structure.model_parts import overlay, part_labels, take_part
+from fedjax_sparse.core.round.local_training import LocalObjective, LocalSGD
+from fedjax_sparse.core.messages.pricing import SparseArray, unit_sparse
+from fedjax_sparse.core.contract.options import option
+from fedjax_sparse.building_blocks.server_optimizer import ServerOptimizerOptions, from_options
+from fedjax_sparse.core.structure.unit_masks import full_unit_masks, variable_masks
+from fedjax_sparse.core.structure.unit_selection import keep_top_units, prefix_scores
+from fedjax_sparse.core.round.streams import stream_key, stream_seed
 from fedjax_sparse.data.federated import ClientData, FederatedSplit, epoch_permutations, normalize
 from fedjax_sparse.data.partition import stratified_holdout
 from fedjax_sparse.models.structure import ModelStructure, get_path
@@ -146,7 +146,7 @@ class SPATLOptions(ServerOptimizerOptions):
                                                 "candidate sub-model each round", low=1)
 
     def ignored(self) -> dict[str, str]:
-        """Options the chosen policy (and server optimizer) does not read (`core.options.refuse_ignored`)."""
+        """Options the chosen policy (and server optimizer) does not read (`core.contract.options.refuse_ignored`)."""
         out = super().ignored()
         if self.salient_policy == "agent":
             out["salient_keep"] = ("is the fixed policy's keep ratio; --salient-policy agent searches its own "
@@ -437,7 +437,7 @@ def spatl(context: BuildContext, options: SPATLOptions, policy: SalientPolicy | 
                                      stats["num_steps"], info.index)
         policy_state, ratios, policy_metrics = policy.select(state["policy"], trained, validation, policy_key)
         masks = salient_masks(structure, trained["params"], ratios, layers)
-        # priced per layer as its kept units' index once plus the values (core.messages.unit_sparse);
+        # priced per layer as its kept units' index once plus the values (core.messages.pricing.unit_sparse);
         # fedavg sends every unit, which prices as the dense encoder
         sent = encoder_of(unit_sparse(structure, trained,
                                       full_unit_masks(structure) if options.spatl_aggregation == "fedavg" else masks))

@@ -1,22 +1,22 @@
 """The pieces an algorithm author needs, in one place (each lives, and is documented, in its core module).
 
-Model parts (`core.model_parts`)
+Model parts (`core.structure.model_parts`)
     part_labels, take_part, overlay, merge: a model's encoder/predictor/... parts as nested dicts,
     taken out, put back and joined (SPATL's encoder, FedPer's predictor, FedBN's norms).
-Messages and their price (`core.messages`, `core.compression`)
+Messages and their price (`core.messages.pricing`, `core.messages.compression`)
     SparseArray (values at a mask; `SparseArray.from_indices`), KnownMaskArray (positions the
     receiver knows), Known (free), CodedMask (an arithmetic-coded bit mask), QuantizedArray, and
     message_bytes, which prices any of them inside jit; top_k, random_k, stochastic_quantization,
     error_feedback, decompressed: the standard uplink compressors.
-Local objectives (`core.local_training`)
+Local objectives (`core.round.local_training`)
     LocalSGD.train with a LocalObjective (a forward pass of its own, an extra loss, a gradient
     correction, an update mask, a projection after each step, another optimizer); proximal_term.
-Aggregation and the server's step (`core.aggregation`, `core.server_optimizer`)
+Aggregation and the server's step (`core.messages.aggregation`, `building_blocks.server_optimizer`)
     weighted_mean, masked_mean, mean_of_sent, uniform_mean, present_sum, present_only (the reductions over
     the clients taking part, `RoundInfo.participating`); ServerOptimizer (init_state, step_toward, apply: the
     FedOpt step on the mean delta, over held entries only), STATE_KEY, without_optimizer_state;
     ServerStep: a server update's new state with metrics of its step, logged every round.
-Unit masks and sub-models (`core.unit_masks`, `core.unit_selection`)
+Unit masks and sub-models (`core.structure.unit_masks`, `core.structure.unit_selection`)
     full_unit_masks, variable_masks, keep_top_units, prefix_scores: structured sparsity on any model
     of the zoo.
 
@@ -34,20 +34,20 @@ The tutorial "Write your own algorithm" (docs/) builds top-k FedAvg with error f
 FedPer from these pieces.
 """
 
-from fedjax_sparse.core.aggregation import (masked_mean, mean_of_sent, present_only, present_sum, uniform_mean,
+from fedjax_sparse.core.messages.aggregation import (masked_mean, mean_of_sent, present_only, present_sum, uniform_mean,
                                            weighted_mean)
-from fedjax_sparse.core.algorithm import (AlgorithmSpec, BuildContext, FederatedAlgorithm, NoOptions, RoundInfo,
+from fedjax_sparse.core.contract.algorithm import (AlgorithmSpec, BuildContext, FederatedAlgorithm, NoOptions, RoundInfo,
                                           ServerStep, replicate)
-from fedjax_sparse.core.compression import decompressed, error_feedback, random_k, stochastic_quantization, top_k
-from fedjax_sparse.core.local_training import LocalObjective, LocalSGD, proximal_term
-from fedjax_sparse.core.messages import (CodedMask, Known, KnownMaskArray, QuantizedArray, SparseArray,
+from fedjax_sparse.core.messages.compression import decompressed, error_feedback, random_k, stochastic_quantization, top_k
+from fedjax_sparse.core.round.local_training import LocalObjective, LocalSGD, proximal_term
+from fedjax_sparse.core.messages.pricing import (CodedMask, Known, KnownMaskArray, QuantizedArray, SparseArray,
                                          message_bytes)
-from fedjax_sparse.core.model_parts import merge, overlay, part_labels, take_part
-from fedjax_sparse.core.options import option
-from fedjax_sparse.core.server_optimizer import (STATE_KEY, ServerOptimizer, ServerOptimizerOptions, from_options,
+from fedjax_sparse.core.structure.model_parts import merge, overlay, part_labels, take_part
+from fedjax_sparse.core.contract.options import option
+from fedjax_sparse.building_blocks.server_optimizer import (STATE_KEY, ServerOptimizer, ServerOptimizerOptions, from_options,
                                                  server_optimizer, without_optimizer_state)
-from fedjax_sparse.core.unit_masks import full_unit_masks, variable_masks
-from fedjax_sparse.core.unit_selection import keep_top_units, prefix_scores
+from fedjax_sparse.core.structure.unit_masks import full_unit_masks, variable_masks
+from fedjax_sparse.core.structure.unit_selection import keep_top_units, prefix_scores
 
 __all__ = [
     "AlgorithmSpec", "BuildContext", "CodedMask", "FederatedAlgorithm", "Known", "KnownMaskArray", "LocalObjective",

@@ -18,8 +18,8 @@ from typing import Any
 import chex
 import jax
 
-from fedjax_sparse.core.aggregation import present_sum
-from fedjax_sparse.core.local_training import LocalSGD
+from fedjax_sparse.core.messages.aggregation import present_sum
+from fedjax_sparse.core.round.local_training import LocalSGD
 
 tree_map = jax.tree_util.tree_map
 

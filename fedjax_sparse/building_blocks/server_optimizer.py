@@ -43,7 +43,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from fedjax_sparse.core.options import option
+from fedjax_sparse.core.contract.options import option
 
 tree_map = jax.tree_util.tree_map
 
@@ -71,7 +71,7 @@ class ServerOptimizerOptions:
                                    low=0.0, low_open=True)
 
     def ignored(self) -> dict[str, str]:
-        """The server optimizer's flags that the chosen one does not read (`core.options.refuse_ignored`);
+        """The server optimizer's flags that the chosen one does not read (`core.contract.options.refuse_ignored`);
         a subclass with its own adds them to these."""
         readers = {"server_momentum": ("momentum",), "server_beta1": ("adagrad", "adam", "yogi"),
                    "server_beta2": ("adam", "yogi"), "server_epsilon": ("adagrad", "adam", "yogi")}

@@ -15,10 +15,10 @@ for clip norm C); the rounds compose. The events given to the accountant:
       nothing): Gaussian(z / 2) composed over every round (any two updates of one client are 2 C apart),
       a client's worst case of taking part in all;
   unamplified (K of N without replacement, for clients that keep state between rounds: the proof of
-      amplification does not hold for them, `algorithms.differential_privacy`): the same event as local
+      amplification does not hold for them, `privacy.mechanism`): the same event as local
       noise's, Gaussian(z / 2) composed over every round, with the central noise z C on the sum.
 These are a plain sum's sensitivities (`ACCOUNTED_SENSITIVITY`). An algorithm whose sums move further (FedLDF's
-by 2 C where a client is added: `core.algorithm.PrivateSum`) is noised by the privacy wrapper in proportion,
+by 2 C where a client is added: `core.contract.algorithm.PrivateSum`) is noised by the privacy wrapper in proportion,
 so that the events above, of multiplier z, stay true of it.
 
 Adaptive clipping (`count_noise`, Andrew et al. 2021) releases a second sum each round: the count of clients
@@ -40,7 +40,7 @@ import dataclasses
 import logging
 import math
 
-from fedjax_sparse.core.quiet_logs import quieted
+from fedjax_sparse.console import quieted
 
 ACCOUNTANTS = ("rdp", "pld")
 SAMPLINGS = ("poisson", "uniform", "local", "unamplified")
@@ -49,7 +49,7 @@ RELATION = {"poisson": "add_or_remove", "uniform": "replace_one", "local": "repl
 # the neighbouring relation each sampling is accounted under, and the sensitivity (in clip norms) of the sum that a
 # noise of standard deviation z C is accounted against in it: a plain sum of clipped updates moves by C where a
 # client is added or removed, by 2 C where one is replaced. An algorithm whose sums move otherwise (FedLDF's,
-# `core.algorithm.PrivateSum`) scales its noise by its own sensitivity over this one.
+# `core.contract.algorithm.PrivateSum`) scales its noise by its own sensitivity over this one.
 ACCOUNTED_SENSITIVITY = {"add_or_remove": 1.0, "replace_one": 2.0}
 MAX_NOISE_MULTIPLIER = 1e4
 

@@ -8,9 +8,9 @@ import dataclasses
 import math
 from typing import Callable
 
-from fedjax_sparse.core.privacy_accounting import (PrivacyLedger, adaptive_update_noise, calibrated_noise,
+from fedjax_sparse.privacy.accounting import (PrivacyLedger, adaptive_update_noise, calibrated_noise,
                                                    count_noise_of, default_delta)
-from fedjax_sparse.run.outputs import say
+from fedjax_sparse.console import say
 
 
 def privacy_ledger(config, keeps_state: Callable[[], bool]) -> PrivacyLedger | None:

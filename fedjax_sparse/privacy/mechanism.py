@@ -4,7 +4,7 @@ clients' changes.
 DP-FedAvg (McMahan et al., ICLR 2018), as one wrapper around the algorithm's own functions:
 
     client k:  Delta_k = its upload's released change (upload - broadcast for a leaf that is a new value of
-               one the server sent, the leaf itself for a delta: `core.wrapping.UploadChanges`);
+               one the server sent, the leaf itself for a delta: `core.contract.wrapping.UploadChanges`);
                Delta_k <- Delta_k min(1, C / ||Delta_k||)            (`flat`: one L2 norm over all of it)
                or each layer to C / sqrt(L) (`per_layer`: its L layers' bounds add up to C in L2);
                `local` noise: Delta_k + N(0, z^2 C^2), each client its own (no trusted server);
@@ -19,11 +19,11 @@ DP-FedAvg (McMahan et al., ICLR 2018), as one wrapper around the algorithm's own
                the mean) then reads the noised sum, not K' / K of it, which would tell K'. A round nobody
                took part in is noised as any other (`steps_when_empty`): an unchanged model would tell it.
 
-What the wrapper reads of the algorithm is its `core.algorithm.PrivateSum`: which leaves are released and
+What the wrapper reads of the algorithm is its `core.contract.algorithm.PrivateSum`: which leaves are released and
 of what they are changes, how it may be clipped, the denominator, and s, how far (in clip norms) one client
 moves the sums. A server reading the plain mean (`aggregates_mean`: FedAvg, FedProx, FedDyn, SCAFFOLD,
 SpaFL) is a plain sum: s = 1 where a client is added or removed, 2 where it is replaced, the sensitivities
-`core.privacy_accounting` accounts a noise of z C against; an algorithm whose sums move by s C gets the
+`privacy.accounting` accounts a noise of z C against; an algorithm whose sums move by s C gets the
 noise s z C over the accounted sensitivity, so the accountant's z remains the noise over the true one.
 Each declaration's argument is in its algorithm's file:
 
@@ -40,7 +40,7 @@ Each declaration's argument is in its algorithm's file:
     client-chosen indexes bare.
 
 Since the algorithm reads the uploads only through those sums, what it releases is a function of the
-noised sums: the subsampled Gaussian mechanism `core.privacy_accounting` accounts, recorded every round. A
+noised sums: the subsampled Gaussian mechanism `privacy.accounting` accounts, recorded every round. A
 client's message may depend on its own state (SCAFFOLD's control variate, SpaFL's personal model, FedDyn's
 correction, error feedback's residual), so on its own past rounds, which are not released. Under Poisson
 sampling the account holds against an adversary shown more than the run releases: every other client's
@@ -86,7 +86,7 @@ family's masked means, SPATL's selected channels, FedPM's masks, FedNova's norma
 baselines), uploads holding integer, quantized or coded leaves (`qsgd`), local noise where the upload holds
 client-chosen indexes or feedback, flat clipping where the declaration needs it per layer, central noise on
 clients that keep state accounted as amplified by sampling K of N, and a `PrivateSum` that cannot describe the upload
-(`core.contract.check_private_sum`).
+(`core.contract.check.check_private_sum`).
 """
 
 from __future__ import annotations
@@ -96,13 +96,13 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from fedjax_sparse.core.algorithm import BuildContext, FederatedAlgorithm, PrivateSum, ServerStep, server_step
-from fedjax_sparse.core.contract import check_private_sum
-from fedjax_sparse.core.messages import PRICED_LEAVES, KnownMaskArray, SparseArray
-from fedjax_sparse.core.options import option
-from fedjax_sparse.core.privacy_accounting import (ACCOUNTANTS, ACCOUNTED_SENSITIVITY, RELATION, adaptive_update_noise,
+from fedjax_sparse.core.contract.algorithm import BuildContext, FederatedAlgorithm, PrivateSum, ServerStep, server_step
+from fedjax_sparse.core.contract.check import check_private_sum
+from fedjax_sparse.core.messages.pricing import PRICED_LEAVES, KnownMaskArray, SparseArray
+from fedjax_sparse.core.contract.options import option
+from fedjax_sparse.privacy.accounting import (ACCOUNTANTS, ACCOUNTED_SENSITIVITY, RELATION, adaptive_update_noise,
                                                    count_noise_of)
-from fedjax_sparse.core.wrapping import (broadcast_shapes, flat_leaves, on_values, state_shapes, upload_changes,
+from fedjax_sparse.core.contract.wrapping import (broadcast_shapes, flat_leaves, on_values, state_shapes, upload_changes,
                                          upload_shapes)
 
 NOISE_STREAM = 0x6470  # a client's round key, or the server's, folded with this draws its Gaussian noise

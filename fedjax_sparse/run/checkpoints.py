@@ -6,7 +6,7 @@ the run's byte counters. Randomness needs no saving: clients, batches and
 augmentation are drawn from keys derived from (seed, round, client), so a
 resumed run draws exactly what the uninterrupted run would have.
 
-The client states are their store's snapshot (`core.client_store`), an item of
+The client states are their store's snapshot (`core.client_state.store`), an item of
 the checkpoint that every process writes for the clients it holds
 (`client_states/client_states.{p}-of-{P}`) before orbax commits the checkpoint;
 the disk store's snapshot is its slot map, its rows staying in the store's file
@@ -29,7 +29,7 @@ would leave a run believing it had saved.
 
 Every byte a checkpoint covers is checksummed (CRC-32) when it is written and
 checked before it is read: the client-state snapshots and the disk store's rows
-by the store (`core.store_snapshots`), orbax's files by `checksums.json`, which
+by the store (`core.client_state.snapshots`), orbax's files by `checksums.json`, which
 process 0 writes into the checkpoint's folder once orbax has committed it. A
 changed byte is refused in one line naming the file and the checkpoint, before
 orbax reads it: orbax restores a flipped byte of an array's data silently, and
@@ -55,7 +55,7 @@ threads print as they fail after it (tensorstore's writes completing into orbax'
 closed event loop) is dropped for the rest of the process, as after a failed read
 (`_orbax_io`). Where a process of several stopped answering during the save (the
 others wait for it at orbax's barriers, which time out after the processes'
-meeting time, `core.distributed.meeting_timeout`), the error is a `SaveLostAProcess`.
+meeting time, `core.round.distributed.meeting_timeout`), the error is a `SaveLostAProcess`.
 """
 
 from __future__ import annotations
@@ -75,10 +75,10 @@ from typing import Any
 import jax
 import orbax.checkpoint as ocp
 
-from fedjax_sparse.core.client_store import ClientStore, DeviceStore, DiskStore
-from fedjax_sparse.core.distributed import meeting_timeout
-from fedjax_sparse.core.quiet_logs import quieted
-from fedjax_sparse.core.store_snapshots import SnapshotError, damaged, file_crc32, replace_rows
+from fedjax_sparse.core.client_state.store import ClientStore, DeviceStore, DiskStore
+from fedjax_sparse.core.round.distributed import meeting_timeout
+from fedjax_sparse.console import quieted
+from fedjax_sparse.core.client_state.snapshots import SnapshotError, damaged, file_crc32, replace_rows
 from fedjax_sparse.run.faults import fault_point
 from fedjax_sparse.run.outputs import replace_atomically
 
@@ -91,7 +91,7 @@ RESUMABLE_CHANGES = ("rounds", "out", "checkpoint_every", "checkpoint_minutes", 
                      "download", "tensorboard", "client_store", "cpu_devices", "device_split", "logger",
                      "mlflow_tracking_uri", "wandb_project")
 ASYNC_TIMEOUT_S = 60  # orbax's waits on its background save (its default: 20 minutes); with several processes,
-# the time they have to meet (`core.distributed.meeting_timeout`, below JAX's heartbeat)
+# the time they have to meet (`core.round.distributed.meeting_timeout`, below JAX's heartbeat)
 KEEP = 2  # checkpoints kept; the disk client store never overwrites the rows they refer to
 CLIENT_STATES = "client_states"  # the checkpoint's item holding the client-state snapshots
 CHECKSUMS = "checksums.json"  # in a checkpoint's folder: the CRC-32 of each of orbax's files there

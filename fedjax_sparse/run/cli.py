@@ -3,7 +3,7 @@
 The flags are built from the option declarations: the run's shared options
 (`run.config.RunConfig`) and each algorithm's own dataclass. A flag is refused
 when the chosen algorithm does not read it, or when its other options make it
-ignore it (`core.options.refuse_ignored`), so a mistyped setting never passes
+ignore it (`core.contract.options.refuse_ignored`), so a mistyped setting never passes
 silently. The launch flags of a run over several processes (`--coordinator`,
 `--num-processes`, `--process-id`, `--cluster`, `--launch-timeout`) belong to
 the process, not the run: they are not saved with its config, and a resumed
@@ -38,8 +38,8 @@ def _warn_refused() -> None:
 
 def _run_parser(sub) -> argparse.ArgumentParser:
     from fedjax_sparse.algorithms import algorithm_names, option_users, refused, registered, reserve
-    from fedjax_sparse.core.distributed import DEFAULT_TIMEOUT_S, LAUNCH_FAILURE_EXIT
-    from fedjax_sparse.core.options import add_flags
+    from fedjax_sparse.core.round.distributed import DEFAULT_TIMEOUT_S, LAUNCH_FAILURE_EXIT
+    from fedjax_sparse.core.contract.options import add_flags
     from fedjax_sparse.run import RunConfig
 
     p = sub.add_parser("run", help="run one federated experiment", epilog=_HELP_EPILOG, before_help=_warn_refused)
@@ -119,8 +119,8 @@ def _config(args: argparse.Namespace):
     """The run's config: the flags given, over a --config file's options, or for --resume over the saved config."""
     from fedjax_sparse.algorithms import UnknownAlgorithm, get_spec, option_users
     from fedjax_sparse.run.checkpoints import RunCheckpointer, has_checkpoints
-    from fedjax_sparse.core.options import flag_name, refuse_ignored
-    from fedjax_sparse.run.outputs import say
+    from fedjax_sparse.core.contract.options import flag_name, refuse_ignored
+    from fedjax_sparse.console import say
     from fedjax_sparse.run.folder import read_saved_config
     from fedjax_sparse.run import SHARED_OPTIONS, RunConfig
 
@@ -174,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _launch(args: argparse.Namespace) -> int:
     """Joins the run's other processes (before any other JAX call); returns this process's index."""
-    from fedjax_sparse.core.distributed import LaunchError, initialize
+    from fedjax_sparse.core.round.distributed import LaunchError, initialize
 
     if args.launch_timeout < 1:
         raise LaunchError(f"--launch-timeout must be >= 1 second, got {args.launch_timeout}")
@@ -234,13 +234,13 @@ def _main(argv: list[str] | None) -> int:
     follow_parent()
     args = _parser().parse_args(argv)
 
-    from fedjax_sparse.core.cpu_round import use_cpu_cores
+    from fedjax_sparse.core.round.cpu import use_cpu_cores
     from fedjax_sparse.run import DivergenceError, Interrupted, RunFailed, run_experiment
     from fedjax_sparse.run.loop import ProcessLost
     from fedjax_sparse.run.checkpoints import CheckpointError, io_reason
     from fedjax_sparse.run.outputs import RunWriteError
     try:
-        if args.coordinator is None and not args.cluster:  # one process: a CPU device per core (core.cpu_round)
+        if args.coordinator is None and not args.cluster:  # one process: a CPU device per core (core.round.cpu)
             use_cpu_cores(getattr(args, "cpu_devices", None))
         lead = _launch(args) == 0
         if args.allow_data_change and args.resume is None:
@@ -257,7 +257,7 @@ def _main(argv: list[str] | None) -> int:
         sys.stderr.flush()
         os._exit(2)
     except (ValueError, FileNotFoundError, DivergenceError, CheckpointError, RunFailed, RunWriteError) as e:
-        from fedjax_sparse.core.contract import TRACEBACK_VARIABLE
+        from fedjax_sparse.core.contract.check import TRACEBACK_VARIABLE
 
         if os.environ.get(TRACEBACK_VARIABLE, "") not in ("", "0"):  # the whole story, then the one line
             traceback.print_exception(e)

@@ -8,13 +8,13 @@ from typing import Any
 
 from fedjax_sparse.algorithms import (ENTRY_POINT_GROUP, UnknownAlgorithm, flags_of, get_spec, make_options,
                                      option_users, options_dict, refused, registered, reserve)
-from fedjax_sparse.algorithms.differential_privacy import DifferentialPrivacyOptions
+from fedjax_sparse.privacy.mechanism import DifferentialPrivacyOptions
 from fedjax_sparse.algorithms.personalization import PersonalizationOptions
 from fedjax_sparse.algorithms.uplink_compression import UplinkCompressionOptions
-from fedjax_sparse.core.client_store import BACKENDS
-from fedjax_sparse.core.device_split import SPLITS
-from fedjax_sparse.core.numerics import MATMUL_PRECISIONS, PRECISION_ALIASES, Numerics
-from fedjax_sparse.core.options import (check_value, coerce, option, option_fields, refuse_unread_values, spec_of,
+from fedjax_sparse.core.client_state.store import BACKENDS
+from fedjax_sparse.core.round.device_split import SPLITS
+from fedjax_sparse.core.round.numerics import MATMUL_PRECISIONS, PRECISION_ALIASES, Numerics
+from fedjax_sparse.core.contract.options import (check_value, coerce, option, option_fields, refuse_unread_values, spec_of,
                                         validate)
 from fedjax_sparse.data.partition import METHODS, NATURAL
 from fedjax_sparse.data.sources import has_own_clients
@@ -217,7 +217,7 @@ class RunConfig(TrackerOptions, FederationOptions, DifferentialPrivacyOptions, U
 
     @property
     def numerics(self) -> Numerics:
-        """The run's matrix-product precision and determinism (`core.numerics`)."""
+        """The run's matrix-product precision and determinism (`core.round.numerics`)."""
         return Numerics(self.matmul_precision, self.deterministic)
 
     @property

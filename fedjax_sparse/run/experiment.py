@@ -14,27 +14,27 @@ import jax
 import numpy as np
 
 from fedjax_sparse.algorithms import BUILT_IN, make_algorithm
-from fedjax_sparse.algorithms.differential_privacy import keeps_client_state, privatize
+from fedjax_sparse.privacy.mechanism import keeps_client_state, privatize
 from fedjax_sparse.algorithms.personalization import personalize
 from fedjax_sparse.algorithms.uplink_compression import compress_uplink
-from fedjax_sparse.core.algorithm import BuildContext, NeedsDeviceData
-from fedjax_sparse.core.contract import check_contract
-from fedjax_sparse.core.cpu_evaluation import CpuEvaluator, evaluation_devices
-from fedjax_sparse.core.cpu_round import keep_freed_memory, round_devices
-from fedjax_sparse.core.client_rows import RowLayout
-from fedjax_sparse.core.client_store import (available_host_memory, choose_store, client_state_shapes, free_device_memory,
+from fedjax_sparse.core.contract.algorithm import BuildContext, NeedsDeviceData
+from fedjax_sparse.core.contract.check import check_contract
+from fedjax_sparse.core.evaluation.cpu import CpuEvaluator, evaluation_devices
+from fedjax_sparse.core.round.cpu import keep_freed_memory, round_devices
+from fedjax_sparse.core.client_state.rows import RowLayout
+from fedjax_sparse.core.client_state.store import (available_host_memory, choose_store, client_state_shapes, free_device_memory,
                                              initial_server_state, make_store)
-from fedjax_sparse.core.distributed import ProcessLayout, current_process, process_mesh
-from fedjax_sparse.core.device_split import BalancedSplit
-from fedjax_sparse.core.evaluation import AUTO, default_evaluation_chunk, global_evaluator, split_evaluator
-from fedjax_sparse.core.flops import forward_flops
-from fedjax_sparse.core.local_training import LocalSGD
-from fedjax_sparse.core.privacy_accounting import PrivacyLedger
-from fedjax_sparse.core.round import clients_mesh, default_client_chunk
-from fedjax_sparse.core.round_driver import ONE_DEVICE, round_driver
-from fedjax_sparse.core.secure_aggregation import summed_entries
-from fedjax_sparse.core.streams import stream_key, stream_seed
-from fedjax_sparse.core.wrapping import upload_shapes
+from fedjax_sparse.core.round.distributed import ProcessLayout, current_process, process_mesh
+from fedjax_sparse.core.round.device_split import BalancedSplit
+from fedjax_sparse.core.evaluation.evaluators import AUTO, default_evaluation_chunk, global_evaluator, split_evaluator
+from fedjax_sparse.core.structure.flops import forward_flops
+from fedjax_sparse.core.round.local_training import LocalSGD
+from fedjax_sparse.privacy.accounting import PrivacyLedger
+from fedjax_sparse.core.round.step import clients_mesh, default_client_chunk
+from fedjax_sparse.core.round.driver import ONE_DEVICE, round_driver
+from fedjax_sparse.core.messages.secure_aggregation import summed_entries
+from fedjax_sparse.core.round.streams import stream_key, stream_seed
+from fedjax_sparse.core.contract.wrapping import upload_shapes
 from fedjax_sparse.data import load_dataset
 from fedjax_sparse.data.clients import federate
 from fedjax_sparse.data.mapped import PREFIX as MAPPED
@@ -44,19 +44,19 @@ from fedjax_sparse.run.checkpoints import KEEP
 from fedjax_sparse.run.config import RunConfig
 from fedjax_sparse.run.federation import buffering, round_conditions
 from fedjax_sparse.run.fingerprint import data_fingerprint
-from fedjax_sparse.run.outputs import say
-from fedjax_sparse.run.privacy import privacy_ledger
+from fedjax_sparse.console import say
+from fedjax_sparse.privacy.ledger import privacy_ledger
 
 
 @dataclasses.dataclass
 class Experiment:
     """Everything a run builds before its first round (also what tests poke at).
 
-    store: where the client states live (`core.client_store`); train, local_test: the
+    store: where the client states live (`core.client_state.store`); train, local_test: the
     clients' data, on the device (`FederatedSplit`) with the device store, else this
-    process's clients' (`data.windows.HostData`); round_fn: `core.round_driver.RoundDriver`,
+    process's clients' (`data.windows.HostData`); round_fn: `core.round.driver.RoundDriver`,
     `round_fn(server_state, r) -> (server_state, RoundOutput)`; evaluate_personalized:
-    `core.evaluation.split_evaluator`, given local_test with the device store (every client),
+    `core.evaluation.evaluators.split_evaluator`, given local_test with the device store (every client),
     a chunk of the clients' test windows otherwise.
     """
 
@@ -78,7 +78,7 @@ class Experiment:
     process: ProcessLayout
     federation: Any = None  # data.clients: the clients' data, whichever the source
     data_fingerprint: dict = dataclasses.field(default_factory=dict)
-    privacy: PrivacyLedger | None = None  # differential privacy's accounting (run.privacy)
+    privacy: PrivacyLedger | None = None  # differential privacy's accounting (privacy.ledger)
 
     def close(self) -> None:
         self.round_fn.close()
@@ -268,7 +268,7 @@ def usable_cpu_devices(config: RunConfig, backend: str, mesh) -> list:
 
 
 def round_cpu_devices(config: RunConfig, backend: str, mesh, chunk: int | None, slots: int) -> list:
-    """The CPU devices that share a round's clients (`core.cpu_round`): the usable ones where they pay
+    """The CPU devices that share a round's clients (`core.round.cpu`): the usable ones where they pay
     (`round_devices`), all of them with `--cpu-devices`."""
     devices = usable_cpu_devices(config, backend, mesh)
     if not devices:
@@ -278,7 +278,7 @@ def round_cpu_devices(config: RunConfig, backend: str, mesh, chunk: int | None, 
 
 
 def evaluation_cpu_devices(config: RunConfig, backend: str, mesh, local_test) -> list:
-    """The CPU devices that share the personalized evaluation of every client (`core.cpu_evaluation`):
+    """The CPU devices that share the personalized evaluation of every client (`core.evaluation.cpu`):
     the usable ones where they pay (`evaluation_devices`), all of them with `--cpu-devices`."""
     devices = usable_cpu_devices(config, backend, mesh)
     chunk = evaluation_chunk(config)

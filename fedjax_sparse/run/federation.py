@@ -12,12 +12,12 @@ import math
 import jax
 import numpy as np
 
-from fedjax_sparse.core.buffered_round import Buffering
-from fedjax_sparse.core.clock import Stragglers, device_profile
-from fedjax_sparse.core.options import option
-from fedjax_sparse.core.participation import SamplerContext, build_sampler
-from fedjax_sparse.core.round import RoundConditions
-from fedjax_sparse.core.secure_aggregation import PROTOCOLS, SecureAggregation
+from fedjax_sparse.core.round.buffered import Buffering
+from fedjax_sparse.core.federation.clock import Stragglers, device_profile
+from fedjax_sparse.core.contract.options import option
+from fedjax_sparse.core.federation.participation import SamplerContext, build_sampler
+from fedjax_sparse.core.round.step import RoundConditions
+from fedjax_sparse.core.messages.secure_aggregation import PROTOCOLS, SecureAggregation
 
 
 @dataclasses.dataclass(frozen=True)
@@ -126,7 +126,7 @@ def federation_record(out, conditions: RoundConditions, counters) -> dict:
     clients_dispatched: slots whose client was sent the model; clients_returned: those aggregated;
     updates_late / updates_failed / updates_surplus: lost to the deadline, to dropout, and discarded by
     over-selection; with --min-reports, round_abandoned and updates_abandoned (returned, lost with the round);
-    simulated_seconds: the round's length (`core.clock`), cumulative beside it."""
+    simulated_seconds: the round's length (`core.federation.clock`), cumulative beside it."""
     if not conditions.varies and not conditions.timed:
         return {}
     dispatched = np.asarray(out.dispatched, bool)

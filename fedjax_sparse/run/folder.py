@@ -34,7 +34,7 @@ from fedjax_sparse.run.outputs import dumps, replace_atomically
 from fedjax_sparse.run.signals import undo_at_once
 
 LOCK_FILE = ".fedjax_sparse.lock"  # hidden, and no user's: a user's own .lock in --out is left alone
-# "client_store": the disk client store's rows (`core.client_store.DiskStore`), part of the run's state;
+# "client_store": the disk client store's rows (`core.client_state.store.DiskStore`), part of the run's state;
 # "trackers.json": the MLflow and W&B runs a resume goes on logging into (`run.trackers`)
 RUN_FILES = ("config.json", "metrics.jsonl", "partition.json", "summary.json", "accuracy.png", "checkpoints",
              "client_store", "trackers.json")

@@ -19,18 +19,18 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from fedjax_sparse.core.client_store import DeviceStore
-from fedjax_sparse.core.compilation import release_compiler_memory
-from fedjax_sparse.core.numerics import numerics
+from fedjax_sparse.core.client_state.store import DeviceStore
+from fedjax_sparse.core.round.compilation import release_compiler_memory
+from fedjax_sparse.core.round.numerics import numerics
 from fedjax_sparse.run.client_metrics import client_metrics
 from fedjax_sparse.run.compiling import Compiling
-from fedjax_sparse.core.device_split import balanced_padded_step_fraction, device_groups
-from fedjax_sparse.core.distributed import (agree, broadcast_text, current_process, gather_texts, max_over_processes,
+from fedjax_sparse.core.round.device_split import balanced_padded_step_fraction, device_groups
+from fedjax_sparse.core.round.distributed import (agree, broadcast_text, current_process, gather_texts, max_over_processes,
                                            process_local)
-from fedjax_sparse.core.evaluation import all_finite, client_accuracy_figures, population_diagnostics
-from fedjax_sparse.core.flops import forward_flops
-from fedjax_sparse.core.participation import check_drawn
-from fedjax_sparse.core.store_evaluation import evaluate_store
+from fedjax_sparse.core.evaluation.evaluators import all_finite, client_accuracy_figures, population_diagnostics
+from fedjax_sparse.core.structure.flops import forward_flops
+from fedjax_sparse.core.federation.participation import check_drawn
+from fedjax_sparse.core.evaluation.store import evaluate_store
 from fedjax_sparse.data.federated import padded_step_fraction
 from fedjax_sparse.run.checkpoints import (ROWS_FOLDER, CheckpointError, RunCheckpointer, SaveLostAProcess,
                                            discard_cut_short, io_reason)
@@ -40,8 +40,9 @@ from fedjax_sparse.run.faults import fault_point
 from fedjax_sparse.run.federation import federation_record, federation_totals
 from fedjax_sparse.run.folder import (SHARED_CHECK, RunFolderError, RunManifest, claim_run_folder, hold_run_folder,
                                       recorded_files, shared_folder_problem)
-from fedjax_sparse.run.outputs import RunWriteError, RunWriter, device_description, progress_bar, say
-from fedjax_sparse.run.privacy import privacy_record, privacy_totals, released_record, released_summary
+from fedjax_sparse.console import say
+from fedjax_sparse.run.outputs import RunWriteError, RunWriter, device_description, progress_bar
+from fedjax_sparse.privacy.ledger import privacy_record, privacy_totals, released_record, released_summary
 from fedjax_sparse.run.resume import NoCheckpoint, check_resume, restore
 from fedjax_sparse.run.signals import StopAfterRound
 from fedjax_sparse.run.trackers import Trackers
@@ -159,7 +160,7 @@ def run_experiment(config: RunConfig, *, progress: bool = True, resume: bool = F
     was (no summary), so the same command may simply be run again; a resumed run's summary says
     "failed" then, keeping what the run had measured (`FailedResume`).
 
-    Several processes (`core.distributed.initialize` first): every process calls this with the
+    Several processes (`core.round.distributed.initialize` first): every process calls this with the
     same config. Process 0 alone holds the lock, claims the folder and writes the run's files;
     every process loads the data, holds its own clients, and takes part in every round,
     evaluation and checkpoint. Where a step fails in some process, all stop (`agree`).

@@ -47,12 +47,6 @@ def progress_bar(total: int, description: str, enabled: bool = True, initial: in
                 initial=initial)
 
 
-def say(message: str) -> None:
-    """One line to the user on stderr, clear of any progress bar."""
-    from tqdm.auto import tqdm
-    tqdm.write(f"fedjax-sparse: {message}", file=sys.stderr)
-
-
 class RunWriteError(RuntimeError):
     """A run's own file could not be written; the message names it and the OS's reason, in one line."""
 

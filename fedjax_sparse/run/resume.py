@@ -29,14 +29,14 @@ from typing import Any, Callable
 
 import jax
 
-from fedjax_sparse.core.store_snapshots import SnapshotError, snapshot_backend, written_snapshots
-from fedjax_sparse.core.distributed import ProcessLayout, agree, replicated
+from fedjax_sparse.core.client_state.snapshots import SnapshotError, snapshot_backend, written_snapshots
+from fedjax_sparse.core.round.distributed import ProcessLayout, agree, replicated
 from fedjax_sparse.run.checkpoints import ROWS_FOLDER, RunCheckpointer, config_mismatches, has_checkpoints
 from fedjax_sparse.run.config import RunConfig
 from fedjax_sparse.run.experiment import Experiment
 from fedjax_sparse.run.fingerprint import data_changes
 from fedjax_sparse.run.folder import RunFolderError, check_run_files, recover_metrics
-from fedjax_sparse.run.outputs import say
+from fedjax_sparse.console import say
 
 
 class NoCheckpoint(RunFolderError):

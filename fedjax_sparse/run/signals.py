@@ -97,7 +97,7 @@ class StopAfterRound:
         return self
 
     def _handle(self, signum, frame):
-        from fedjax_sparse.run.outputs import say
+        from fedjax_sparse.console import say
         name = signal.Signals(signum).name
         if self.signum is None:
             self.signum = signum

@@ -87,7 +87,7 @@ def _declared(name: str, where: str):
 
 def _typed(name: str, value: Any, where: str) -> Any:
     """`value` (text from a flag, or a file's typed value) as option `name` holds it, checked."""
-    from fedjax_sparse.core.options import check_value, coerce
+    from fedjax_sparse.core.contract.options import check_value, coerce
 
     spec, annotation = _declared(name, where)
     try:
@@ -113,7 +113,7 @@ def _text(value: Any) -> str:
 
 def value_flags(name: str, value: Any) -> list[str]:
     """The `run` flags that set option `name` to `value`."""
-    from fedjax_sparse.core.options import flag_name
+    from fedjax_sparse.core.contract.options import flag_name
 
     flag = flag_name(name)
     if isinstance(value, bool):

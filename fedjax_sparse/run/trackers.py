@@ -41,8 +41,9 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol, Sequence
 
-from fedjax_sparse.core.options import option
-from fedjax_sparse.run.outputs import RunWriteError, replace_atomically, say
+from fedjax_sparse.core.contract.options import option
+from fedjax_sparse.console import say
+from fedjax_sparse.run.outputs import RunWriteError, replace_atomically
 from fedjax_sparse.run.tensorboard import TensorBoardWriter, scalars
 
 if TYPE_CHECKING:

@@ -74,7 +74,7 @@ PLAIN_MEAN = ("their combine's tmp_counts aliasing: the k-th client holding a bi
 
 def _aggregations() -> tuple[str, ...]:
     from fedjax_sparse.algorithms.submodels import SubmodelOptions
-    from fedjax_sparse.core.options import option_fields
+    from fedjax_sparse.core.contract.options import option_fields
     choices = next(f.metadata["option"].choices for f in option_fields(SubmodelOptions)
                    if f.name == "submodel_aggregation")
     return ("heterofl",) + (("fedrolex_counts",) if "fedrolex_counts" in choices else ())

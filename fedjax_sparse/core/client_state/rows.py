@@ -1,9 +1,9 @@
 """One client's state as a row of bytes (`RowLayout`), and which row slot holds each client (`SlotMap`).
 
-The host and disk client stores (`core.client_store`) keep a client's state as one row: its
+The host and disk client stores (`core.client_state.store`) keep a client's state as one row: its
 leaves' bytes one after the other, packed and unpacked inside the jitted round, so a round moves
 one [K, row_bytes] block each way and the blocks of several processes combine exactly
-(`core.distributed`). A row that a kept checkpoint refers to is never overwritten: `SlotMap`
+(`core.round.distributed`). A row that a kept checkpoint refers to is never overwritten: `SlotMap`
 moves a client written after a checkpoint to a free (or new) slot.
 """
 

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
-from fedjax_sparse.core.distributed import ProcessLayout
+from fedjax_sparse.core.round.distributed import ProcessLayout
 
 REPLACE_CHUNK_ROWS = 4096  # rows moved at a time by `replace_rows`: its memory stays that many rows
 
@@ -169,7 +169,7 @@ def _rows_source(path: Path, meta: dict, rows_dir: Path, row_bytes: int):
         raise ClientRowsLost(f"the disk client store's rows file {rows_file} holds {size} bytes, fewer than the "
                              f"{needed} rows of {row_bytes} bytes the checkpoint {checkpoint_of(path)} refers to "
                              f"(cut short); start the run again with --overwrite")
-    # read once, by pages the kernel may drop: the store itself never maps its file (`core.client_store`)
+    # read once, by pages the kernel may drop: the store itself never maps its file (`core.client_state.store`)
     rows = np.memmap(rows_file, np.uint8, mode="r", shape=(needed, row_bytes)) if needed and row_bytes else \
         np.zeros((needed, row_bytes), np.uint8)
     recorded = np.load(path / "row_crc32.npy") if (path / "row_crc32.npy").exists() else None

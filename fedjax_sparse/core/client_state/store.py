@@ -1,24 +1,24 @@
 """Where client states live: on the device, in host memory or in files, and their checkpoints.
 
 - `DeviceStore`: every client's state on the device ([N, ...] arrays), gathered and scattered
-  inside the jitted round (`core.round.build_round`): the fastest layout, for when it fits.
+  inside the jitted round (`core.round.step.build_round`): the fastest layout, for when it fits.
 - `HostStore`: rows of bytes in host memory; `DiskStore`: rows in a file under the run folder,
   read and written with pread/pwrite (no memory map, so the rows never count in the process's
   resident memory). Both hold only clients that were ever written: a client never sampled
   has its algorithm's initial state (`FederatedAlgorithm.init_clients`, computed on the
   device when sampled), so 10^6 clients cost nothing until they train.
 
-A client's state travels as one row of bytes (`core.client_rows.RowLayout`): its leaves' bytes
+A client's state travels as one row of bytes (`core.client_state.rows.RowLayout`): its leaves' bytes
 one after the other, packed and unpacked inside the jitted round, so a round moves one
-[K, row_bytes] block each way, and the blocks of several processes combine exactly (`core.distributed`).
+[K, row_bytes] block each way, and the blocks of several processes combine exactly (`core.round.distributed`).
 
 Crash safety without copying the disk store at each checkpoint: a row that a kept
 checkpoint refers to is never overwritten (`SlotMap`). A client written after a checkpoint
 gets a fresh slot (or a freed one) and its old slot is freed once no kept checkpoint
 refers to it, so the file holds about (clients ever written + K x rounds between
 checkpoints) rows. `snapshot(directory)` flushes the rows (fsync) and writes the slot map
-(the host and device stores write their rows themselves, `core.store_snapshots`);
-`restore(directory)` reads it back. Each snapshot is checksummed (`core.store_snapshots`), and
+(the host and device stores write their rows themselves, `core.client_state.snapshots`);
+`restore(directory)` reads it back. Each snapshot is checksummed (`core.client_state.snapshots`), and
 the disk store's records a CRC-32 of every row it refers to, so rows damaged in the file since
 are refused rather than restored (`DiskStore`).
 
@@ -39,10 +39,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fedjax_sparse.core.algorithm import FederatedAlgorithm
-from fedjax_sparse.core.client_rows import RowLayout, SlotMap
-from fedjax_sparse.core.distributed import ProcessLayout
-from fedjax_sparse.core.store_snapshots import (ClientRowsLost, SnapshotError, checkpoint_of, damaged,
+from fedjax_sparse.core.contract.algorithm import FederatedAlgorithm
+from fedjax_sparse.core.client_state.rows import RowLayout, SlotMap
+from fedjax_sparse.core.round.distributed import ProcessLayout
+from fedjax_sparse.core.client_state.snapshots import (ClientRowsLost, SnapshotError, checkpoint_of, damaged,
                                                 read_rows_snapshot, read_snapshot_meta, save_snapshot,
                                                 verify_snapshot)
 

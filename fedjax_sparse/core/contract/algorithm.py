@@ -1,7 +1,7 @@
 """The algorithm contract: a few pure functions over pytrees, and how an algorithm is built.
 
 Modelled on optax's `(init, update)` pairs and fedjax's `FederatedAlgorithm`.
-The engine (`core.round`) vmaps `broadcast` and `client_update` over the sampled
+The engine (`core.round.step`) vmaps `broadcast` and `client_update` over the sampled
 clients and jits the whole round; an algorithm owns only its math.
 """
 
@@ -15,8 +15,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fedjax_sparse.core.clock import DeviceProfile
-from fedjax_sparse.core.local_training import LocalSGD
+from fedjax_sparse.core.federation.clock import DeviceProfile
+from fedjax_sparse.core.round.local_training import LocalSGD
 from fedjax_sparse.data.federated import ClientData, FederatedSplit
 
 ServerState = Any
@@ -30,10 +30,10 @@ class RoundInfo:
     """What the engine tells an algorithm about the round it is in (the same for all its clients).
 
     index: the round (int32 scalar, from 0); client_ids: the sampled clients, sorted ([K]);
-    server_key: the server's randomness for the round (its own stream, see `core.round`);
+    server_key: the server's randomness for the round (its own stream, see `core.round.step`);
     participating: None where every slot takes part (the uniform sampler, no stragglers: known when the
     round is built); else [K] bool, False for a slot whose client is absent from what is being computed
-    (not sampled this round, failed, or late: `core.round.RoundConditions`). Such a slot's weight is 0.
+    (not sampled this round, failed, or late: `core.round.step.RoundConditions`). Such a slot's weight is 0.
     `select_uploads` and `server_update` must then compute what they compute without its slot at all
     (tests/test_participation_algorithms.py checks every shipped algorithm); `aggregation.uniform_mean`,
     `present_sum` and `present_only` do the reductions over the present.
@@ -58,7 +58,7 @@ class FederatedAlgorithm:
         the initial states of these clients alone, a pure function of (key, id) so that it
         does not depend on how many clients there are (`fold_in(key, id)`, never
         `split(key, N)`); `init`'s client states are `init_clients(key, variables, arange(N))`.
-        The host and disk client stores (`core.client_store`) call it for clients they never
+        The host and disk client stores (`core.client_state.store`) call it for clients they never
         wrote, so 10^6 clients cost nothing until sampled. None: the algorithm keeps no
         per-client state (`init`'s client states have no leaves).
     broadcast(server_state, client_id, info) -> down_message
@@ -85,7 +85,7 @@ class FederatedAlgorithm:
     client_diagnostics(server_state, client_states) -> dict of per-client figures, optional
         each a [M] array (or a dict of them) over the M clients given (traceable); the engine
         takes them chunk by chunk and process by process where the client states live off
-        the device (`core.client_store`), so nothing here may look at another client.
+        the device (`core.client_state.store`), so nothing here may look at another client.
     diagnostics(server_state, figures) -> dict of scalars, optional (with client_diagnostics)
         the extra figures logged with each evaluation (density, FLOPs, ...), from every
         client's `client_diagnostics` as numpy arrays in client-id order.
@@ -99,7 +99,7 @@ class FederatedAlgorithm:
         current global encoder, a predictor fitted for those that never trained);
         called once per evaluation, never inside a round, and never written back.
     stale_upload: `StaleUpload`, optional: the algorithm's server takes an upload trained from an
-        older broadcast (asynchronous rounds, `core.buffered_round`); None: it runs synchronously only.
+        older broadcast (asynchronous rounds, `core.round.buffered`); None: it runs synchronously only.
     aggregates_mean: True where `server_update` reads the uploads only through their mean over the
         slots taking part (each leaf's, whatever the weights), so that a server given every slot the
         same mean computes what it computes from the uploads themselves: the privatized mean of
@@ -107,10 +107,10 @@ class FederatedAlgorithm:
     private_sum: `PrivateSum`, optional: how a server that does not read its uploads through their plain mean
         (`aggregates_mean` False) still reads them through sums of the clients' changes whose movement by one
         client is bounded (FedLDF's per-layer choice, a compressed upload), so that differential privacy can
-        noise them (`algorithms.differential_privacy`); None: it cannot (or it reads the plain mean).
+        noise them (`privacy.mechanism`); None: it cannot (or it reads the plain mean).
     steps_when_empty: True where `server_update` must run in a round no client returned (differential
         privacy's noise is added whatever took part: an unchanged model would tell that nobody did); False:
-        such a round leaves the server state as it was (`core.round.server_phase`).
+        such a round leaves the server state as it was (`core.round.step.server_phase`).
     client_metric_stats: ((metric, statistics), ...), optional: what a round logs of the algorithm's per-client
         metrics besides their means over the clients (('reward', ('min', 'p90')),: 'min', 'max', 'std', 'pN';
         `run.client_metrics`), on top of the run's `--client-metric-stats` (pairs, not a dict: an algorithm is
@@ -156,7 +156,7 @@ def server_step(out: Any) -> tuple[Any, dict]:
 
 @dataclasses.dataclass(frozen=True)
 class StaleUpload:
-    """How an upload trained from an older broadcast joins a later aggregate (`core.buffered_round`).
+    """How an upload trained from an older broadcast joins a later aggregate (`core.round.buffered`).
 
     increment(up, down) -> what the client's training added to what it received (a pytree of floats);
     rebase(increment, down_now) -> the upload the client would have sent, had its training added
@@ -225,7 +225,7 @@ class BuildContext:
     local: the local trainer (`LocalSGD`: model, optimizer, epochs, batch size);
     num_clients: N, the clients of the federation (the leading axis of `init`'s client states);
     clients_per_round: K, the slots of a round: the leading axis of the uploads `server_update` gets
-      (`--clients-per-round`; more with `--over-selection`, or a sampler's own slot count, `core.participation`);
+      (`--clients-per-round`; more with `--over-selection`, or a sampler's own slot count, `core.federation.participation`);
     num_classes: the data set's number of labels (the model's outputs);
     train: every client's training data on the device (methods whose server needs
       facts about the clients' data, e.g. FedGSE's public set and its clients' label

@@ -8,7 +8,7 @@ refuses, in one line naming the function and the leaf path with both shapes and 
     shape cannot be stored, gathered or checkpointed);
   * a server state that differs from `init`'s after `server_update` (it could not be resumed);
   * metrics that are not a dict of scalars holding 'loss' and 'num_steps';
-  * a message (down or up) holding anything but arrays and priced leaves (`core.messages`);
+  * a message (down or up) holding anything but arrays and priced leaves (`core.messages.pricing`);
   * an evaluation function (`evaluation_state`, `global_variables`, `global_variants`,
     `evaluation_clients`, `client_variables`, `client_diagnostics`) that fails on init's states:
     evaluation runs after round 1, and such a failure would lose the round;
@@ -33,10 +33,10 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 
-from fedjax_sparse.core.algorithm import FederatedAlgorithm, PrivateSum, server_step
-from fedjax_sparse.core.messages import PRICED_LEAVES
-from fedjax_sparse.core.round import client_keys, round_info
-from fedjax_sparse.core.wrapping import flat_leaves
+from fedjax_sparse.core.contract.algorithm import FederatedAlgorithm, PrivateSum, server_step
+from fedjax_sparse.core.messages.pricing import PRICED_LEAVES
+from fedjax_sparse.core.round.step import client_keys, round_info
+from fedjax_sparse.core.contract.wrapping import flat_leaves
 
 tree_map = jax.tree_util.tree_map
 
@@ -185,7 +185,7 @@ def _abstractly(name: str, functions: str, fn, *args):
                             f"whole traceback)") from err
     if not_arrays:
         raise ContractError(f"{name}: {functions} returns a leaf that is not an array: {not_arrays[0]}; states, "
-                            f"messages and metrics hold arrays (and messages priced leaves, core.messages)")
+                            f"messages and metrics hold arrays (and messages priced leaves, core.messages.pricing)")
     return out
 
 
@@ -195,7 +195,7 @@ def check_contract(algorithm: FederatedAlgorithm, variables: Any, num_clients: i
 
     `variables`: the model's initial variables (or their shapes); `data`: a `FederatedSplit` (or its
     shapes) whose client 0 stands for every client; `varies`: the run's participation varies, so the
-    server's functions see `RoundInfo.participating` (`core.round.RoundConditions.varies`).
+    server's functions see `RoundInfo.participating` (`core.round.step.RoundConditions.varies`).
     """
     name = algorithm.name
     key = jax.random.key(seed)

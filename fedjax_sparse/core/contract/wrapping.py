@@ -3,7 +3,7 @@
 A wrapper keeps the algorithm's own math and changes what travels: it reads the algorithm's messages as
 shapes (`broadcast_shapes`, `upload_shapes`), takes an upload apart into the client's changes of what the
 server sent and the rest (`UploadChanges`), and hands the evaluations the algorithm's own part of a
-wrapped client state (`reading_inner_state`). A priced message leaf (`core.messages`: a sparse leaf, a
+wrapped client state (`reading_inner_state`). A priced message leaf (`core.messages.pricing`: a sparse leaf, a
 quantized one) is one leaf here, not its parts; a sparse leaf's change is that of its values, its mask
 (what it sends) kept.
 """
@@ -17,9 +17,9 @@ from typing import Any, Callable, Sequence
 import jax
 import jax.numpy as jnp
 
-from fedjax_sparse.core.algorithm import BuildContext, FederatedAlgorithm
-from fedjax_sparse.core.messages import PRICED_LEAVES, KnownMaskArray, SparseArray
-from fedjax_sparse.core.round import round_info
+from fedjax_sparse.core.contract.algorithm import BuildContext, FederatedAlgorithm
+from fedjax_sparse.core.messages.pricing import PRICED_LEAVES, KnownMaskArray, SparseArray
+from fedjax_sparse.core.round.step import round_info
 from fedjax_sparse.data.federated import ClientData
 
 tree_map = jax.tree_util.tree_map

@@ -1,6 +1,6 @@
-"""Personalized evaluation with its clients on every core of a CPU, as `core.cpu_round` trains a round's.
+"""Personalized evaluation with its clients on every core of a CPU, as `core.round.cpu` trains a round's.
 
-On a CPU `core.evaluation.split_evaluator` scores one client at a time (`default_evaluation_chunk`),
+On a CPU `core.evaluation.evaluators.split_evaluator` scores one client at a time (`default_evaluation_chunk`),
 each client by the same program, so contiguous shares of the clients scored on several CPU devices
 give each client's accuracy of one device bit for bit, concatenated in client order
 (tests/test_cpu_round.py). It pays where the work is large enough to hide the copies and the calls:
@@ -18,7 +18,7 @@ from typing import Any, Callable, Sequence
 import jax
 import jax.numpy as jnp
 
-from fedjax_sparse.core.cpu_round import client_shares
+from fedjax_sparse.core.round.cpu import client_shares
 from fedjax_sparse.data.federated import FederatedSplit
 
 MIN_SLOTS_PER_DEVICE = 5_000  # padded test examples (clients x largest client) a device takes at least
@@ -38,7 +38,7 @@ def evaluation_devices(num_clients: int, max_count: int, chunk: int | None, devi
 
 class CpuEvaluator:
     """`evaluate(server_state, client_states, test) -> [M] accuracies` as `evaluate`
-    (`core.evaluation.split_evaluator`, scoring one client at a time) gives them, over several CPU
+    (`core.evaluation.evaluators.split_evaluator`, scoring one client at a time) gives them, over several CPU
     devices. The test split is copied to every device once (again only for another split)."""
 
     def __init__(self, evaluate: Callable[[Any, Any, FederatedSplit], jax.Array], devices: Sequence[Any]):

@@ -11,9 +11,9 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from fedjax_sparse.core.algorithm import FederatedAlgorithm
-from fedjax_sparse.core.compilation import jit
-from fedjax_sparse.core.flops import forward_flops
+from fedjax_sparse.core.contract.algorithm import FederatedAlgorithm
+from fedjax_sparse.core.round.compilation import jit
+from fedjax_sparse.core.structure.flops import forward_flops
 from fedjax_sparse.data.federated import FederatedSplit, normalize
 from fedjax_sparse.models.layers import BN_MOMENTUM
 from fedjax_sparse.models.structure import Model

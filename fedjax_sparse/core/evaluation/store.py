@@ -2,11 +2,11 @@
 chunk by chunk through the store, each process its own clients.
 
 A chunk of clients' states comes onto the device (`store.client_states`: initial states where
-never written) with their test windows (`data.windows`); `core.evaluation.split_evaluator`
+never written) with their test windows (`data.windows`); `core.evaluation.evaluators.split_evaluator`
 scores them as `personalized_evaluator` scores the whole population on the device store (each
 client stopping at its own test size), and the algorithm's `client_diagnostics` are taken on
 the same chunk. Then every process holds every client's figures in id order
-(`core.distributed.gather_clients`), so a run's figures do not depend on where the states live.
+(`core.round.distributed.gather_clients`), so a run's figures do not depend on where the states live.
 """
 
 from __future__ import annotations
@@ -18,10 +18,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fedjax_sparse.core.algorithm import FederatedAlgorithm
-from fedjax_sparse.core.client_store import RowStore
-from fedjax_sparse.core.distributed import gather_clients
-from fedjax_sparse.core.evaluation import all_finite
+from fedjax_sparse.core.contract.algorithm import FederatedAlgorithm
+from fedjax_sparse.core.client_state.store import RowStore
+from fedjax_sparse.core.round.distributed import gather_clients
+from fedjax_sparse.core.evaluation.evaluators import all_finite
 from fedjax_sparse.data.windows import ClientWindows, window_split
 
 

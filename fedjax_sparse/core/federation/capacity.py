@@ -4,19 +4,19 @@ Sub-model methods (HeteroFL, FedRolex, Federated Dropout, FedGSE, Fjord) give ev
 level beta. Drawn at random, as their papers evaluate them, a slow client may get the full model and
 miss the round's deadline while a fast one trains a sliver. HeteroFL's and FjORD's own framing is the
 opposite: a client's capacity is what its device can afford. `device_capacity` is that rule with the
-library's clock (`core.clock`) as the device model: client k gets the largest level whose predicted
+library's clock (`core.federation.clock`) as the device model: client k gets the largest level whose predicted
 round time fits the deadline D,
 
     t_k(beta) = down_bytes(beta) / downlink_k + 2 train_flops_k(beta) / speed_k + up_bytes(beta) / uplink_k
                 + latency_k <= D,
 
-where the bytes are those of the sub-model's messages at beta as `core.messages` prices them, and
-train_flops_k(beta) = 3 x (forward FLOPs of one example's step at beta, `core.flops`: multiply-accumulates,
+where the bytes are those of the sub-model's messages at beta as `core.messages.pricing` prices them, and
+train_flops_k(beta) = 3 x (forward FLOPs of one example's step at beta, `core.structure.flops`: multiply-accumulates,
 2 FLOPs each at a speed in FLOP/s) x n_k x epochs (n_k the client's examples): the figures the clock itself reads after the round, computed by the same
 functions (`client_seconds`), so a client that fits is not late. A client that fits no level gets the
 smallest: it will most likely miss the deadline and its update be lost (`updates_late`). Left out of
 the round instead, it would change who takes part, which is the sampler's choice
-(`core.participation`), not the sub-model's; and a lost update is what such a device costs a
+(`core.federation.participation`), not the sub-model's; and a lost update is what such a device costs a
 synchronous round, which the run's figures then show.
 
 Nothing is drawn: a client's figures are a pure function of (seed, client id), so its level is the same
@@ -32,8 +32,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fedjax_sparse.core.algorithm import BuildContext
-from fedjax_sparse.core.clock import ClientProfiles, client_seconds
+from fedjax_sparse.core.contract.algorithm import BuildContext
+from fedjax_sparse.core.federation.clock import ClientProfiles, client_seconds
 
 
 @flax.struct.dataclass

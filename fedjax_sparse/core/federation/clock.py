@@ -5,7 +5,7 @@ A client's round time is what the library already counts exactly, turned into se
     seconds_k = downlink_bytes_k / downlink_k + 2 train_macs_k / speed_k + uplink_bytes_k / uplink_k + latency_k
 
 (train_macs: the FLOPs a sparse method reports, `train_flops`, else the dense model's 3 x forward x epochs x
-examples, both counted as the papers count them, one per multiply-accumulate (`core.flops`); a speed is in
+examples, both counted as the papers count them, one per multiply-accumulate (`core.structure.flops`); a speed is in
 FLOP/s, which counts a multiply-accumulate as 2, `FLOPS_PER_MAC`; the bytes the messages hold, the upload
 after the server's selection of what is sent). A synchronous round
 lasts until the last client it aggregates has returned, or until `deadline` where a client it waited for
@@ -33,8 +33,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fedjax_sparse.core.flops import FLOPS_PER_MAC
-from fedjax_sparse.core.streams import stream_key
+from fedjax_sparse.core.structure.flops import FLOPS_PER_MAC
+from fedjax_sparse.core.round.streams import stream_key
 
 FIGURES = ("flops_per_second", "downlink_bytes_per_second", "uplink_bytes_per_second", "latency_seconds")
 
@@ -174,7 +174,7 @@ def device_profile(name: str, num_clients: int) -> DeviceProfile:
 def client_seconds(profiles: ClientProfiles, train_flops: jax.Array, downlink_bytes: jax.Array,
                    uplink_bytes: jax.Array) -> jax.Array:
     """Each client's round time ([K], float32; see the module's docstring). `train_flops`: multiply-accumulates,
-    the library's FLOPs (`core.flops`), each 2 FLOPs of the profiles' FLOP/s."""
+    the library's FLOPs (`core.structure.flops`), each 2 FLOPs of the profiles' FLOP/s."""
     return (downlink_bytes.astype(jnp.float32) / profiles.downlink_bytes_per_second
             + FLOPS_PER_MAC * train_flops.astype(jnp.float32) / profiles.flops_per_second
             + uplink_bytes.astype(jnp.float32) / profiles.uplink_bytes_per_second

@@ -4,8 +4,8 @@ A round has a fixed number of slots S (static: the jitted round's shapes); the s
 distinct client ids and says which slots hold a client really dispatched this round. A slot that is not
 (Poisson sampling drew fewer than S clients; fewer clients were online than asked for) holds an unused
 client id: it is computed with the others (static shapes) but its weight is zero, its state is not written
-back and it costs no bytes and no time (`core.round.round_step`). What `server_update` sees of it is the
-algorithm contract's: `RoundInfo.participating` False and weight 0 (`core.algorithm`).
+back and it costs no bytes and no time (`core.round.step.round_step`). What `server_update` sees of it is the
+algorithm contract's: `RoundInfo.participating` False and weight 0 (`core.contract.algorithm`).
 
     uniform:      S = K clients without replacement, all dispatched (the default; today's draw, bit for bit)
     poisson:      each client independently with probability q = K / N (what privacy amplification by
@@ -18,7 +18,7 @@ algorithm contract's: `RoundInfo.participating` False and weight 0 (`core.algori
                   the day around its own phase) or a trace file of (client, start hour, end hour) rows
 
 Hours: round r starts at hour r x `hours_per_round` (availability is a schedule over rounds; the simulated
-clock, `core.clock`, measures what the rounds cost, and does not feed back into who is sampled, which keeps
+clock, `core.federation.clock`, measures what the rounds cost, and does not feed back into who is sampled, which keeps
 sampling a pure function of (seed, round)).
 
 Outside samplers register like algorithms: `register_sampler(SamplerSpec(...))`, or an installed package's
@@ -39,7 +39,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fedjax_sparse.core.streams import stream_key
+from fedjax_sparse.core.round.streams import stream_key
 from fedjax_sparse.plugins import EntryPointGroup
 
 ENTRY_POINT_GROUP = "fedjax_sparse.samplers"
@@ -64,7 +64,7 @@ class Sampler:
     the round then passes `RoundInfo.participating=None` and computes exactly what it computed before
     samplers; draw(key, round_index) -> Participants, traceable, where key is the run's sampling stream;
     host_ids(seed, round_index) -> ids: optional, the same ids computed otherwise on the host (a fixed
-    sampler's; the uniform draw's numpy twin, `core.round.sample_clients_host`, is 10x faster at 10^6 clients).
+    sampler's; the uniform draw's numpy twin, `core.round.step.sample_clients_host`, is 10x faster at 10^6 clients).
     """
 
     name: str

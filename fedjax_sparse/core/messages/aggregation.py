@@ -8,7 +8,7 @@ import chex
 import jax
 import jax.numpy as jnp
 
-from fedjax_sparse.core.messages import KnownMaskArray, SparseArray
+from fedjax_sparse.core.messages.pricing import KnownMaskArray, SparseArray
 
 
 def normalized(weights: jax.Array) -> jax.Array:

@@ -1,7 +1,7 @@
 """Compressed messages: top-k and random-k sparsification, stochastic quantization, error feedback.
 
 The field's standard uplink compressors, each a pure function from a pytree of arrays to a message
-that `core.messages.message_bytes` prices by what it holds:
+that `core.messages.pricing.message_bytes` prices by what it holds:
 
   top_k                  the ceil(ratio x n) entries of largest magnitude of each leaf (Stich et al.
                          2018's top-k): a `SparseArray`, its values plus the cheaper of a bitmask and
@@ -48,7 +48,7 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 
-from fedjax_sparse.core.messages import KnownMaskArray, QuantizedArray, SparseArray
+from fedjax_sparse.core.messages.pricing import KnownMaskArray, QuantizedArray, SparseArray
 
 tree_map = jax.tree_util.tree_map
 COMPRESSORS = ("none", "topk", "randk", "qsgd")

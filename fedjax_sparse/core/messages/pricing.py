@@ -25,7 +25,7 @@ its kept units in its entries), and those of the layers its kernels read
 from (their input units) or whose units a normalization follows: a layer
 outside the message must keep every unit, as both sides know by protocol
 (SPATL selects encoder layers only). With those,
-`core.unit_masks.variable_masks` gives every entry (the receiver runs the
+`core.structure.unit_masks.variable_masks` gives every entry (the receiver runs the
 sender's own computation; with `inputs=False`, when the protocol sends each kept
 unit's whole incoming weights, it needs only the units of the layers sent).
 
@@ -60,8 +60,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fedjax_sparse.core.layer_groups import COLLECTIONS, layer_groups
-from fedjax_sparse.core.unit_masks import UnitMasks, variable_masks
+from fedjax_sparse.core.structure.layer_groups import COLLECTIONS, layer_groups
+from fedjax_sparse.core.structure.unit_masks import UnitMasks, variable_masks
 from fedjax_sparse.models.structure import ModelStructure
 
 
@@ -103,7 +103,7 @@ class UnitSparseArray(SparseArray):
 def unit_sparse(structure: ModelStructure, variables: dict, unit_masks: UnitMasks, *, inputs: bool = True) -> dict:
     """`variables` ({'params', 'batch_stats'}) as `UnitSparseArray`s: the entries of the sub-model
     `unit_masks` selects (`variable_masks`; `inputs=False`: the kept units' own entries), each leaf
-    tagged with the layer that owns it (`core.layer_groups`). Take a part of the result (e.g.
+    tagged with the layer that owns it (`core.structure.layer_groups`). Take a part of the result (e.g.
     SPATL's encoder) to send only that."""
     variables = {c: variables.get(c, {}) for c in COLLECTIONS}
     owners = layer_groups(structure, variables).index
@@ -145,7 +145,7 @@ class QuantizedArray:
     message is the norm, the signs and the levels, Section 3.1); the fixed-length code of `bits` bits a
     level is not: the paper Elias-codes the positions and levels of the nonzero entries, which is cheaper
     when most levels are zero and is not counted here. Build it with
-    `core.compression.stochastic_quantization`."""
+    `core.messages.compression.stochastic_quantization`."""
 
     levels: jax.Array  # signed integer levels in [-s, s], the leaf's shape
     norms: jax.Array  # [buckets] float32, one L2 norm per bucket

@@ -103,8 +103,8 @@ from typing import NamedTuple
 import jax
 import numpy as np
 
-from fedjax_sparse.core.algorithm import FederatedAlgorithm
-from fedjax_sparse.core.messages import PRICED_LEAVES
+from fedjax_sparse.core.contract.algorithm import FederatedAlgorithm
+from fedjax_sparse.core.messages.pricing import PRICED_LEAVES
 
 PROTOCOLS = ("secagg", "secagg+")
 MAX_VALUE_BITS = 32  # a float32 entry has 2^32 values: a finer encoding would invent precision

@@ -1,7 +1,7 @@
 """Buffered asynchronous aggregation (FedBuff; Nguyen et al., AISTATS 2022) on the simulated clock.
 
 `concurrency` clients train at once, each from the model current when it was dispatched. A client
-returns after its `core.clock` seconds (its counted FLOPs and bytes over its device and link); its
+returns after its `core.federation.clock` seconds (its counted FLOPs and bytes over its device and link); its
 update joins a buffer and a new client is dispatched with the current model. Each time `buffer`
 updates have arrived, the server steps:
 
@@ -9,7 +9,7 @@ updates have arrived, the server steps:
 
 tau_i: the server steps taken since client i was dispatched (its staleness); s(tau) = (1 + tau)^-a,
 a = 0.5 by default (FedBuff's 1 / sqrt(1 + tau)); increment_i: what its training added to the
-model it received (`core.algorithm.StaleUpload`), but for the parts the client keeps whole as its own
+model it received (`core.contract.algorithm.StaleUpload`), but for the parts the client keeps whole as its own
 state (`StaleUpload.unweighted`: SCAFFOLD's control delta, so that c stays the mean of the c_i), which
 count whole. With FedAvg at server lr 1 and uniform weights
 this is FedBuff's x + (1/B) sum_i s(tau_i) Delta_i; with data weights (FedAvg's default) the mean
@@ -22,7 +22,7 @@ at the instant its B-th update arrives (updates beyond B wait for the next step)
 that replace them are dispatched after that step, with the new model. So when every client takes the
 same time and concurrency = buffer = K, each step aggregates K updates of staleness 0 trained from
 the model of the step before: synchronous FedAvg (tests/test_buffered_round.py). Who is dispatched:
-the round's sampling order (`core.participation.sampling_order`, the synchronous round's draw at the
+the round's sampling order (`core.federation.participation.sampling_order`, the synchronous round's draw at the
 first dispatch after each step; another order for each later dispatch before the next step), skipping
 clients in flight or waiting in the buffer (each dispatch sorts the population once on the host: about
 0.1 s at 10^6 clients). A client dispatched twice from one model trains with its key folded with how
@@ -55,13 +55,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fedjax_sparse.core.algorithm import FederatedAlgorithm, server_step
-from fedjax_sparse.core.client_store import ClientStore, DeviceStore
-from fedjax_sparse.core.clock import Returns, client_seconds
-from fedjax_sparse.core.compilation import jit
-from fedjax_sparse.core.messages import message_bytes
-from fedjax_sparse.core.participation import sampling_order
-from fedjax_sparse.core.round import (RoundConditions, RoundOutput, client_flops, client_keys, client_phase,
+from fedjax_sparse.core.contract.algorithm import FederatedAlgorithm, server_step
+from fedjax_sparse.core.client_state.store import ClientStore, DeviceStore
+from fedjax_sparse.core.federation.clock import Returns, client_seconds
+from fedjax_sparse.core.round.compilation import jit
+from fedjax_sparse.core.messages.pricing import message_bytes
+from fedjax_sparse.core.federation.participation import sampling_order
+from fedjax_sparse.core.round.step import (RoundConditions, RoundOutput, client_flops, client_keys, client_phase,
                                       largest_divisor, round_info)
 from fedjax_sparse.data.federated import FederatedSplit
 from fedjax_sparse.data.windows import ClientWindows, window_split
@@ -131,7 +131,7 @@ def _group_size(count: int) -> int:
 
 class BufferedRound:
     """`round(server_state, round_index) -> (server_state, RoundOutput)`: one FedBuff server step (see the
-    module's docstring), with the loop's interface of `core.store_round.StoreRound`.
+    module's docstring), with the loop's interface of `core.round.store.StoreRound`.
 
     store and data: a `DeviceStore` with the population's `FederatedSplit` on the device, or a host or
     disk store with this process's `ClientWindows`; counts: every client's training examples (the
@@ -175,7 +175,7 @@ class BufferedRound:
     def close(self) -> None:
         pass
 
-    # -- what a checkpoint keeps (the interface of `core.store_round.StoreRound`) -------------------
+    # -- what a checkpoint keeps (the interface of `core.round.store.StoreRound`) -------------------
     def saved_state(self, server_state):
         """The arrays a checkpoint saves: the server state and the table of updates not yet aggregated."""
         if self._table is None:

@@ -26,7 +26,7 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 
-from fedjax_sparse.core.numerics import deterministic_options
+from fedjax_sparse.core.round.numerics import deterministic_options
 
 # XLA:CPU's YNNPACK fusion kinds left on: dots (see the module docstring).
 CPU_OPTIONS = {"xla_cpu_experimental_ynn_fusion_type": "LIBRARY_FUSION_TYPE_DOT"}
@@ -45,7 +45,7 @@ def _accepted(platform: str, options: tuple[tuple[str, str], ...]) -> bool:
 
 def compiler_options(platform: str | None = None) -> dict[str, str] | None:
     """The XLA options the library compiles with on `platform` (default: JAX's default backend): on a CPU
-    its convolutions (above), on a GPU under `--deterministic` XLA's deterministic ops (`core.numerics`)."""
+    its convolutions (above), on a GPU under `--deterministic` XLA's deterministic ops (`core.round.numerics`)."""
     platform = platform or jax.default_backend()
     options = deterministic_options(platform)
     if platform == "cpu" and _accepted(platform, tuple(CPU_OPTIONS.items())):

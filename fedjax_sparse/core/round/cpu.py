@@ -2,10 +2,10 @@
 
 XLA:CPU runs a computation's small operations on one thread, so a round of small clients keeps one
 core busy whatever the host has. With several CPU devices (`use_cpu_cores`, set before JAX starts
-its backends) the round is jitted calls on each instead of `core.round.build_round`'s one:
+its backends) the round is jitted calls on each instead of `core.round.step.build_round`'s one:
 
     device 0:      sample, gather the K clients' states, cut them into contiguous shares of whole chunks
-                   (in slot order, or balanced by local steps: `core.device_split`)
+                   (in slot order, or balanced by local steps: `core.round.device_split`)
     every device:  `client_phase` over its share, all dispatched before any is waited for
     device 0:      the shares' outputs, copied back in client order -> `server_phase` -> scatter
 
@@ -37,10 +37,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fedjax_sparse.core.algorithm import FederatedAlgorithm
-from fedjax_sparse.core.compilation import jit
-from fedjax_sparse.core.device_split import balanced_order, device_groups
-from fedjax_sparse.core.round import (RoundConditions, RoundOutput, client_flops, check_clients_per_round,
+from fedjax_sparse.core.contract.algorithm import FederatedAlgorithm
+from fedjax_sparse.core.round.compilation import jit
+from fedjax_sparse.core.round.device_split import balanced_order, device_groups
+from fedjax_sparse.core.round.step import (RoundConditions, RoundOutput, client_flops, check_clients_per_round,
                                       client_keys, client_phase, default_conditions, keep_absent, round_info,
                                       server_phase)
 from fedjax_sparse.data.federated import FederatedSplit
@@ -123,7 +123,7 @@ def client_shares(clients_per_round: int, client_chunk: int, num_devices: int) -
 
 class CpuRound:
     """`round(server_state, client_states, round_index) -> (server_state, client_states, RoundOutput)`,
-    the device store's round (as `core.round.build_round`) over several CPU devices.
+    the device store's round (as `core.round.step.build_round`) over several CPU devices.
 
     The client states and the server state live on `devices[0]`; the data are copied to every
     device once. Each device trains whole chunks (`client_shares`)."""
@@ -143,7 +143,7 @@ class CpuRound:
         groups = device_groups(k, client_chunk=client_chunk, num_devices=len(self.devices))
 
         def trained_order(counts, ids):
-            """The slots in the order the devices' shares hold them: balanced (`core.device_split`), or as drawn."""
+            """The slots in the order the devices' shares hold them: balanced (`core.round.device_split`), or as drawn."""
             return None if split is None else balanced_order(split.steps(counts[ids]), ids, *groups)
 
         def prepare(client_states, counts, round_index):
@@ -165,7 +165,7 @@ class CpuRound:
                 back = jnp.argsort(order)
                 ups, new_states, metrics, down_bytes = jax.tree_util.tree_map(lambda x: x[back],
                                                                               (ups, new_states, metrics, down_bytes))
-            # as in core.round.round_step: the server's update compiles apart from what feeds it (a sum
+            # as in core.round.step.round_step: the server's update compiles apart from what feeds it (a sum
             # over a concatenation would otherwise become a sum of the shares' sums)
             weights = counts[ids].astype(jnp.float32)
             clocked = ((client_flops(metrics, weights, conditions) if conditions.timed else None, down_bytes)

@@ -1,7 +1,7 @@
 """Which device trains which sampled client: balanced by the clients' local steps.
 
 Clients trained together (one vmap: a device's whole share of a sharded round, or one chunk of the
-`lax.map` of `core.cpu_round`) run as many steps as the busiest of them (`core.local_training`), and a
+`lax.map` of `core.round.cpu`) run as many steps as the busiest of them (`core.round.local_training`), and a
 round waits for its slowest device. Splitting the K sampled clients over the devices in slot order (the
 `id` split) mixes large and small clients in every group; on a power-law population most vmapped
 steps are then padding. The balanced split (pfl-research splits a cohort greedily by user size too):
@@ -49,7 +49,7 @@ def device_groups(slots: int, *, mesh_size: int | None = None, client_chunk: int
                   num_devices: int = 1) -> tuple[int, tuple[int, ...]]:
     """(clients per group, groups per device) of a round's layout: a mesh of `mesh_size` devices vmaps
     one group of slots / mesh_size each; several CPU devices run whole chunks of `client_chunk`, the
-    first devices one more where they do not divide (`core.cpu_round.client_shares`)."""
+    first devices one more where they do not divide (`core.round.cpu.client_shares`)."""
     if mesh_size is not None:
         return slots // mesh_size, (1,) * mesh_size
     chunks = slots // client_chunk

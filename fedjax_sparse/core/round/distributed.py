@@ -39,7 +39,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from fedjax_sparse.core.round import CLIENTS_AXIS
+from fedjax_sparse.core.round.step import CLIENTS_AXIS
 from fedjax_sparse.data.process_layout import ProcessLayout  # noqa: F401 - re-exported
 
 PROCESSES_AXIS = "processes"

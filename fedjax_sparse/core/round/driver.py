@@ -2,13 +2,13 @@
 
 A run drives its rounds through a `RoundDriver`, whichever placement computes them:
 
-    synchronous (`core.store_round.StoreRound`): the device store's one jit (`core.round.build_round`),
-        its clients over several CPU devices (`core.cpu_round`), or the host and disk stores' rows and
+    synchronous (`core.round.store.StoreRound`): the device store's one jit (`core.round.step.build_round`),
+        its clients over several CPU devices (`core.round.cpu`), or the host and disk stores' rows and
         windows, over processes and devices with a mesh;
-    asynchronous (`core.buffered_round.BufferedRound`): FedBuff's buffered steps on the simulated clock,
+    asynchronous (`core.round.buffered.BufferedRound`): FedBuff's buffered steps on the simulated clock,
         over any client store.
 
-All of them compute the clients through `core.round.client_phase` and the server through its
+All of them compute the clients through `core.round.step.client_phase` and the server through its
 `server_phase` or the algorithm's `server_update`, so participation masks, the clock and stragglers are
 written once. `round_driver` builds the one a run asks for.
 """
@@ -20,11 +20,11 @@ from typing import Any, Protocol, Sequence
 import numpy as np
 from jax.sharding import Mesh
 
-from fedjax_sparse.core.algorithm import FederatedAlgorithm
-from fedjax_sparse.core.buffered_round import Buffering, BufferedRound
-from fedjax_sparse.core.client_store import ClientStore
-from fedjax_sparse.core.round import RoundConditions, RoundOutput
-from fedjax_sparse.core.store_round import StoreRound
+from fedjax_sparse.core.contract.algorithm import FederatedAlgorithm
+from fedjax_sparse.core.round.buffered import Buffering, BufferedRound
+from fedjax_sparse.core.client_state.store import ClientStore
+from fedjax_sparse.core.round.step import RoundConditions, RoundOutput
+from fedjax_sparse.core.round.store import StoreRound
 from fedjax_sparse.data.federated import FederatedSplit
 from fedjax_sparse.data.windows import ClientWindows
 

@@ -6,7 +6,7 @@
 `round_step` is the part every client store shares: the sampled clients' states and a
 view of their data in, new server state, their new states and the round's figures out.
 The device store wraps it with the gather and scatter in one jit (`build_round`); the
-host and disk stores feed it gathered rows and data windows (`core.store_round`).
+host and disk stores feed it gathered rows and data windows (`core.round.store`).
 
 Clients are sampled by a pure function of (seed, round), so a resumed run
 samples the same clients. With a mesh, the sampled-clients axis is sharded over
@@ -24,14 +24,14 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from fedjax_sparse.core.algorithm import FederatedAlgorithm, RoundInfo, server_step
-from fedjax_sparse.core.clock import DeviceProfile, Returns, Stragglers, client_seconds, failed_clients, round_returns
-from fedjax_sparse.core.compilation import jit
-from fedjax_sparse.core.device_split import BalancedSplit, balanced_order, device_groups
-from fedjax_sparse.core.messages import message_bytes
-from fedjax_sparse.core.participation import Sampler, check_slots, uniform_sampler
-from fedjax_sparse.core.secure_aggregation import SecureAggregation, secure_bytes
-from fedjax_sparse.core.streams import stream_key
+from fedjax_sparse.core.contract.algorithm import FederatedAlgorithm, RoundInfo, server_step
+from fedjax_sparse.core.federation.clock import DeviceProfile, Returns, Stragglers, client_seconds, failed_clients, round_returns
+from fedjax_sparse.core.round.compilation import jit
+from fedjax_sparse.core.round.device_split import BalancedSplit, balanced_order, device_groups
+from fedjax_sparse.core.messages.pricing import message_bytes
+from fedjax_sparse.core.federation.participation import Sampler, check_slots, uniform_sampler
+from fedjax_sparse.core.messages.secure_aggregation import SecureAggregation, secure_bytes
+from fedjax_sparse.core.round.streams import stream_key
 from fedjax_sparse.data.federated import FederatedSplit
 
 CLIENTS_AXIS = "clients"
@@ -43,7 +43,7 @@ class RoundOutput:
 
     dispatched: [K] bool, the slots holding a client sent the model this round (all, unless the sampler
     varies participation); a slot that was not costs no bytes. Where the round has a clock or stragglers
-    (`RoundConditions`): client_seconds [K] (0 for slots not dispatched) and `returns` (`core.clock.Returns`:
+    (`RoundConditions`): client_seconds [K] (0 for slots not dispatched) and `returns` (`core.federation.clock.Returns`:
     who was aggregated, late, failed or surplus, and the round's simulated seconds); else None."""
 
     client_ids: jax.Array
@@ -61,8 +61,8 @@ class RoundOutput:
 class RoundConditions:
     """The federation a round simulates: who is sampled, how long each client takes, who returns.
 
-    sampler: fills the round's slots (`core.participation`); profile: the devices and links that turn each
-    client's counted FLOPs and bytes into seconds (`core.clock`; None: no clock); stragglers: deadline,
+    sampler: fills the round's slots (`core.federation.participation`); profile: the devices and links that turn each
+    client's counted FLOPs and bytes into seconds (`core.federation.clock`; None: no clock); stragglers: deadline,
     over-selection target, dropout; dense_flops_per_example: a client's training FLOPs per example where
     its algorithm reports none (`train_flops`): 3 x the model's forward FLOPs x the local epochs.
 
@@ -76,7 +76,7 @@ class RoundConditions:
     dense_flops_per_example: float = 0.0
     secure: SecureAggregation | None = None
     upload_entries: int = 0  # with `secure`: the entries a client's upload is summed as (its masked input)
-    # a sharded round's placement of the clients on its devices (`core.device_split`; None: in slot order);
+    # a sharded round's placement of the clients on its devices (`core.round.device_split`; None: in slot order);
     # a layout, not the federation: the figures are the same either way
     split: BalancedSplit | None = None
 
@@ -279,7 +279,7 @@ def round_step(algorithm: FederatedAlgorithm, clients_per_round: int, *, seed: i
         step(server_state, sampled_states, data, positions, ids, round_index, dispatched)
             -> (server_state, new_sampled_states, RoundOutput)
 
-    `dispatched` ([K] bool): the slots whose client takes part (`core.participation`); `conditions`:
+    `dispatched` ([K] bool): the slots whose client takes part (`core.federation.participation`); `conditions`:
     the clock and stragglers (`server_phase`); a client absent from the aggregate keeps its old state.
 
     `sampled_states` are the K sampled clients' states ([K, ...], in the order of `ids`);
@@ -299,7 +299,7 @@ def round_step(algorithm: FederatedAlgorithm, clients_per_round: int, *, seed: i
     in client order and a run's figures do not depend on the number of devices or processes (but for
     the divisions docs/scale.md names; False: XLA reduces each device's share, then across devices;
     `benchmarks/ordered_reduction.py` measures the cost).
-    Several CPU devices of one process take another layout: `core.cpu_round`.
+    Several CPU devices of one process take another layout: `core.round.cpu`.
     """
     _check_layout(clients_per_round, mesh, client_chunk)
     train = client_phase(algorithm, client_chunk)
@@ -354,7 +354,7 @@ def round_step(algorithm: FederatedAlgorithm, clients_per_round: int, *, seed: i
             else (None, None)
         ups, weights = gathered((ups, weights))
         # XLA may not simplify the server's arithmetic into the clients' (or back): the server's update then
-        # compiles as it does alone, in `core.cpu_round`'s layout, whatever this round's layout is
+        # compiles as it does alone, in `core.round.cpu`'s layout, whatever this round's layout is
         ups, weights = jax.lax.optimization_barrier((ups, weights))
         args = (server_state, ups, weights, info, dispatched, *clocked)
         if mesh is not None and ordered_reduction:
@@ -404,7 +404,7 @@ def build_round(algorithm: FederatedAlgorithm, train: FederatedSplit, clients_pe
 
     Every client's state ([N, ...]) and data (`train`) lie on the device; one jit samples,
     gathers, trains, aggregates and scatters (`device_round`; the client states are donated).
-    See `round_step` for `client_chunk` and `mesh`; `core.store_round` for the other stores.
+    See `round_step` for `client_chunk` and `mesh`; `core.round.store` for the other stores.
     """
     check_clients_per_round(clients_per_round, train.num_clients)
     round_fn = device_round(algorithm, clients_per_round, seed=seed, mesh=mesh, client_chunk=client_chunk,

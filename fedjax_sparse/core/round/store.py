@@ -4,7 +4,7 @@
     jit:  combine the processes' blocks -> initial states where never written -> round_step -> pack
     host: write the new rows of this process's clients
 
-With the device store the whole round is `core.round.build_round`'s jit. With the host and
+With the device store the whole round is `core.round.step.build_round`'s jit. With the host and
 disk stores, round r+1's reads run in a background thread while round r computes (JAX
 dispatches asynchronously); clients sampled in both rounds then take round r's new rows,
 so the results are those of reading after the write. Several processes: each reads and
@@ -24,13 +24,13 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
-from fedjax_sparse.core.algorithm import FederatedAlgorithm
-from fedjax_sparse.core.client_rows import RowLayout
-from fedjax_sparse.core.client_store import ClientStore, DeviceStore, RowStore, materialize, populated_rows
-from fedjax_sparse.core.compilation import jit
-from fedjax_sparse.core.cpu_round import CpuRound
-from fedjax_sparse.core.distributed import combine_blocks, process_blocks, replicated, replicated_sharding
-from fedjax_sparse.core.round import (RoundConditions, RoundOutput, check_clients_per_round, default_conditions,
+from fedjax_sparse.core.contract.algorithm import FederatedAlgorithm
+from fedjax_sparse.core.client_state.rows import RowLayout
+from fedjax_sparse.core.client_state.store import ClientStore, DeviceStore, RowStore, materialize, populated_rows
+from fedjax_sparse.core.round.compilation import jit
+from fedjax_sparse.core.round.cpu import CpuRound
+from fedjax_sparse.core.round.distributed import combine_blocks, process_blocks, replicated, replicated_sharding
+from fedjax_sparse.core.round.step import (RoundConditions, RoundOutput, check_clients_per_round, default_conditions,
                                       device_round, round_step)
 from fedjax_sparse.data.federated import FederatedSplit
 from fedjax_sparse.data.windows import ClientWindows, window_split
@@ -85,11 +85,11 @@ class StoreRound:
 
     store: a `DeviceStore` with `data` the population's `FederatedSplit` on the device, or a
       host/disk store with `data` this process's `ClientWindows` (`HostData`, or generated clients).
-    mesh: shards the sampled clients (`core.distributed.process_mesh()`; required with
+    mesh: shards the sampled clients (`core.round.distributed.process_mesh()`; required with
       several processes). prefetch: read round r+1's inputs while round r computes.
     cpu_devices: with the device store, several CPU devices sharing the sampled clients
-      (`core.cpu_round`; `round_devices` chooses them).
-    conditions: who is sampled, the clock and stragglers (`core.round.RoundConditions`; default: K of
+      (`core.round.cpu`; `round_devices` chooses them).
+    conditions: who is sampled, the clock and stragglers (`core.round.step.RoundConditions`; default: K of
       the clients uniformly, all returning); its sampler's slots are the round's K.
     """
 
@@ -104,7 +104,7 @@ class StoreRound:
             raise ValueError(f"the data hold {data.num_clients} clients but the store {store.num_clients}")
         if jax.process_count() > 1 and mesh is None:
             raise ValueError("with several processes the round needs the global mesh "
-                             "(core.distributed.process_mesh())")
+                             "(core.round.distributed.process_mesh())")
         self.store, self.data, self.seed, self.mesh = store, data, seed, mesh
         self.clients_per_round = clients_per_round
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
@@ -161,7 +161,7 @@ class StoreRound:
         return server_state, out.replace(clients_drawn=np.int32(inputs.dispatched.sum()))
 
     # what a checkpoint keeps: the server state alone (every client's lies in the store); an asynchronous
-    # round (`core.buffered_round`) keeps its updates in flight too
+    # round (`core.round.buffered`) keeps its updates in flight too
     def saved_state(self, server_state):
         return server_state
 

@@ -2,7 +2,7 @@
 
 The counts here are in the papers' convention, one FLOP per multiply-accumulate (MAC): every `train_flops`,
 `forward_flops` and FLOPs figure a run records is a MAC count. A rate in FLOP/s (a device's speed,
-`core.clock`) divides `FLOPS_PER_MAC` = 2 FLOPs per MAC, a multiply and an add.
+`core.federation.clock`) divides `FLOPS_PER_MAC` = 2 FLOPs per MAC, a multiply and an add.
 
 SpaFL counts, for N training examples (one multiply-accumulate = one FLOP):
   convolution  forward  N x (C x R x S) x F x H x W   (C R S = the filter's fan-in,
@@ -53,7 +53,7 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
-from fedjax_sparse.core.unit_masks import UnitMasks, live_input_fraction
+from fedjax_sparse.core.structure.unit_masks import UnitMasks, live_input_fraction
 from fedjax_sparse.models.conv import Conv2D
 from fedjax_sparse.models.recurrent import LSTM
 from fedjax_sparse.models.structure import ModelStructure

@@ -3,7 +3,7 @@ parts together.
 
 A model's structure names each prunable layer's part (`Layer.part`: SPATL's shared `encoder` and
 private `predictor`, `shared`, `private`), and a leaf belongs to the part of the layer that owns it
-(`core.layer_groups`: a layer's kernel, bias, normalization and statistics). Methods that send or keep
+(`core.structure.layer_groups`: a layer's kernel, bias, normalization and statistics). Methods that send or keep
 only a part of the model (SPATL's encoder, FedPer's predictor, FedBN's normalization) take it with
 `take_part` and put it back with `overlay`; `merge` joins parts that share no leaf.
 
@@ -24,13 +24,13 @@ from typing import Any
 
 import jax
 
-from fedjax_sparse.core.layer_groups import model_layer_groups
+from fedjax_sparse.core.structure.layer_groups import model_layer_groups
 
 
 def part_labels(model) -> Any:
     """A tree shaped like the model's variables whose leaves name each leaf's part ('encoder', ...).
 
-    A leaf belongs to the part of the structure layer that owns it (`core.layer_groups`).
+    A leaf belongs to the part of the structure layer that owns it (`core.structure.layer_groups`).
     """
     groups = model_layer_groups(model)
     return jax.tree_util.tree_map(lambda l: model.structure.layers[l].part, groups.index)

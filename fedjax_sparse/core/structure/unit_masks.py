@@ -26,7 +26,7 @@ the unit). These are exactly the entries the masked forward pass uses, on
 every model of the zoo and for group-tied and per-layer masks alike: the
 gradient of a masked model is zero outside them and non-zero inside, and
 every layer receives exactly the live inputs `input_unit_masks` names
-(tests/test_structure.py; `core.flops.measure_layers` reads it off the
+(tests/test_structure.py; `core.structure.flops.measure_layers` reads it off the
 computation).
 
 Density (`density`) counts kernel weights of the prunable layers only: a kept
