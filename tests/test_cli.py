@@ -173,3 +173,38 @@ def test_the_progress_bar_says_the_first_round_is_compiling(tmp_path, capsys):
     assert re.search(r"compiling: \d+ s \(JAX's cache held \d+ programs; \d+ read from it, \d+ compiled so far\)",
                      compiling[0])
     assert any(" 2/2 " in line and "acc=" in line for line in lines)
+
+
+def test_help_lists_the_option_groups_and_help_group_shows_one_whole(capsys):
+    """`run --help` fits on two screens, a line or two per group; `--help-group privacy` is that group in full;
+    every option is in exactly one group and keeps its flag."""
+    import argparse
+
+    from fedjax_sparse.algorithms import registered
+    from fedjax_sparse.core.contract.options import flag_name, option_fields
+    from fedjax_sparse.run import RunConfig
+    from fedjax_sparse.run.run_flags import GROUPS, command_parser
+
+    with pytest.raises(SystemExit):
+        main(["run", "--help"])
+    text = capsys.readouterr().out
+    assert len(text.splitlines()) <= 60
+    for name in (*GROUPS, "server-optimizer", "sub-models", "spatl", "spafl", "fedgse"):
+        assert re.search(rf"^  {re.escape(name)} +\d+ options?: ", text, re.M), name
+    with pytest.raises(SystemExit):
+        main(["run", "--help-group", "privacy"])
+    privacy = capsys.readouterr().out
+    assert privacy.startswith("privacy:") and "--dp-clip" in privacy and "--secure-aggregation" in privacy
+    assert "--lr " not in privacy and "--rounds" not in privacy
+    with pytest.raises(SystemExit):
+        main(["run", "--help-group", "nope"])
+    assert "--help-group 'nope' is no group; valid: all, data, federation" in capsys.readouterr().err
+
+    run = next(a for a in command_parser()._subparsers._group_actions[0].choices.values() if a.prog.endswith(" run"))
+    in_groups = [a.dest for g in run._action_groups for a in g._group_actions
+                 if g.title not in ("positional arguments", "options")]
+    assert len(in_groups) == len(set(in_groups))  # one group each
+    declared = {f.name for cls in (RunConfig, *(s.options for s in registered().values())) for f in option_fields(cls)}
+    assert declared <= set(in_groups)
+    flags = {s for a in run._actions for s in a.option_strings}
+    assert {flag_name(name) for name in declared} <= flags and isinstance(run, argparse.ArgumentParser)

@@ -62,3 +62,75 @@ def test_the_rule_sees_an_upward_import_inside_a_function():
     assert line == 2 and layer(parts) == LAYERS["core"] > layer(("data", "windows.py"))
     ((_, parts),) = imported_modules(ast.parse("from fedjax_sparse import run"))
     assert layer(parts) == LAYERS["run"]
+
+
+def modules() -> dict[str, Path]:
+    """The package's modules by dotted name below the package ('' for the package, 'core.round' for a package's
+    __init__)."""
+    out = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        parts = path.relative_to(PACKAGE).with_suffix("").parts
+        out[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return out
+
+
+def import_graph() -> dict[str, set[str]]:
+    """module -> the package's modules it imports, at module level, inside a function or for type checking alike.
+    `from fedjax_sparse.models import layers` imports the module models.layers, not the package's __init__."""
+    known = modules()
+    graph = {}
+    for name, path in known.items():
+        deps = set()
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                base = node.module.split(".")[1:] if node.module.startswith("fedjax_sparse") else None
+                if base is None:
+                    continue
+                targets = [".".join([*base, a.name]) for a in node.names]
+                deps |= {t if t in known else ".".join(base) for t in targets}
+            elif isinstance(node, ast.Import):
+                deps |= {".".join(a.name.split(".")[1:]) for a in node.names if a.name.startswith("fedjax_sparse.")}
+        graph[name] = {d for d in deps if d in known and d != name}
+    return graph
+
+
+def circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The graph's strongly connected components of more than one module (Tarjan's algorithm)."""
+    index, low, stack, on, found = {}, {}, [], set(), []
+
+    def visit(v):
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_no_modules_import_each_other_in_a_circle():
+    assert circles(import_graph()) == []
+
+
+def test_the_circle_rule_sees_a_circle_through_a_function_and_a_type_check():
+    graph = {"run.folder": {"run.outputs"}, "run.outputs": {"run.folder"}, "data.sources": {"data.mapped"},
+             "data.mapped": {"core.round.step"}, "core.round.step": {"data.sources"}, "models": set()}
+    assert circles(graph) == [["core.round.step", "data.mapped", "data.sources"], ["run.folder", "run.outputs"]]
+    assert "run.folder" in import_graph()["run.outputs"] or "run.outputs" not in import_graph()["run.folder"]

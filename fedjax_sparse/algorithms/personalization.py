@@ -38,6 +38,8 @@ PERSONAL = ("none", "predictor", "norm")
 
 @dataclasses.dataclass(frozen=True)
 class PersonalizationOptions:
+    OPTION_GROUP = "compression"  # the command line's help group (`core.contract.options.option_group`)
+
     personal: str = option("none", "keep these layers on each client, never sent: predictor (FedPer) or norm "
                                    "(FedBN's normalization layers)", choices=PERSONAL)
 

@@ -140,6 +140,8 @@ VARIANTS = ("paper", "code")
 
 @dataclasses.dataclass(frozen=True)
 class SpaFLLocalOptions:
+    OPTION_GROUP = "spafl"  # the command line's help group (`core.contract.options.option_group`)
+
     sparsity_coef: float = option(0.002, "SpaFL: alpha, the weight of sum(exp(-threshold)) in the loss", low=0.0)
     weight_bounds: bool = option(True, "SpaFL: clip weights to [-1, 1] and thresholds to [0, 1] after each step")
     spafl_variant: str = option("paper", "SpaFL: the paper's reading (paper) or the official CIFAR-10 code's "

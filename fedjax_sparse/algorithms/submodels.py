@@ -143,6 +143,8 @@ ScoreRule = Callable[[Any, jax.Array, RoundInfo, jax.Array], dict]
 
 @dataclasses.dataclass(frozen=True)
 class SubmodelOptions(ServerOptimizerOptions):
+    OPTION_GROUP = "sub-models"  # the command line's help group (`core.contract.options.option_group`)
+
     capacities: tuple[float, ...] = option(FIVE_LEVELS, "client capacity levels beta (fraction of every hidden "
                                                         "layer's units a sub-model keeps)", low=0.0,
                                            low_open=True, high=1.0)

@@ -77,6 +77,8 @@ RANDOM_K_STREAM = 0x72616E64  # the client's round key folded with this draws it
 
 @dataclasses.dataclass(frozen=True)
 class UplinkCompressionOptions:
+    OPTION_GROUP = "compression"  # the command line's help group (`core.contract.options.option_group`)
+
     uplink_compression: str = option("none", "compress every client's upload (a model or a delta): top-k, random-k "
                                              "or QSGD (none: as the algorithm sends it)", choices=COMPRESSORS)
     compression_ratio: float = option(0.01, "topk, randk: the share of each leaf's entries sent", low=0.0,

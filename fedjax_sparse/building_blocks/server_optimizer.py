@@ -56,6 +56,8 @@ class ServerOptimizerOptions:
     """The server optimizer's flags; every algorithm with a "global += lr x mean delta" step
     declares them by deriving its options from this class (one flag, one declaration)."""
 
+    OPTION_GROUP = "server-optimizer"  # the command line's help group (`core.contract.options.option_group`)
+
     server_optimizer: str = option("sgd", "the server's optimizer on the pseudo-gradient (FedOpt): sgd (at "
                                           "--server-lr 1 each method's own step), momentum (FedAvgM), "
                                           "adagrad, adam or yogi", choices=SERVER_OPTIMIZERS)

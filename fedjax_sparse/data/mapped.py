@@ -157,7 +157,7 @@ def _written_files(split: str) -> tuple[str, ...]:
     return tuple(f"{split}_{part}.npy" for part in ("x", "y", "clients"))
 
 
-def _refuse_written(folder: Path) -> None:
+def refuse_written(folder: Path) -> None:
     """Refuses a folder holding anything a conversion did not write (the user's files, which it would
     overwrite or mix with its own), or a finished data set; an empty or new folder, or one a conversion cut
     short left (its mark and its files), is written."""
@@ -186,7 +186,7 @@ def write_source(source: ChunkedSource, folder: str | os.PathLike) -> Path:
     """Writes `source` as a memory-mapped folder (module docstring), `_CHUNK_BYTES` of examples a chunk;
     returns the folder."""
     folder = Path(folder)
-    _refuse_written(folder)
+    refuse_written(folder)
     folder.mkdir(parents=True, exist_ok=True)
     (folder / WRITING).touch()  # before any file of its own: a conversion cut short may be run again
     splits, histograms = {}, None
@@ -223,28 +223,6 @@ def save_mapped(dataset: Dataset, folder: str | os.PathLike) -> Path:
     return write_source(ChunkedSource(name=dataset.name, num_classes=dataset.num_classes,
                                       class_names=dataset.class_names, augment=dataset.augment, mean=dataset.mean,
                                       std=dataset.std, client_names=dataset.client_names, **splits), folder)
-
-
-def convert(spec: str, folder: str | os.PathLike, *, data_dir: str | os.PathLike | None = None,
-            download: bool = True, progress: bool = True, **load_options) -> Path:
-    """Writes the `--dataset` `spec` to `folder` for `--dataset mmap:FOLDER`: streamed where its loader reads
-    it in chunks (`data.sources.stream_dataset`), else loaded whole by `data.sources.load_dataset`
-    (`load_options`, e.g. digits' `seed` or LEAF's `cache_dir`, go to it) and written (module docstring).
-    `data_dir` and `download`: where a TFDS data set is and whether to prepare it; `progress`: bars."""
-    from fedjax_sparse.data.sources import DataError, load_dataset, stream_dataset  # sources reads this module
-
-    if spec.startswith(PREFIX) or spec.startswith("synthetic:"):
-        raise ValueError(f"cannot convert {spec!r}: it is read without loading it whole already; convert "
-                         f"imagefolder:PATH, leaf:PATH, femnist, shakespeare, digits or a TFDS name")
-    _refuse_written(Path(folder))  # before a TFDS set is prepared or an image folder's headers are read
-    options = dict(data_dir=data_dir, download=download, progress=progress)
-    source = stream_dataset(spec, **options)
-    if source is None:
-        return save_mapped(load_dataset(spec, **options, **load_options), folder)
-    try:
-        return write_source(source, folder)
-    except (ValueError, OSError, RuntimeError) as err:  # a bad image met while decoding: one line, as loading says
-        raise DataError(f"cannot convert data set {spec!r}: {' '.join(str(err).split())}") from err
 
 
 def read_manifest(folder: str | os.PathLike) -> dict:

@@ -113,6 +113,8 @@ SPARSE_LEAVES = (SparseArray, KnownMaskArray)  # values at some entries: clipped
 
 @dataclasses.dataclass(frozen=True)
 class DifferentialPrivacyOptions:
+    OPTION_GROUP = "privacy"  # the command line's help group (`core.contract.options.option_group`)
+
     dp_clip: float | None = option(None, "client-level differential privacy: clip each client's update to this L2 "
                                          "norm C and add Gaussian noise of standard deviation z C (default: none)",
                                    low=0.0, low_open=True)

@@ -22,7 +22,7 @@ from fedjax_sparse.models import MODEL_ALIASES, MODEL_NAMES, REFUSED, model_name
 from fedjax_sparse.models.structure import COMPUTE_DTYPES
 from fedjax_sparse.run.client_metrics import check_stats
 from fedjax_sparse.run.federation import FederationOptions
-from fedjax_sparse.run.trackers import TrackerOptions, check_trackers
+from fedjax_sparse.run.tracker_options import TrackerOptions, check_trackers
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,7 +33,7 @@ class RunConfig(TrackerOptions, FederationOptions, DifferentialPrivacyOptions, U
     Two patterns apply to any algorithm they fit, from the run's options: uplink compression
     (`algorithms.uplink_compression`) and personal layers (`algorithms.personalization`). The
     federation's options (sampler, devices, stragglers) are `run.federation.FederationOptions`, the
-    trackers' (`--logger`) `run.trackers.TrackerOptions`.
+    trackers' (`--logger`) `run.tracker_options.TrackerOptions`.
 
     The shared options are the fields below; each algorithm declares its own
     beside its math (e.g. `algorithms.fedprox.FedProxOptions`). `options` holds
@@ -42,6 +42,19 @@ class RunConfig(TrackerOptions, FederationOptions, DifferentialPrivacyOptions, U
     `RunConfig.create(**flat)` / `config.replace(**flat)`, which route every
     name to its place; `to_dict()` is the flat saved form.
     """
+
+    # the command line's help groups of the run's own options (`core.contract.options.option_group`); the
+    # patterns' and the federation's are their classes'
+    OPTION_GROUPS = {
+        **dict.fromkeys(("algorithm", "dataset", "data_dir", "download", "model", "num_clients", "clients_per_round",
+                         "rounds", "local_epochs", "batch_size", "lr", "lr_decay", "momentum", "weight_decay",
+                         "grad_clip_norm", "partition", "alpha", "labels_per_client", "min_examples",
+                         "local_test_ratio", "seed", "eval_every", "max_train_examples", "max_test_examples"), "data"),
+        **dict.fromkeys(("out", "checkpoint_every", "checkpoint_minutes", "tensorboard", "client_metric_stats",
+                         "compilation_cache"), "output"),
+        **dict.fromkeys(("client_store", "shard_clients", "client_chunk", "cpu_devices", "device_split",
+                         "matmul_precision", "compute_dtype", "deterministic"), "scale"),
+    }
 
     algorithm: str = option("fedavg", "the federated algorithm: a registered one (the library's, a script's, an "
                                       "installed package's)")

@@ -24,6 +24,8 @@ from fedjax_sparse.core.messages.secure_aggregation import PROTOCOLS, SecureAggr
 class FederationOptions:
     """The run's federation (docs/federation.md)."""
 
+    OPTION_GROUP = "federation"  # the command line's help group (`core.contract.options.option_group`)
+
     sampler: str = option("uniform", "who takes part each round: uniform (K of N, the default), poisson (each client "
                                      "with probability K/N), data_size (K of N in proportion to their examples), "
                                      "availability (K of those online: a diurnal pattern or --availability-trace), "
@@ -57,8 +59,9 @@ class FederationOptions:
     secure_aggregation: str = option("none", "the server sees only the sum of the round's uploads: secagg "
                                              "(Bonawitz et al. 2017) or secagg+ (Bell et al. 2020), their bytes "
                                              "counted in every client's (none: it sees each upload)",
-                                     choices=("none", *PROTOCOLS))
-    secagg_bits: int = option(32, "secure aggregation: the bits of an entry's fixed-point encoding", low=1, high=32)
+                                     choices=("none", *PROTOCOLS), group="privacy")
+    secagg_bits: int = option(32, "secure aggregation: the bits of an entry's fixed-point encoding", low=1, high=32,
+                              group="privacy")
     staleness_exponent: float = option(0.5, "asynchronous rounds: an update s server steps old is weighted by "
                                             "(1 + s)^-a (0.5: FedBuff's 1/sqrt(1 + s); 0: not down-weighted)",
                                        low=0.0)

@@ -7,16 +7,18 @@ import json
 import math
 import os
 import platform
-import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from typing import Any, Callable, Protocol, Sequence
 
 import jax
 
 from fedjax_sparse.run.faults import fault_point
 
-if TYPE_CHECKING:
-    from fedjax_sparse.run.folder import RunManifest
+
+class Manifest(Protocol):
+    """What the writer needs of a run folder's record of its files (`run.folder.RunManifest`)."""
+
+    def record(self, *names: str) -> None: ...
 
 
 def device_description() -> str:
@@ -87,7 +89,7 @@ class RunWriter:
     the file is first written. A failed write is one `RunWriteError` naming the file.
     """
 
-    def __init__(self, out: Path, manifest: "RunManifest"):
+    def __init__(self, out: Path, manifest: Manifest):
         self.out, self.manifest = Path(out), manifest
         self.metrics_path = self.out / "metrics.jsonl"
 

@@ -251,19 +251,19 @@ class Plan:
 
 @functools.lru_cache(maxsize=1)
 def _run_parser() -> argparse.ArgumentParser:
-    from fedjax_sparse.run import cli
+    from fedjax_sparse.run.run_flags import command_parser
 
-    return cli._parser()
+    return command_parser()
 
 
 def expected_config(run_flags: list[str]) -> dict:
     """The config a run with these flags would save (its config.json), checked as `run` checks it: a bad
     combination is refused before any run starts."""
-    from fedjax_sparse.run import cli
     from fedjax_sparse.run.outputs import dumps
+    from fedjax_sparse.run.run_flags import config_from_args
 
     args = _run_parser().parse_args(["run", *run_flags])
-    return json.loads(dumps(cli._config(args).to_dict()))
+    return json.loads(dumps(config_from_args(args).to_dict()))
 
 
 # --- running: one process per run, at most `parallel` at once ---------------------------------------

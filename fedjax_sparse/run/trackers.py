@@ -1,6 +1,6 @@
 """Trackers: where a run's figures go besides its own files (TensorBoard, MLflow, Weights & Biases).
 
-`--logger tensorboard,mlflow,wandb` names them (`TrackerOptions`); the default is TensorBoard alone, what
+`--logger tensorboard,mlflow,wandb` names them (`run.tracker_options.TrackerOptions`); the default is TensorBoard alone, what
 every run wrote before trackers were chosen, and `--no-tensorboard` still turns it off. Each is one
 implementation of `Tracker`: `start(config)`, `log_metrics(round, figures)`, `log_artifacts(paths)` and
 `finish(status)`. What each receives:
@@ -32,8 +32,6 @@ change once logged: a config value that a resume changed (`--rounds`) is set as 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-import importlib.util
 import json
 import os
 import shutil
@@ -41,50 +39,18 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol, Sequence
 
-from fedjax_sparse.core.contract.options import option
 from fedjax_sparse.console import say
 from fedjax_sparse.run.outputs import RunWriteError, replace_atomically
 from fedjax_sparse.run.tensorboard import TensorBoardWriter, scalars
+from fedjax_sparse.run.tracker_options import TrackerError, chosen_trackers, install_hint
 
 if TYPE_CHECKING:
     from fedjax_sparse.run.config import RunConfig
     from fedjax_sparse.run.folder import RunManifest
 
-LOGGERS = ("tensorboard", "mlflow", "wandb")
-DEFAULT_LOGGERS = ("tensorboard",)
-# tracker -> (the module it imports, its name in words); the extra of the tracker's name installs it
-LIBRARIES = {"mlflow": ("mlflow", "MLflow"), "wandb": ("wandb", "W&B")}
 STATE_FILE = "trackers.json"  # in the run folder: the runs the trackers log into, to continue them on resume
 SLOW_CALL_SECONDS = 5.0
 ENDING = "ending its run"
-
-
-@dataclasses.dataclass(frozen=True)
-class TrackerOptions:
-    """Where a run's figures, config and plots go besides its folder (docs/tracking.md)."""
-
-    logger: tuple[str, ...] = option(DEFAULT_LOGGERS, "where every per-round figure, the config and the plots go "
-                                                      "besides the run folder's own files: tensorboard (event files "
-                                                      "in the run folder), mlflow, wandb; naming them replaces the "
-                                                      "default", choices=LOGGERS)
-    mlflow_tracking_uri: str | None = option(None, "mlflow: the tracking store or server (default: the one a resumed "
-                                                   "run's trackers.json records, else $MLFLOW_TRACKING_URI, else "
-                                                   "MLflow's own default)")
-    wandb_project: str | None = option(None, "wandb: the project (default: the one a resumed run's trackers.json "
-                                             "records, else $WANDB_PROJECT, else W&B's own); WANDB_MODE=offline "
-                                             "logs without a network")
-
-    def ignored(self) -> dict[str, str]:
-        out = {}
-        if "mlflow" not in self.logger:
-            out["mlflow_tracking_uri"] = "is read only with --logger naming mlflow"
-        if "wandb" not in self.logger:
-            out["wandb_project"] = "is read only with --logger naming wandb"
-        return out
-
-
-class TrackerError(ValueError):
-    """A tracker cannot start (not installed, its store or service refused it): one line, before round 1."""
 
 
 class Tracker(Protocol):
@@ -100,39 +66,6 @@ class Tracker(Protocol):
     def log_artifacts(self, paths: Sequence[Path]) -> None: ...
 
     def finish(self, status: str) -> None: ...
-
-
-def chosen_trackers(config: "RunConfig") -> tuple[str, ...]:
-    """The trackers a run logs to: `--logger`'s, without TensorBoard under `--no-tensorboard`."""
-    return tuple(name for name in config.logger if name != "tensorboard" or config.tensorboard)
-
-
-def _installed(module: str) -> bool:
-    try:
-        return importlib.util.find_spec(module) is not None
-    except (ImportError, ValueError):  # ValueError: a module set to None in sys.modules (blocked)
-        return False
-
-
-def _install_hint(name: str) -> str:
-    return f'pip install "fedjax_sparse[{name}]"'
-
-
-def check_trackers(config: "RunConfig") -> None:
-    """One line for a logger list that cannot be what was meant, or a tracker that is not installed,
-    before the run touches its folder."""
-    names = config.logger
-    twice = sorted({name for name in names if names.count(name) > 1})
-    if twice:
-        raise ValueError(f"--logger names {', '.join(twice)} more than once, got {','.join(names)}; give each "
-                         f"tracker once")
-    if not config.tensorboard and "tensorboard" in names and names != DEFAULT_LOGGERS:
-        raise ValueError(f"--no-tensorboard and --logger {','.join(names)} (naming tensorboard) contradict each "
-                         f"other; drop tensorboard from --logger or drop --no-tensorboard")
-    for name in names:
-        if name in LIBRARIES and not _installed(LIBRARIES[name][0]):
-            raise ValueError(f"--logger {name} needs {LIBRARIES[name][1]}, which is not installed: "
-                             f"{_install_hint(name)}")
 
 
 def _one_line(err: BaseException) -> str:
@@ -163,7 +96,7 @@ class MlflowTracker:
             from mlflow.tracking import MlflowClient
         except ImportError as err:
             raise TrackerError(f"--logger mlflow: MLflow cannot be imported ({_one_line(err)}): "
-                               f"{_install_hint('mlflow')}") from None
+                               f"{install_hint('mlflow')}") from None
         self._metric, self._param, self._tag = Metric, Param, RunTag
         self.uri = tracking_uri or recorded.get("tracking_uri") or mlflow.get_tracking_uri()
         self._recorded = recorded if recorded.get("tracking_uri") == self.uri else {}
@@ -267,7 +200,7 @@ class WandbTracker:
             import wandb
         except ImportError as err:
             raise TrackerError(f"--logger wandb: W&B cannot be imported ({_one_line(err)}): "
-                               f"{_install_hint('wandb')}") from None
+                               f"{install_hint('wandb')}") from None
         self._wandb = wandb
         same = recorded.get("run_id") is not None and project in (None, recorded.get("project"))
         self._recorded = recorded if same else {}

@@ -37,6 +37,7 @@ class OptionSpec:
     high_open: bool = False
     choices: tuple | None = None
     finite: bool = True
+    group: str | None = None  # the command line's help group (default: its declaring class's OPTION_GROUP)
 
     def describe(self) -> str:
         if self.choices is not None:
@@ -83,11 +84,25 @@ def _num(x: float) -> str:
 
 def option(default: Any = dataclasses.MISSING, help: str = "", *, low: float | None = None,
            high: float | None = None, low_open: bool = False, high_open: bool = False,
-           choices: Sequence | None = None, finite: bool = True) -> Any:
+           choices: Sequence | None = None, finite: bool = True, group: str | None = None) -> Any:
     """A dataclass field carrying its `OptionSpec`."""
     spec = OptionSpec(help, low, high, low_open, high_open, tuple(choices) if choices is not None else None,
-                      finite)
+                      finite, group)
     return dataclasses.field(default=default, metadata={"option": spec})
+
+
+def declaring_class(cls: type, name: str) -> type:
+    """The class of `cls`'s hierarchy that declares the field `name` (an options mixin, or `cls` itself)."""
+    return next(c for c in cls.__mro__ if name in c.__dict__.get("__annotations__", {}))
+
+
+def option_group(cls: type, field: dataclasses.Field) -> str:
+    """The command line's help group of `cls`'s option `field`: its own `group`, else its declaring class's
+    `OPTION_GROUPS[name]` or `OPTION_GROUP` (plain class attributes), else the declaring class's name without 'Options', lower case
+    (an algorithm's own options: `SPATLOptions` -> 'spatl')."""
+    owner = declaring_class(cls, field.name)
+    return (spec_of(field).group or owner.__dict__.get("OPTION_GROUPS", {}).get(field.name)
+            or owner.__dict__.get("OPTION_GROUP") or owner.__name__.removesuffix("Options").lower())
 
 
 def flag_name(name: str) -> str:
@@ -205,12 +220,14 @@ def coerce(name: str, annotation: Any, value: Any) -> Any:
     return value
 
 
-def add_flags(parser, cls, *, used_by: dict | None = None, seen: set | None = None) -> None:
+def add_flags(parser, cls, *, used_by: dict | None = None, seen: set | None = None,
+              container: Any = None) -> None:
     """Adds a `--flag` for every declared field of `cls` not in `seen` (names already added).
 
     Defaults are shown in the help but not set: the parsed namespace holds exactly the flags
     given, so a caller can tell a given flag from a default (and refuse one its algorithm does
     not read). `used_by` maps field names to the algorithms that read them, shown in the help.
+    `container(cls, field)`, where given, is the parser's argument group a field's flag goes in.
     """
     hints = typing.get_type_hints(cls)
     seen = set() if seen is None else seen
@@ -218,6 +235,7 @@ def add_flags(parser, cls, *, used_by: dict | None = None, seen: set | None = No
         if field.name in seen:
             continue
         seen.add(field.name)
+        target = parser if container is None else container(cls, field)
         spec = spec_of(field)
         default = field.default
         help_text = spec.help.replace("%", "%%")
@@ -226,14 +244,14 @@ def add_flags(parser, cls, *, used_by: dict | None = None, seen: set | None = No
         element, optional, is_tuple = _base_type(hints[field.name])
         kwargs = {"dest": field.name, "default": argparse.SUPPRESS}
         if element is bool and not is_tuple:  # both directions, so a flag can override a config file
-            parser.add_argument(flag_name(field.name), action=argparse.BooleanOptionalAction,
+            target.add_argument(flag_name(field.name), action=argparse.BooleanOptionalAction,
                                 help=help_text + (" (on by default)" if default else " (off by default)"), **kwargs)
             continue
         shown = ",".join(map(str, default)) if isinstance(default, tuple) else default
         help_text += f" (default: {shown})"
         if spec.choices is not None and not is_tuple:
             kwargs["choices"] = spec.choices
-        parser.add_argument(flag_name(field.name), type=_parser_for(element, optional, is_tuple, field.name),
+        target.add_argument(flag_name(field.name), type=_parser_for(element, optional, is_tuple, field.name),
                             help=help_text + (" (comma-separated)" if is_tuple else ""),
                             metavar="A,B,..." if is_tuple else None, **kwargs)
 
