@@ -99,7 +99,7 @@ def row_bytes(algorithm: str) -> int:
 
 def device_fits(setting: Setting) -> tuple[bool, str]:
     """Whether the `auto` rule would put this population on the device."""
-    from fedjax_sparse.core.client_state.store import choose_store
+    from fedjax_sparse.core.client_state.choice import choose_store
     data_bytes = setting.num_clients * EXAMPLES * (int(np.prod(SHAPE)) + 4)
     backend, reason = choose_store(setting.num_clients, row_bytes(setting.algorithm), data_bytes)
     return backend == "device", reason
@@ -148,7 +148,8 @@ def workload(algorithm: str, num_clients: int):
 
 
 def run_setting(setting: Setting, data_dir: Path, work_dir: Path, process=None, mesh=None) -> dict:
-    from fedjax_sparse.core.client_state.store import choose_store, initial_server_state, make_store
+    from fedjax_sparse.core.client_state.choice import choose_store, make_store
+    from fedjax_sparse.core.client_state.store import initial_server_state
     from fedjax_sparse.core.federation.participation import sample_clients_host
     from fedjax_sparse.core.round.step import default_client_chunk
     from fedjax_sparse.core.round.store import StoreRound

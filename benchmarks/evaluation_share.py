@@ -3,7 +3,7 @@
 On a CPU the rounds of small clients train on every core (`core.round.cpu`), and the personalized
 evaluation of every client too where it pays (`core.evaluation.cpu`). In one process, FedAvg on the
 MLP: a round and the run's evaluation of every client (global model and each client's personalized
-model, `run.loop.evaluate`) with the personalized part on one device and on every CPU device, timed
+model, `run.records.evaluate`) with the personalized part on one device and on every CPU device, timed
 in turn, each the best of the repeats, beside the number of devices the run picks
 (`core.evaluation.cpu.evaluation_devices`). An evaluation runs once every `--eval-every` rounds,
 so its share of a run is at most evaluation / (round + evaluation).
@@ -33,7 +33,7 @@ def main(argv: Sequence[str] | None = None) -> list[dict]:
     from fedjax_sparse.core.evaluation.evaluators import split_evaluator
     from fedjax_sparse.run import RunConfig, build_experiment
     from fedjax_sparse.run.experiment import evaluation_chunk
-    from fedjax_sparse.run.loop import evaluate
+    from fedjax_sparse.run.records import evaluate
 
     p = parser("benchmarks.evaluation_share", __doc__, "the digits setting only, 3 repeats")
     args = p.parse_args(argv)

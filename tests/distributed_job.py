@@ -23,7 +23,8 @@ def run(process, mesh, directory: Path) -> dict:
 
     from conftest import linear_model
     from fedjax_sparse.algorithms import fedavg
-    from fedjax_sparse.core.client_state.store import initial_server_state, make_store
+    from fedjax_sparse.core.client_state.choice import make_store
+    from fedjax_sparse.core.client_state.store import initial_server_state
     from fedjax_sparse.core.round.local_training import LocalSGD
     from fedjax_sparse.core.round.store import StoreRound
     from fedjax_sparse.data.windows import host_data

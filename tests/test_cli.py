@@ -142,8 +142,8 @@ def test_bad_arguments_get_a_one_line_error(tmp_path, capsys, args, fragment):
 def test_auto_says_what_it_chose_and_keeps_on_the_device_what_needs_it(tmp_path, monkeypatch, capsys):
     """With 1 kB of host memory available, auto puts FedAvg's clients on disk and says why; FedGSE, which
     reads every client's data on the device, stays on the device (the only store it runs with)."""
-    from fedjax_sparse.core.client_state import store as client_store
-    monkeypatch.setattr(client_store, "available_host_memory", lambda: 1000)
+    from fedjax_sparse.core.client_state import choice
+    monkeypatch.setattr(choice, "available_host_memory", lambda: 1000)
     base = dict(num_clients=6, clients_per_round=3, out=str(tmp_path / "run"))
     assert build_experiment(RunConfig.create(**base), progress=False).store.backend == "disk"
     err = capsys.readouterr().err

@@ -188,3 +188,24 @@ def test_the_site_knows_its_address_and_links_the_repositorys_files(site):
             cited += 1
             assert match.group(1) and REPO_URL in match.group(1), (page, match.group(2))
     assert cited > 5
+
+
+def test_the_layout_page_draws_every_package_and_module_from_the_folders():
+    """docs/layout.md's tree is the hook's (docs/hooks/layout_tree.py), drawn when the site is built: every
+    package with its __init__'s first sentence, every module with its docstring's."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("layout_tree", ROOT / "docs" / "hooks" / "layout_tree.py")
+    layout_tree = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(layout_tree)
+    assert layout_tree.MARKER in (ROOT / "docs" / "layout.md").read_text()
+    tree = layout_tree.tree_markdown()
+    package = ROOT / "fedjax_sparse"
+    for init in package.rglob("__init__.py"):
+        if init.parent != package:
+            assert f"**`{init.parent.name}/`**: {layout_tree.first_sentence(init)}" in tree, init
+            assert layout_tree.first_sentence(init), f"{init} has no docstring"
+    for module in package.rglob("*.py"):
+        if module.name not in ("__init__.py", "__main__.py"):
+            assert f"`{module.stem}`: " in tree, module
+    assert "- **`round/`**: The round:" in tree and "`step`: One federated round as one jitted computation." in tree

@@ -21,7 +21,7 @@ import pytest
 from conftest import SCAFFOLD_ARGS, SCAFFOLD_ROUNDS, linear_model
 from test_distributed import assert_same_records, finish, free_port, launch_cli, records, run_processes
 from fedjax_sparse.algorithms import scaffold
-from fedjax_sparse.core.client_state.store import make_store
+from fedjax_sparse.core.client_state.choice import make_store
 from fedjax_sparse.core.round.distributed import ProcessLayout
 from fedjax_sparse.core.round.local_training import LocalSGD
 from fedjax_sparse.core.federation.participation import sample_clients_host

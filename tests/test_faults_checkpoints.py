@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from fedjax_sparse.algorithms import scaffold
-from fedjax_sparse.core.client_state.store import make_store
+from fedjax_sparse.core.client_state.choice import make_store
 from fedjax_sparse.core.client_state.snapshots import SnapshotError
 from test_client_store import setting  # noqa: F401 - a fixture
 from test_faults import TINY, cli, copy, fresh_fault_counts, one_line, records, summary, three_rounds  # noqa: F401

@@ -17,10 +17,10 @@ from pathlib import Path
 
 import pytest
 
-from fedjax_sparse.core.client_state.store import DiskStore
+from fedjax_sparse.core.client_state.row_store import DiskStore
 from fedjax_sparse.run.cli import main
 from fedjax_sparse.run.folder import LOCK_FILE
-from fedjax_sparse.run.loop import STATUSES
+from fedjax_sparse.run.failures import STATUSES
 from fedjax_sparse.run.outputs import RunWriter
 from test_faults import ROOT, TINY, cli, fresh_fault_counts, one_line, summary  # noqa: F401 - a fixture
 

@@ -270,7 +270,7 @@ def test_a_round_below_its_minimum_reports_is_abandoned_and_counted(round_parts)
     every client its state; the 3 uploads that arrived count as sent; the round is counted abandoned and its
     3 updates lost beside the late one."""
     from fedjax_sparse.run.federation import federation_record, federation_totals
-    from fedjax_sparse.run.loop import Counters
+    from fedjax_sparse.run.records import Counters
 
     split, model, algorithm, server, clients = round_parts
     ids = np.asarray(sample_clients(0, 0, 6, 4))

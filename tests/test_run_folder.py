@@ -235,7 +235,7 @@ def test_a_save_that_cannot_happen_is_an_error(tmp_path):
     import jax
     from conftest import linear_model
     from fedjax_sparse.algorithms import fedavg
-    from fedjax_sparse.core.client_state.store import make_store
+    from fedjax_sparse.core.client_state.choice import make_store
     from fedjax_sparse.core.round.local_training import LocalSGD
 
     model = linear_model()

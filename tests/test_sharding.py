@@ -11,7 +11,8 @@ SCRIPT = textwrap.dedent("""
     assert jax.device_count() == 4, jax.devices()
     from fedjax_sparse.algorithms import fedavg, scaffold
     from fedjax_sparse.core.round.local_training import LocalSGD
-    from fedjax_sparse.core.client_state.store import initial_server_state, make_store
+    from fedjax_sparse.core.client_state.choice import make_store
+    from fedjax_sparse.core.client_state.store import initial_server_state
     from fedjax_sparse.core.round.distributed import process_mesh
     from fedjax_sparse.core.round.step import build_round, clients_mesh
     from fedjax_sparse.core.round.store import StoreRound

@@ -11,8 +11,8 @@ import pytest
 
 from conftest import initialized
 from fedjax_sparse.algorithms import fedavg, make_algorithm, make_options
-from fedjax_sparse.algorithms.spatl import (encoder_flops, encoder_layers, fit_predictor, salient_masks,
-                                            uniform_keep_ratio, unit_l2_norms)
+from fedjax_sparse.algorithms.spatl import fit_predictor
+from fedjax_sparse.algorithms.spatl_selection import (encoder_flops, encoder_layers, salient_masks, uniform_keep_ratio, unit_l2_norms)
 from fedjax_sparse.run.cli import main
 from fedjax_sparse.core.contract.algorithm import BuildContext
 from fedjax_sparse.core.structure.layer_groups import leaf_paths
@@ -384,7 +384,8 @@ def test_agent_policy_meets_the_flops_target_and_carries_its_state_over_rounds(m
     the state a search returns is what the next search starts from (different from starting
     afresh), `agent_reset` ignores it, and a saved agent is what every client starts from."""
     from fedjax_sparse.agent import AgentConfig, GraphTemplate, save_agent
-    from fedjax_sparse.algorithms.spatl import agent_policy, load_agent
+    from fedjax_sparse.agent import load_agent
+    from fedjax_sparse.algorithms.spatl_selection import agent_policy
     split = make_split([40])
     variables = mlp.init(jax.random.key(0))
     layers = encoder_layers(mlp.structure)
@@ -434,7 +435,7 @@ def test_held_out_shares_are_random_stratified_and_cost_no_class_its_training_on
     classes of one example keep back to train on), no class loses all its training examples, the two views split the window exactly, and the draw is the client's own (the
     same for the same seed, another for another seed). The last 10 % of the window would be one or two
     classes."""
-    from fedjax_sparse.algorithms.spatl import agent_holdout, split_holdout
+    from fedjax_sparse.algorithms.spatl_selection import agent_holdout, split_holdout
     from fedjax_sparse.data import partition
     from fedjax_sparse.data.federated import federated_split
     y = np.repeat(np.arange(10), 60)
@@ -479,7 +480,7 @@ def test_on_a_trained_mlp_the_agent_beats_uniform_pruning_at_the_same_flops():
     import optax
 
     from fedjax_sparse.agent import AgentConfig
-    from fedjax_sparse.algorithms.spatl import agent_policy
+    from fedjax_sparse.algorithms.spatl_selection import agent_policy
     from fedjax_sparse.data.federated import federated_split
     from fedjax_sparse.data.sources import load_digits
 

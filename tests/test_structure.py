@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 from test_models import NATURAL
 
-from fedjax_sparse.algorithms.spatl import encoder_layers
+from fedjax_sparse.algorithms.spatl_selection import encoder_layers
 from fedjax_sparse.core.structure.flops import layer_forward_flops, measure_layers
 from fedjax_sparse.core.structure.unit_masks import input_unit_masks, variable_masks
 from fedjax_sparse.core.structure.unit_selection import keep_top_units, prefix_scores

@@ -111,6 +111,10 @@ own thresholds, so the next round starts from the received ones unreset (here
 the round's start resets the received thresholds where the client's own last
 mask collapsed a layer; benchmarks/results/parity.md, `two_test_batches`). docs/methods/spafl.md tabulates every
 difference.
+
+Why one module past 400 lines: SpaFL's math is one algorithm (thresholds, the straight-through mask, eq. 13's
+update, the regularizer) with its options and the paper's readings written out beside each equation; the official
+code's variant is `spafl_code`.
 """
 
 from __future__ import annotations

@@ -106,6 +106,9 @@ optimizer state (no momentum step, no decay of its moments), as with sgd.
 
 The server keeps only the global model, plus whatever a rule needs to remember
 (`memory`, FedGSE-SPL's per-client class accuracies).
+
+Why one module past 400 lines: it is the one round the four sub-model rules share (capacities, masks, pricing,
+aggregation), each rule a short function beside it; the rules' own files (FedGSE, Fjord) build on it.
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""The pieces an algorithm author needs, in one place (each lives, and is documented, in its core module).
+"""The pieces an algorithm author needs, in one place: the core's (each documented in its own module) and the reusable
+algorithm pieces this package holds itself, the server optimizer and SCAFFOLD's control variates.
 
 Model parts (`core.structure.model_parts`)
     part_labels, take_part, overlay, merge: a model's encoder/predictor/... parts as nested dicts,

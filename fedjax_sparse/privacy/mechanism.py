@@ -87,6 +87,10 @@ baselines), uploads holding integer, quantized or coded leaves (`qsgd`), local n
 client-chosen indexes or feedback, flat clipping where the declaration needs it per layer, central noise on
 clients that keep state accounted as amplified by sampling K of N, and a `PrivateSum` that cannot describe the upload
 (`core.contract.check.check_private_sum`).
+
+Why one module past 400 lines: the mechanism is one wrapper (clip, noise, the adaptive clip norm's private count,
+the fixed-denominator release) whose parts must agree for the accountant's figure to hold; accounting and the run's
+side are `accounting` and `ledger`.
 """
 
 from __future__ import annotations

@@ -56,6 +56,10 @@ closed event loop) is dropped for the rest of the process, as after a failed rea
 (`_orbax_io`). Where a process of several stopped answering during the save (the
 others wait for it at orbax's barriers, which time out after the processes'
 meeting time, `core.round.distributed.meeting_timeout`), the error is a `SaveLostAProcess`.
+
+Why one module past 400 lines: saving, verifying and restoring are one protocol (the checksums written at a save are
+what a restore checks, the marks a save leaves are what a resume discards), and splitting it would put the two
+halves of each rule in different files.
 """
 
 from __future__ import annotations
@@ -75,7 +79,9 @@ from typing import Any
 import jax
 import orbax.checkpoint as ocp
 
-from fedjax_sparse.core.client_state.store import ClientStore, DeviceStore, DiskStore
+from fedjax_sparse.core.client_state.row_store import DiskStore
+
+from fedjax_sparse.core.client_state.store import ClientStore, DeviceStore
 from fedjax_sparse.core.round.distributed import meeting_timeout
 from fedjax_sparse.console import quieted
 from fedjax_sparse.core.client_state.snapshots import SnapshotError, damaged, file_crc32, replace_rows

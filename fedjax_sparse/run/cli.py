@@ -12,7 +12,6 @@ import os
 import sys
 import traceback
 import warnings
-from pathlib import Path
 
 from fedjax_sparse.run.run_flags import command_parser, config_from_args, warn_refused
 from fedjax_sparse.run.signals import stop_start_up_at_once
@@ -88,7 +87,7 @@ def _main(argv: list[str] | None) -> int:
 
     from fedjax_sparse.core.round.cpu import use_cpu_cores
     from fedjax_sparse.run import DivergenceError, Interrupted, RunFailed, run_experiment
-    from fedjax_sparse.run.loop import ProcessLost
+    from fedjax_sparse.run.failures import ProcessLost
     from fedjax_sparse.run.checkpoints import CheckpointError, io_reason
     from fedjax_sparse.run.outputs import RunWriteError
     try:

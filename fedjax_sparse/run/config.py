@@ -11,7 +11,7 @@ from fedjax_sparse.algorithms import (ENTRY_POINT_GROUP, UnknownAlgorithm, flags
 from fedjax_sparse.privacy.mechanism import DifferentialPrivacyOptions
 from fedjax_sparse.algorithms.personalization import PersonalizationOptions
 from fedjax_sparse.algorithms.uplink_compression import UplinkCompressionOptions
-from fedjax_sparse.core.client_state.store import BACKENDS
+from fedjax_sparse.core.client_state.choice import BACKENDS
 from fedjax_sparse.core.round.device_split import SPLITS
 from fedjax_sparse.core.round.numerics import MATMUL_PRECISIONS, PRECISION_ALIASES, Numerics
 from fedjax_sparse.core.contract.options import (check_value, coerce, option, option_fields, refuse_unread_values, spec_of,

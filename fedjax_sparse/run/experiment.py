@@ -22,8 +22,8 @@ from fedjax_sparse.core.contract.check import check_contract
 from fedjax_sparse.core.evaluation.cpu import CpuEvaluator, evaluation_devices
 from fedjax_sparse.core.round.cpu import keep_freed_memory, round_devices
 from fedjax_sparse.core.client_state.rows import RowLayout
-from fedjax_sparse.core.client_state.store import (available_host_memory, choose_store, client_state_shapes, free_device_memory,
-                                             initial_server_state, make_store)
+from fedjax_sparse.core.client_state.choice import available_host_memory, choose_store, free_device_memory, make_store
+from fedjax_sparse.core.client_state.store import client_state_shapes, initial_server_state
 from fedjax_sparse.core.round.distributed import ProcessLayout, current_process, process_mesh
 from fedjax_sparse.core.round.device_split import BalancedSplit
 from fedjax_sparse.core.evaluation.evaluators import AUTO, default_evaluation_chunk, global_evaluator, split_evaluator

@@ -27,9 +27,12 @@ import fcntl
 import json
 import os
 import shutil
+import uuid
 from pathlib import Path
 from typing import Callable, Iterator
 
+from fedjax_sparse.core.round.distributed import agree, broadcast_text, gather_texts
+from fedjax_sparse.run.checkpoints import io_reason
 from fedjax_sparse.run.outputs import dumps, replace_atomically
 from fedjax_sparse.run.signals import undo_at_once
 
@@ -276,3 +279,29 @@ def shared_folder_problem(out: Path, lead: bool, token: str) -> str | None:
     except OSError as err:
         return f"{out / SHARED_CHECK} cannot be read ({err.strerror})"
     return None if seen == token else f"{out / SHARED_CHECK} holds another run's mark"
+
+
+def check_shared_folder(out: Path, process) -> None:
+    """Checkpoints of several processes need one folder they all reach under one path (each writes
+    its part, process 0 commits them): refused in one line, in every process, where some process
+    sees another folder there (a TPU pod slice's workers, each with its own disk)."""
+    lead = process.index == 0
+    token = broadcast_text(uuid.uuid4().hex if lead else "")
+    failure = None
+    if lead:
+        try:
+            (out / SHARED_CHECK).write_text(token)
+        except OSError as err:
+            failure = RunFolderError(f"cannot write {out / SHARED_CHECK}: {io_reason(err)}")
+    agree(failure, "writing the run folder's mark")
+    problem = shared_folder_problem(out, lead, token)
+    problems = gather_texts(problem or "")
+    if lead:
+        (out / SHARED_CHECK).unlink(missing_ok=True)
+    lost = [f"process {p}: {text}" for p, text in enumerate(problems) if text]
+    if lost:
+        raise RunFolderError(
+            f"--out {out} is not one folder for all {process.count} processes ({'; '.join(lost)}): checkpoints "
+            f"and --resume need a file system every process reaches under the same path (NFS; on a TPU pod "
+            f"slice a bucket mounted with gcsfuse, or Filestore); without checkpoints (--checkpoint-minutes 0, no "
+            f"--checkpoint-every) process 0 alone writes the run's files and each process's own disk is enough")

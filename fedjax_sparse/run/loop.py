@@ -7,132 +7,41 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import logging
 import math
-import os
 import signal
 import time
-import uuid
 from pathlib import Path
 
 import jax
 import numpy as np
 
-from fedjax_sparse.core.client_state.store import DeviceStore
 from fedjax_sparse.core.round.compilation import release_compiler_memory
 from fedjax_sparse.core.round.numerics import numerics
 from fedjax_sparse.run.client_metrics import client_metrics
 from fedjax_sparse.run.compiling import Compiling
 from fedjax_sparse.core.round.device_split import balanced_padded_step_fraction, device_groups
-from fedjax_sparse.core.round.distributed import (agree, broadcast_text, current_process, gather_texts, max_over_processes,
-                                           process_local)
-from fedjax_sparse.core.evaluation.evaluators import all_finite, client_accuracy_figures, population_diagnostics
+from fedjax_sparse.core.round.distributed import agree, current_process, max_over_processes, process_local
+from fedjax_sparse.core.evaluation.evaluators import all_finite
 from fedjax_sparse.core.structure.flops import forward_flops
 from fedjax_sparse.core.federation.participation import check_drawn
-from fedjax_sparse.core.evaluation.store import evaluate_store
 from fedjax_sparse.data.federated import padded_step_fraction
 from fedjax_sparse.run.checkpoints import (ROWS_FOLDER, CheckpointError, RunCheckpointer, SaveLostAProcess,
-                                           discard_cut_short, io_reason)
+                                           discard_cut_short)
 from fedjax_sparse.run.config import RunConfig
 from fedjax_sparse.run.experiment import Experiment, build_experiment, load_run_dataset, use_compilation_cache
+from fedjax_sparse.run.failures import (STATUSES, DivergenceError, FailedResume, Interrupted, ProcessLost, RunFailed,
+                                        likely_culprit, peer_lost, write_failure)
 from fedjax_sparse.run.faults import fault_point
 from fedjax_sparse.run.federation import federation_record, federation_totals
-from fedjax_sparse.run.folder import (SHARED_CHECK, RunFolderError, RunManifest, claim_run_folder, hold_run_folder,
-                                      recorded_files, shared_folder_problem)
+from fedjax_sparse.run.folder import RunManifest, check_shared_folder, claim_run_folder, hold_run_folder
 from fedjax_sparse.console import say
-from fedjax_sparse.run.outputs import RunWriteError, RunWriter, device_description, progress_bar
+from fedjax_sparse.run.outputs import RunWriteError, RunWriter, progress_bar
+from fedjax_sparse.run.records import Counters, evaluate, run_summary, run_totals
 from fedjax_sparse.privacy.ledger import privacy_record, privacy_totals, released_record, released_summary
 from fedjax_sparse.run.resume import NoCheckpoint, check_resume, restore
 from fedjax_sparse.run.signals import StopAfterRound
 from fedjax_sparse.run.trackers import Trackers
-
-
-# summary.json's "status", each as docs/cli.md says: every failure but a divergence is "failed"
-STATUSES = ("completed", "interrupted", "diverged", "failed")
-
-
-class DivergenceError(RuntimeError):
-    """Training produced a non-finite loss or model; the run stops instead of going on with NaNs."""
-
-
-class Interrupted(RuntimeError):
-    """A signal (`run.signals.SIGNALS`) stopped the run after a round, whose checkpoint was saved and verified."""
-
-    def __init__(self, message: str, signum: int):
-        super().__init__(message)
-        self.signum = signum
-
-
-@dataclasses.dataclass
-class Counters:
-    """What a run accumulates across rounds; saved in checkpoints beside the states."""
-
-    rounds_done: int = 0
-    cumulative_bytes: int = 0
-    total_uplink_bytes: int = 0
-    total_downlink_bytes: int = 0
-    dense_train_flops_total: int = 0
-    train_flops_total: float = 0.0  # the clients' reported `train_flops` over all rounds (the dense count where none)
-    padded_step_fractions: list = dataclasses.field(default_factory=list)
-    clients_dispatched_total: int = 0  # the federation's (`run.federation`), where it is not today's
-    updates_lost_total: int = 0
-    rounds_abandoned_total: int = 0  # abandoned for want of --min-reports
-    simulated_seconds_total: float = 0.0
-
-
-def evaluate(exp: Experiment, server_state) -> tuple[dict, bool]:
-    """The figures of an evaluation, and whether every client's state is finite. With a host or
-    disk store the clients are evaluated a round's worth at a time through the store, each process
-    its own (every process must call this)."""
-    on_device = isinstance(exp.store, DeviceStore)
-    if not on_device:
-        server_state = process_local(server_state)  # each process evaluates on its own device
-    if exp.algorithm.evaluation_state is not None:
-        server_state = exp.algorithm.evaluation_state(server_state)
-    out = {"test_accuracy": None, "test_loss": None}
-    if exp.evaluate_global is not None:
-        scores = exp.evaluate_global(exp.algorithm.global_variables(server_state))
-        out = {"test_accuracy": float(scores["accuracy"]), "test_loss": float(scores["loss"])}
-        variants = exp.algorithm.global_variants(server_state) if exp.algorithm.global_variants else {}
-        for name, variables in variants.items():
-            scores = exp.evaluate_global(variables)
-            out.update({f"test_accuracy_{name}": float(scores["accuracy"]), f"test_loss_{name}": float(scores["loss"])})
-    if on_device:
-        client_states = exp.store.states
-        finite = bool(all_finite(client_states))
-        evaluated = client_states
-        if exp.algorithm.evaluation_clients is not None:
-            evaluated = exp.algorithm.evaluation_clients(server_state, client_states)
-        accuracies = np.asarray(exp.evaluate_personalized(server_state, evaluated, exp.local_test))
-        diagnostics = None if exp.algorithm.diagnostics is None else population_diagnostics(
-            exp.algorithm, server_state, client_states)
-    else:
-        population = evaluate_store(exp.algorithm, exp.store, exp.local_test, server_state,
-                                    exp.evaluate_personalized, exp.config.clients_per_round)
-        accuracies, finite = population.accuracies, population.finite
-        diagnostics = None if exp.algorithm.diagnostics is None else exp.algorithm.diagnostics(
-            server_state, population.diagnostics)
-    out["personalized_accuracy"] = float(accuracies.mean())
-    out.update(client_accuracy_figures(accuracies))
-    if diagnostics is not None:
-        out.update(jax.tree_util.tree_map(_to_python, diagnostics))
-    return out, finite
-
-
-def _to_python(x):
-    x = np.asarray(x)
-    return x.item() if x.ndim == 0 else x.tolist()
-
-
-def likely_culprit(config: RunConfig) -> str:
-    """The flag most likely to blame for a diverged run, as advice."""
-    options = config.options
-    if options.get("server_lr", 1.0) > 1.0:
-        return f"try a smaller --server-lr than {options['server_lr']}"
-    if config.momentum >= 0.95:
-        return f"try a smaller --momentum than {config.momentum} or a smaller --lr than {config.lr}"
-    return f"try a smaller --lr than {config.lr}"
 
 
 def run_experiment(config: RunConfig, *, progress: bool = True, resume: bool = False,
@@ -239,95 +148,9 @@ def run_experiment(config: RunConfig, *, progress: bool = True, resume: bool = F
             exp.close()
 
 
-class FailedResume:
-    """Where a resume stops before its rounds (refused: a flag that would change the results, a damaged
-    checkpoint; or failing to start: data that cannot be loaded), makes the run's summary.json say so,
-    "status": "failed" with the one line, instead of the status of the attempt before ("completed", ...),
-    which a reader (a script polling the folder) would take for this attempt's.
-
-    Nothing the summary held is lost: the run's rounds are still done and its figures still true (a
-    refused resume changes none of the run's files), so the summary keeps them, and keeps the status
-    of the run's last attempt that ran as `status_before_resume`. Only a summary this library provably
-    wrote is replaced (the folder's manifest records it, `run.folder.RunManifest`), or one added where a
-    run's folder has none (a run killed before it); a summary that cannot be written leaves the one line.
-    `recording` (set False once the rounds begin, which write the summary themselves) turns it off."""
-
-    def __init__(self, out: Path, recording: bool):
-        self.out, self.recording = out, recording
-
-    def __enter__(self) -> "FailedResume":
-        return self
-
-    def __exit__(self, kind, err, traceback) -> None:
-        if self.recording and isinstance(err, Exception):
-            self._record(err)
-
-    def _record(self, err: Exception) -> None:
-        path = self.out / "summary.json"
-        recorded, _ = recorded_files(self.out)
-        if not recorded or (os.path.lexists(path) and path.name not in recorded):
-            return  # not provably the run's summary: the user's, or a run's from before the manifest
-        try:
-            before = json.loads(path.read_text()) if path.exists() else {}
-        except (OSError, ValueError):  # json.JSONDecodeError and UnicodeDecodeError are ValueErrors
-            before = {}
-        before = before if isinstance(before, dict) else {}
-        status = before.get("status_before_resume", before.get("status"))
-        line = io_reason(err) if isinstance(err, OSError) and err.errno else " ".join(str(err).split())
-        with contextlib.suppress(RunWriteError, OSError):
-            RunWriter(self.out, RunManifest(self.out)).write_summary(
-                {**before, "status": "failed", "error": line, **({"status_before_resume": status} if status else {})})
-
-
-def check_shared_folder(out: Path, process) -> None:
-    """Checkpoints of several processes need one folder they all reach under one path (each writes
-    its part, process 0 commits them): refused in one line, in every process, where some process
-    sees another folder there (a TPU pod slice's workers, each with its own disk)."""
-    lead = process.index == 0
-    token = broadcast_text(uuid.uuid4().hex if lead else "")
-    failure = None
-    if lead:
-        try:
-            (out / SHARED_CHECK).write_text(token)
-        except OSError as err:
-            failure = RunFailed(f"cannot write {out / SHARED_CHECK}: {io_reason(err)}")
-    agree(failure, "writing the run folder's mark")
-    problem = shared_folder_problem(out, lead, token)
-    problems = gather_texts(problem or "")
-    if lead:
-        (out / SHARED_CHECK).unlink(missing_ok=True)
-    lost = [f"process {p}: {text}" for p, text in enumerate(problems) if text]
-    if lost:
-        raise RunFolderError(
-            f"--out {out} is not one folder for all {process.count} processes ({'; '.join(lost)}): checkpoints "
-            f"and --resume need a file system every process reaches under the same path (NFS; on a TPU pod "
-            f"slice a bucket mounted with gcsfuse, or Filestore); without checkpoints (--checkpoint-minutes 0, no "
-            f"--checkpoint-every) process 0 alone writes the run's files and each process's own disk is enough")
-
-
 def checkpoints_on(config: RunConfig) -> bool:
     """Whether the run saves checkpoints of its own accord (an interrupted run saves in any case)."""
     return bool(config.checkpoint_every or config.checkpoint_minutes)
-
-
-class RunFailed(RuntimeError):
-    """A run's file or checkpoint could not be written; the message names it and the OS's reason."""
-
-
-def _peer_lost(err: Exception) -> bool:
-    """Whether a collective failed for want of another process (`multihost_utils` raises ValueError)."""
-    return isinstance(err, jax.errors.JaxRuntimeError) or any(
-        word in str(err) for word in ("Gloo", "UNAVAILABLE", "Connection reset", "Connection closed"))
-
-
-class ProcessLost(RunFailed):
-    """Another process of a several-process run died (a kill, a lost node); the rest cannot go on."""
-
-
-def _one_line(err: BaseException) -> str:
-    if isinstance(err, (CheckpointError, RunWriteError)):
-        return " ".join(str(err).split())
-    return f"cannot write the run's files in the run folder: {io_reason(err)}"
 
 
 @contextlib.contextmanager
@@ -406,10 +229,10 @@ def _run_rounds(exp: Experiment, config: RunConfig, out: Path, counters: Counter
             trackers.close_event_files(status)
         stopped = {"last_checkpoint": max(saved)} if saved and status != "completed" else {}  # where to resume
         first_round_seconds = round_seconds[0] if round_seconds else None
-        totals = {**_totals(counters), **federation_totals(exp.round_fn.conditions, counters),
+        totals = {**run_totals(counters), **federation_totals(exp.round_fn.conditions, counters),
                   **privacy_totals(exp.privacy, counters.rounds_done)}
         summary = released_summary(exp.privacy, config, {
-            **_summary(exp, history, totals, first_round_seconds, time.perf_counter() - start),
+            **run_summary(exp, history, totals, first_round_seconds, time.perf_counter() - start),
             "median_round_seconds": float(np.median(round_seconds[1:])) if len(round_seconds) > 1 else None,
             "status": status, **stopped, **extra})
         if lead and writer is not None:
@@ -541,11 +364,11 @@ def _run_rounds(exp: Experiment, config: RunConfig, out: Path, counters: Counter
                                   f"{path}; continue with --resume {out}", signum)
         return finish("completed")
     except SaveLostAProcess as err:
-        raise failed(ProcessLost(_one_line(err))) from None
+        raise failed(ProcessLost(write_failure(err))) from None
     except (CheckpointError, RunWriteError, OSError) as err:
-        raise failed(RunFailed(_one_line(err))) from None
+        raise failed(RunFailed(write_failure(err))) from None
     except (jax.errors.JaxRuntimeError, ValueError) as err:
-        if exp.process.count == 1 or not _peer_lost(err):
+        if exp.process.count == 1 or not peer_lost(err):
             raise
         # a collective whose peer has gone (gloo reports it at once): this process cannot go on alone
         first = next((line for line in str(err).splitlines() if line.strip()), type(err).__name__)
@@ -558,46 +381,7 @@ def _run_rounds(exp: Experiment, config: RunConfig, out: Path, counters: Counter
             trackers.finish("failed", [])
 
 
-def _totals(counters: Counters) -> dict:
-    fractions = counters.padded_step_fractions
-    return {"rounds_done": counters.rounds_done,
-            "total_uplink_bytes": counters.total_uplink_bytes,
-            "total_downlink_bytes": counters.total_downlink_bytes,
-            "cumulative_bytes": counters.cumulative_bytes,
-            "dense_train_flops_total": counters.dense_train_flops_total,
-            "train_flops_total": counters.train_flops_total,
-            "mean_padded_step_fraction": float(np.mean(fractions)) if fractions else None}
-
-
 def _fmt(x):
     return "-" if x is None else f"{x:.3f}"
 
 
-def _summary(exp: Experiment, history: list, totals: dict, first_round_seconds: float | None, wall: float) -> dict:
-    final = history[-1] if history else {}
-    test = [h["test_accuracy"] for h in history if h.get("test_accuracy") is not None]
-    personal = [h["personalized_accuracy"] for h in history if h.get("personalized_accuracy") is not None]
-    return {
-        "algorithm": exp.config.algorithm, "model": exp.config.model, "dataset": exp.config.dataset,
-        "rounds": exp.config.rounds,
-        "has_global_model": exp.algorithm.global_variables is not None,
-        "final_test_accuracy": final.get("test_accuracy"),
-        "best_test_accuracy": max(test) if test else None,
-        "final_personalized_accuracy": final.get("personalized_accuracy"),
-        "best_personalized_accuracy": max(personal) if personal else None,
-        "final_train_loss": final.get("train_loss"),
-        **totals,
-        "num_params": exp.num_params,
-        # the weights of the prunable layers (SpaFL's d: kernels only), in structure order
-        "prunable_layer_weights": {l.name: l.num_weights for l in exp.model.structure.layers},
-        "client_chunk": exp.client_chunk,
-        "cpu_devices": len(exp.round_fn.cpu_devices) or None,  # several CPU devices shared the clients
-        "evaluation_cpu_devices": len(getattr(exp.evaluate_personalized, "devices", ())) or None,
-        "client_store": exp.store.backend,
-        **exp.config.numerics.describe(), "compute_dtype": exp.model.compute_dtype,
-        "processes": exp.process.count,
-        "num_train_examples": int(exp.train_counts.sum()),
-        "first_round_seconds": first_round_seconds,
-        "wall_seconds": wall,
-        "device": device_description(),
-    }

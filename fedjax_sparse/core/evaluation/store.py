@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from fedjax_sparse.core.contract.algorithm import FederatedAlgorithm
-from fedjax_sparse.core.client_state.store import RowStore
+from fedjax_sparse.core.client_state.row_store import RowStore
 from fedjax_sparse.core.round.distributed import gather_clients
 from fedjax_sparse.core.evaluation.evaluators import all_finite
 from fedjax_sparse.data.windows import ClientWindows, window_split

@@ -11,6 +11,10 @@ host and disk stores feed it gathered rows and data windows (`core.round.store`)
 Clients are sampled by a pure function of (seed, round), so a resumed run
 samples the same clients. With a mesh, the sampled-clients axis is sharded over
 its `clients` axis; the server's update runs on every device over all the uploads (`round_step`).
+
+Why one module past 400 lines: it is the round itself, which every placement (device, store, CPU devices, several
+processes, buffered) runs; its parts (sampling, the vmapped clients, the server step, pricing, the federation's
+conditions) meet in one jitted function.
 """
 
 from __future__ import annotations

@@ -26,7 +26,8 @@ from jax.sharding import Mesh
 
 from fedjax_sparse.core.contract.algorithm import FederatedAlgorithm
 from fedjax_sparse.core.client_state.rows import RowLayout
-from fedjax_sparse.core.client_state.store import ClientStore, DeviceStore, RowStore, materialize, populated_rows
+from fedjax_sparse.core.client_state.row_store import RowStore, populated_rows
+from fedjax_sparse.core.client_state.store import ClientStore, DeviceStore, materialize
 from fedjax_sparse.core.round.compilation import jit
 from fedjax_sparse.core.round.cpu import CpuRound
 from fedjax_sparse.core.round.distributed import combine_blocks, process_blocks, replicated, replicated_sharding
