@@ -148,3 +148,27 @@ def test_a_module_past_400_lines_says_why_it_is_one_module():
         if text.count("\n") > 410 and "Why one module past 400 lines:" not in (ast.get_docstring(ast.parse(text)) or ""):
             long.append(f"{path.relative_to(PACKAGE.parent)}: {text.count(chr(10))} lines")
     assert not long, "\n".join(long)
+
+
+def test_the_import_paths_before_the_move_reach_the_same_modules_and_names():
+    """Issue 56 moved modules into rooms; what a user imported by the old paths (the API reference and
+    docs/library.md named them) is the same object by the new ones."""
+    import importlib
+
+    from fedjax_sparse import MOVED
+
+    assert len(MOVED) >= 30
+    for old, new in MOVED.items():
+        assert importlib.import_module(old) is importlib.import_module(new), old
+    from fedjax_sparse.core.contract import check_contract
+    from fedjax_sparse.core.contract.check import check_contract as checked
+    from fedjax_sparse.core.evaluation import global_evaluator
+    from fedjax_sparse.core.evaluation.evaluators import global_evaluator as evaluator
+    from fedjax_sparse.core.local_training import LocalSGD
+    from fedjax_sparse.core.messages import SparseArray, message_bytes
+    from fedjax_sparse.core.messages.pricing import SparseArray as sparse, message_bytes as priced
+    from fedjax_sparse.core.round import build_round
+    from fedjax_sparse.core.round.local_training import LocalSGD as local
+    from fedjax_sparse.core.round.step import build_round as built
+    assert (check_contract, global_evaluator, LocalSGD, SparseArray, message_bytes, build_round) == (
+        checked, evaluator, local, sparse, priced, built)
