@@ -92,7 +92,8 @@ def test_36_4_every_pair_of_wrappers_is_refused_in_one_line_or_meets_the_contrac
                                     "spafl_local"}  # their uploads are dense models, deltas or thresholds
     fedavg = make_algorithm("fedavg", context, make_options("fedavg", {}))  # what the compression wrapper did
     broken = dataclasses.replace(fedavg, client_variables=lambda server_state, state: state["personal"])
-    with pytest.raises(ContractError, match="fedavg: client_variables fails when evaluated on shapes: KeyError"):
+    with pytest.raises(ContractError, match=r"fedavg: client_variables fails when evaluated on shapes at "
+                                             r"tests/test_faults_layouts.py:\d+ in <lambda>: KeyError: 'personal'"):
         check_contract(broken, variables, 4, 2, split)
     context, split, variables = context_of("cnn4")
     for i, name in enumerate(sorted(takes["personal"])):
