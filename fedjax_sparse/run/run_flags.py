@@ -157,7 +157,7 @@ def run_parser(sub) -> argparse.ArgumentParser:
     scale.add_argument("--launch-timeout", metavar="S", type=int, default=DEFAULT_TIMEOUT_S,
                        help=f"seconds within which all processes must meet, else each ends with one line and "
                             f"exit code {LAUNCH_FAILURE_EXIT} (default {DEFAULT_TIMEOUT_S}); also how long they wait "
-                            f"for each other in a checkpoint's save (JAX's heartbeat waits three times as long for "
+                            f"for each other in a checkpoint's save (JAX's heartbeat waits five times as long for "
                             f"a process that stopped answering)")
     reserve(p._option_string_actions, "fedjax-sparse run's own flags")  # (argparse's table of the flags so far)
     for spec in registered().values():  # last, once the command line's own flags are reserved

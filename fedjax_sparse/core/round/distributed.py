@@ -48,14 +48,16 @@ DEFAULT_TIMEOUT_S = 60
 
 
 _meeting_timeout_s = DEFAULT_TIMEOUT_S  # `initialize`'s: how long processes wait for each other to meet
+HEARTBEAT_FACTOR = 5  # JAX's heartbeat timeout, in meeting timeouts (`meeting_timeout`)
 
 
 def meeting_timeout() -> int:
     """Seconds within which the run's processes must meet (`initialize`'s `timeout_s`, --launch-timeout): at
     the start, and wherever they wait for each other outside a collective (a checkpoint's barriers, of which
-    a failed save meets two in a row). JAX's heartbeat waits three times as long for a process that stopped
-    answering, so that such a wait ends first, in Python, where the run can say so in one line (JAX's own
-    ending is a trace)."""
+    a failed save meets two in a row). JAX's heartbeat waits `HEARTBEAT_FACTOR` times as long for a process that
+    stopped answering, so that such a wait ends first, in Python, where the run can say so in one line (JAX's own
+    ending is a trace), also when the survivor reaches the save's barriers a while after the lost process died
+    (a loaded machine: three times, with the two barriers, left 12 s of it and lost a test's run once)."""
     return _meeting_timeout_s
 
 
@@ -234,7 +236,7 @@ def initialize(coordinator: str | None = None, num_processes: int | None = None,
     try:
         jax.distributed.initialize(coordinator_address=coordinator, num_processes=num_processes,
                                    process_id=process_id, initialization_timeout=timeout_s + 60,
-                                   heartbeat_timeout_seconds=3 * max(timeout_s, 10),
+                                   heartbeat_timeout_seconds=HEARTBEAT_FACTOR * max(timeout_s, 10),
                                    local_device_ids=local_devices)
         jax.devices()  # the collectives backend connects here
     except Exception as e:  # noqa: BLE001 - JAX raises several kinds; the user gets one line either way
