@@ -81,14 +81,19 @@ from fedjax_sparse.data.federated import federated_split  # noqa: E402
 from fedjax_sparse.models import Model, ModelStructure, get_model  # noqa: E402
 
 
-# The modules that reproduce conftest's SCAFFOLD run (`scaffold_reference`, a session fixture): one worker runs
-# them all, so the run is computed once.
-SCAFFOLD_MODULES = ("test_distributed.py", "test_elastic_resume.py", "test_run_folder.py")
+# Modules that one worker runs together, in file order, because they compute the same things: conftest's SCAFFOLD
+# run (`scaffold_reference`, a session fixture), computed once; and every algorithm's float32 round on the MLP,
+# which test_precision.py compares its bfloat16 rounds against and finds in the JAX cache that
+# test_participation_algorithms.py filled (measured: test_precision's rounds took 75 s after it, 195 s beside it).
+MODULE_GROUPS = {
+    "scaffold_reference": ("test_distributed.py", "test_elastic_resume.py", "test_run_folder.py"),
+    "algorithm_rounds": ("test_participation_algorithms.py", "test_precision.py"),
+}
 
 
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config, log):
-    """Under pytest-xdist (`-n`), each test module runs whole on one worker (the SCAFFOLD modules together),
+    """Under pytest-xdist (`-n`), each test module runs whole on one worker (MODULE_GROUPS's together),
     so that its module fixtures are computed once, not once on each worker: a module's run folders, sweeps
     and process launches (up to a minute each) were computed twice under `--dist load`. The modules with
     the most tests are handed out first. Not `xdist_group` marks: pytest 9.2 keeps a test's id where
@@ -98,11 +103,33 @@ def pytest_xdist_make_scheduler(config, log):
     class ModuleScheduling(LoadScopeScheduling):
         def _split_scope(self, nodeid):
             module = nodeid.split("::", 1)[0]
-            return "scaffold_reference" if os.path.basename(module) in SCAFFOLD_MODULES else module
+            return next((group for group, modules in MODULE_GROUPS.items()
+                         if os.path.basename(module) in modules), module)
 
     if not hasattr(config.option, "loadscopereorder"):  # xdist before its --loadscope-reorder flag
         config.option.loadscopereorder = True
     return ModuleScheduling(config, log)
+
+
+# The fast tier (`pytest -m "not slow"`, the edit-test loop): tests/slow_tests.txt names the tests it leaves out,
+# whole (`test_x.py::test_name`) or one parametrization (`test_x.py::test_name[id]`), under a line saying why; a
+# test may also carry `@pytest.mark.slow` itself. CI runs both tiers. tests/test_fast_tier.py keeps the list true
+# to the tests and every test module in the fast tier.
+SLOW_TESTS = os.path.join(os.path.dirname(__file__), "slow_tests.txt")
+
+
+def slow_entries(path: str | None = None) -> list[str]:
+    with open(path or SLOW_TESTS) as f:
+        return [line.strip() for line in f if line.strip() and not line.lstrip().startswith("#")]
+
+
+def pytest_collection_modifyitems(config, items):
+    entries = set(slow_entries())
+    for item in items:
+        module, _, name = item.nodeid.partition("::")
+        own = f"{os.path.basename(module)}::{name}"
+        if own in entries or own.split("[", 1)[0] in entries:
+            item.add_marker(pytest.mark.slow)
 
 
 def synthetic_split(counts, seed=0, shape=(8, 8, 1), num_classes=10):
