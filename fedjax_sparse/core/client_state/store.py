@@ -58,9 +58,7 @@ def client_state_shapes(algorithm: FederatedAlgorithm, key: jax.Array, variables
 
 
 def initial_server_state(algorithm: FederatedAlgorithm, key: jax.Array, variables: Any, num_clients: int) -> Any:
-    """`algorithm.init`'s server state without materializing N client states."""
-    if algorithm.init_clients is None:
-        return algorithm.init(key, variables, num_clients)[0]
+    """`algorithm.init`'s server state without materializing N client states, as one program (not op by op)."""
     return server_init(algorithm, num_clients)(key, variables)
 
 
@@ -153,7 +151,7 @@ class DeviceStore(ClientStore):
         if self.process.count > 1:
             raise ValueError("the device client store keeps every client on one process's device; with several "
                              "processes use the host or disk store")
-        self.states = algorithm.init(key, variables, num_clients)[1]
+        self.states = jax.jit(lambda k, v: algorithm.init(k, v, num_clients)[1])(key, variables)
 
     @property
     def nbytes(self) -> int:
