@@ -3,7 +3,7 @@
     python -m benchmarks.agent_search [--quick] [--json FILE]
 
 The search is SPATL's `agent` policy exactly as a round runs it
-(`algorithms.spatl.agent_policy`): per client, `updates` PPO updates of 20
+(`algorithms.spatl_selection.agent_policy`): per client, `updates` PPO updates of 20
 environment steps and 20 epochs each, every step scoring the client's ResNet-20
 (CIFAR-10 shapes, 32x32x3) pruned to the proposed keep ratios on its validation
 examples. The full run uses the paper's budget (section 4.6.2: about 40 PPO
@@ -41,8 +41,8 @@ import numpy as np
 
 from fedjax_sparse.agent import AgentConfig
 from fedjax_sparse.algorithms import make_options
-from fedjax_sparse.algorithms.spatl import agent_policy, encoder_layers
-from fedjax_sparse.core.compilation import jit
+from fedjax_sparse.algorithms.spatl_selection import agent_policy, encoder_layers
+from fedjax_sparse.core.round.compilation import jit
 from fedjax_sparse.data.federated import federated_split
 from fedjax_sparse.models import get_model
 

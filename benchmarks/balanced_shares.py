@@ -1,9 +1,9 @@
 """The sampled clients placed on a sharded round's devices in the order drawn (`id`) or by local steps
-(`balanced`, `core.device_split`): the padded share of the vmapped steps and the round's time.
+(`balanced`, `core.round.device_split`): the padded share of the vmapped steps and the round's time.
 
 On FedProx's Synthetic(1, 1) (`--dataset synthetic:1,1`: client sizes lognormal(4, 2) + 50, capped at
 1,000, a power law) with FedAvg on the MLP, K clients a round, interleaved in one process on the same
-devices: several CPU devices each training whole chunks (`core.cpu_round`, `--cpu-devices`), and the
+devices: several CPU devices each training whole chunks (`core.round.cpu`, `--cpu-devices`), and the
 clients sharded over a mesh of the same devices (`--shard-clients`, one vmap per device); one device
 (the chunked round) for reference. The figures of a run are the same in every layout
 (tests/test_balanced_shares.py); only the padding and the time differ.
@@ -28,9 +28,9 @@ def main(argv=None) -> None:
 
     from .common import best, command_line, environment, environment_markdown, finish, fmt, interleaved, \
         markdown_table, parser, stepping
-    from fedjax_sparse.core.cpu_round import CpuRound
-    from fedjax_sparse.core.device_split import BalancedSplit, balanced_padded_step_fraction, device_groups
-    from fedjax_sparse.core.round import build_round, clients_mesh
+    from fedjax_sparse.core.round.cpu import CpuRound
+    from fedjax_sparse.core.round.device_split import BalancedSplit, balanced_padded_step_fraction, device_groups
+    from fedjax_sparse.core.round.step import build_round, clients_mesh
     from fedjax_sparse.data.federated import padded_step_fraction
     from fedjax_sparse.run import RunConfig, build_experiment
     from fedjax_sparse.run.federation import round_conditions

@@ -36,13 +36,13 @@ CHILD = r'''
 import json, sys, time
 import jax, jax.numpy as jnp, numpy as np
 try:
-    from fedjax_sparse.core.compilation import jit
+    from fedjax_sparse.core.round.compilation import jit
 except ImportError:  # a tree before the library chose its own compiler options
     jit = jax.jit
 from fedjax_sparse.algorithms import BuildContext, make_algorithm
-from fedjax_sparse.core.evaluation import personalized_evaluator
-from fedjax_sparse.core.local_training import LocalSGD
-from fedjax_sparse.core.round import round_info
+from fedjax_sparse.core.evaluation.evaluators import personalized_evaluator
+from fedjax_sparse.core.round.local_training import LocalSGD
+from fedjax_sparse.core.round.step import round_info
 from fedjax_sparse.data.federated import federated_split
 from fedjax_sparse.models import get_model
 

@@ -9,8 +9,8 @@ a client), K = 100 clients per round. SCAFFOLD (a control variate of the model's
 client) at N = 10^3, 10^4, 10^5; FedAvg (no client state) at N = 10^3 and 10^6. Stores:
 `device` (states and data on the device, `build_round`'s jit), `host` (rows in memory) and
 `disk` (rows in a file), the last two with round r+1's reads prefetched during round r
-(`core.store_round.StoreRound`). A store is skipped where the `auto` rule says it does not fit
-(`core.client_store.choose_store`). Two processes (jax.distributed, gloo) against one at
+(`core.round.store.StoreRound`). A store is skipped where the `auto` rule says it does not fit
+(`core.client_state.store.choose_store`). Two processes (jax.distributed, gloo) against one at
 N = 10^4, SCAFFOLD, host store.
 
 Method. Every setting runs in a fresh Python process (so its peak RSS is its own): the data are
@@ -99,7 +99,7 @@ def row_bytes(algorithm: str) -> int:
 
 def device_fits(setting: Setting) -> tuple[bool, str]:
     """Whether the `auto` rule would put this population on the device."""
-    from fedjax_sparse.core.client_store import choose_store
+    from fedjax_sparse.core.client_state.choice import choose_store
     data_bytes = setting.num_clients * EXAMPLES * (int(np.prod(SHAPE)) + 4)
     backend, reason = choose_store(setting.num_clients, row_bytes(setting.algorithm), data_bytes)
     return backend == "device", reason
@@ -139,7 +139,7 @@ def write_clients(directory: Path, num_clients: int, seed: int = 0, chunk: int =
 def workload(algorithm: str, num_clients: int):
     """(model, algorithm): built once per process, so settings in one process share compiled rounds."""
     from fedjax_sparse.algorithms import fedavg, scaffold
-    from fedjax_sparse.core.local_training import LocalSGD
+    from fedjax_sparse.core.round.local_training import LocalSGD
     from fedjax_sparse.models import get_model
 
     model = get_model("mlp", SHAPE, CLASSES)
@@ -148,10 +148,11 @@ def workload(algorithm: str, num_clients: int):
 
 
 def run_setting(setting: Setting, data_dir: Path, work_dir: Path, process=None, mesh=None) -> dict:
-    from fedjax_sparse.core.client_store import choose_store, initial_server_state, make_store
-    from fedjax_sparse.core.participation import sample_clients_host
-    from fedjax_sparse.core.round import default_client_chunk
-    from fedjax_sparse.core.store_round import StoreRound
+    from fedjax_sparse.core.client_state.choice import choose_store, make_store
+    from fedjax_sparse.core.client_state.store import initial_server_state
+    from fedjax_sparse.core.federation.participation import sample_clients_host
+    from fedjax_sparse.core.round.step import default_client_chunk
+    from fedjax_sparse.core.round.store import StoreRound
     from fedjax_sparse.data.federated import FederatedSplit
     from fedjax_sparse.data.windows import host_data, open_host_data
 
@@ -249,7 +250,7 @@ def _one(args) -> None:
     setting = Setting(**json.loads(args.one))
     process = mesh = None
     if setting.processes > 1:
-        from fedjax_sparse.core import distributed
+        from fedjax_sparse.core.round import distributed
         process = distributed.initialize(f"127.0.0.1:{args.port}", setting.processes, args.process_id, timeout_s=120)
         mesh = distributed.process_mesh()
     print(json.dumps(run_setting(setting, Path(args.data), Path(args.work_dir), process, mesh)), flush=True)

@@ -45,7 +45,7 @@ def environment(command: str) -> dict:
         jaxlib_version = jaxlib.__version__
     except Exception:  # noqa: BLE001
         jaxlib_version = None
-    from fedjax_sparse.core.compilation import compiler_options
+    from fedjax_sparse.core.round.compilation import compiler_options
     return {
         "device": device_name(),
         "platform": jax.devices()[0].platform,
@@ -131,7 +131,7 @@ def interleaved(runs: dict[str, Callable[[], Any]], repeats: int) -> dict[str, d
 
 def stepping(step: Callable, server_state: Any, client_states: Any) -> Callable[[], Any]:
     """A variant for `interleaved`: each call runs the next round of `step(server, clients, round)` (a round
-    `core.round_driver.build_round` built) from the states the last call left, on its own copy of the
+    `core.round.driver.build_round` built) from the states the last call left, on its own copy of the
     clients' states, and returns the server state."""
     state = {"server": server_state, "clients": jax.tree_util.tree_map(lambda a: a.copy(), client_states), "round": 0}
 

@@ -39,8 +39,8 @@ from .common import (best, command_line, environment, environment_markdown, fini
 from .common import parser as benchmark_parser
 from .local_training import Setting as TrainSetting
 from .local_training import client_update_fn, synthetic_split
-from fedjax_sparse.core.compilation import jit
-from fedjax_sparse.core.evaluation import global_evaluator, personalized_evaluator
+from fedjax_sparse.core.round.compilation import jit
+from fedjax_sparse.core.evaluation.evaluators import global_evaluator, personalized_evaluator
 
 MODELS = ("mlp", "spafl_cnn", "resnet20", "cnn4")
 REFERENCE_SECONDS = 11.0  # official SpaFL code, 100 clients' personal models, 2-core CPU (issue 19)

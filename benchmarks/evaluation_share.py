@@ -1,11 +1,11 @@
 """What evaluation costs beside the rounds of a run, as `fedjax-sparse run` builds both on this machine.
 
-On a CPU the rounds of small clients train on every core (`core.cpu_round`), and the personalized
-evaluation of every client too where it pays (`core.cpu_evaluation`). In one process, FedAvg on the
+On a CPU the rounds of small clients train on every core (`core.round.cpu`), and the personalized
+evaluation of every client too where it pays (`core.evaluation.cpu`). In one process, FedAvg on the
 MLP: a round and the run's evaluation of every client (global model and each client's personalized
-model, `run.loop.evaluate`) with the personalized part on one device and on every CPU device, timed
+model, `run.records.evaluate`) with the personalized part on one device and on every CPU device, timed
 in turn, each the best of the repeats, beside the number of devices the run picks
-(`core.cpu_evaluation.evaluation_devices`). An evaluation runs once every `--eval-every` rounds,
+(`core.evaluation.cpu.evaluation_devices`). An evaluation runs once every `--eval-every` rounds,
 so its share of a run is at most evaluation / (round + evaluation).
 
     python -m benchmarks.evaluation_share [--quick] [--out DIR]
@@ -19,7 +19,7 @@ from typing import Sequence
 
 
 def main(argv: Sequence[str] | None = None) -> list[dict]:
-    from fedjax_sparse.core.cpu_round import keep_freed_memory, use_cpu_cores
+    from fedjax_sparse.core.round.cpu import keep_freed_memory, use_cpu_cores
 
     argv = list(sys.argv[1:] if argv is None else argv)
     use_cpu_cores()  # as the command line does, before JAX starts
@@ -29,11 +29,11 @@ def main(argv: Sequence[str] | None = None) -> list[dict]:
                          markdown_table, parser)
     import jax
 
-    from fedjax_sparse.core.cpu_evaluation import CpuEvaluator
-    from fedjax_sparse.core.evaluation import split_evaluator
+    from fedjax_sparse.core.evaluation.cpu import CpuEvaluator
+    from fedjax_sparse.core.evaluation.evaluators import split_evaluator
     from fedjax_sparse.run import RunConfig, build_experiment
     from fedjax_sparse.run.experiment import evaluation_chunk
-    from fedjax_sparse.run.loop import evaluate
+    from fedjax_sparse.run.records import evaluate
 
     p = parser("benchmarks.evaluation_share", __doc__, "the digits setting only, 3 repeats")
     args = p.parse_args(argv)

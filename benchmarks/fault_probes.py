@@ -1,8 +1,10 @@
-"""The fault sweep's probes of issue 36, each a real `fedjax-sparse run` process (`python -m
-fedjax_sparse.run.cli run ...`): the run folder and its writers (a file-size limit with TensorBoard on, an
-immutable metrics.jsonl, a full tmpfs under the disk store, --overwrite into a user's folder), signals in the
-first 1.5 s and under nohup, broken or conflicting installed plug-ins, bad data and config files, and damaged
-store rows and checkpoints on --resume.
+"""The fault sweep's probes of issues 36 and 55, each a real `fedjax-sparse run` (or `convert`) process
+(`python -m fedjax_sparse.run.cli run ...`): the run folder and its writers (a file-size limit with TensorBoard
+on, an immutable metrics.jsonl, a full tmpfs under the disk store, --overwrite into a user's folder), signals in
+the first 1.5 s and under nohup, broken or conflicting installed plug-ins, bad data and config files, damaged
+store rows and checkpoints on --resume; and issue 55's: checkpoints without their checksums, runs killed before
+their first checkpoint was complete (on default settings too), SIGUSR1 and SIGUSR2, and files the run never
+wrote (a user's checkpoints/ and client_store/ in a run folder, a user's .lock, a convert target).
 
 The faults are made by the tests' own builders (tests/test_faults*.py, imported as plain modules; the
 plug-ins' dist-infos by benchmarks/plugin_dists.py, which the plug-in test uses too), and each probe is judged
@@ -44,9 +46,13 @@ from test_faults_data import test_36_11_config_files_refuse_repeated_keys_quoted
 from test_faults_folder import MANIFEST, TENSORBOARD, contents, users_folder  # noqa: E402
 from test_faults_plugins import PLUGINS, WARNINGS  # noqa: E402
 
+from fedjax_sparse.data.mapped import WRITING  # noqa: E402
+from fedjax_sparse.run.folder import LOCK_FILE  # noqa: E402
+from fedjax_sparse.run.signals import SIGNALS  # noqa: E402
+
 from .plugin_dists import install_plugins  # noqa: E402
 
-CLI = [sys.executable, "-m", "fedjax_sparse.run.cli", "run"]
+CLI = [sys.executable, "-m", "fedjax_sparse.run.cli"]
 B = ["--dataset", "digits", "--model", "mlp", "--num-clients", "10", "--clients-per-round", "5",  # the review's B
      "--local-epochs", "1", "--no-progress"]
 MAX_SECONDS = 60.0  # "within seconds": a run of these sizes takes 5-20 s on 2 loaded cores; a hang does not end
@@ -57,15 +63,15 @@ MAX_LINE = 400
 SIGNAL_TIMES = (0.25, 0.5, 1.0, 1.5)
 
 
-def command(args, faults=None, limit=None, env=None, prefix=(), timeout=900):
-    """`fedjax-sparse run *args` in a process of its own, under a file-size `limit` (bytes) and with `faults`
-    injected (FEDJAX_SPARSE_FAULT) if given: (CompletedProcess, seconds)."""
+def command(args, faults=None, limit=None, env=None, prefix=(), timeout=900, sub="run"):
+    """`fedjax-sparse run *args` (or another `sub`command) in a process of its own, under a file-size `limit`
+    (bytes) and with `faults` injected (FEDJAX_SPARSE_FAULT) if given: (CompletedProcess, seconds)."""
     env = {**os.environ, "JAX_PLATFORMS": "cpu", **(env or {})}
     if faults:
         env["FEDJAX_SPARSE_FAULT"] = faults
     preexec = (lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))) if limit else None
     start = time.perf_counter()
-    done = subprocess.run([*prefix, *CLI, *args], capture_output=True, text=True, env=env, cwd=ROOT,
+    done = subprocess.run([*prefix, *CLI, sub, *map(str, args)], capture_output=True, text=True, env=env, cwd=ROOT,
                           preexec_fn=preexec, timeout=timeout)
     return done, time.perf_counter() - start
 
@@ -94,9 +100,9 @@ def summary_of(run: Path | None) -> dict:
     return json.loads(path.read_text()) if path is not None and path.is_file() else {}
 
 
-def shown(args, root: Path, prefix="") -> str:
+def shown(args, root: Path, prefix="", sub="run") -> str:
     """The probe's command as a user types it, the temporary folder as $ROOT."""
-    return (prefix + "fedjax-sparse run " + shlex.join(map(str, args))).replace(str(root), "$ROOT")
+    return (prefix + f"fedjax-sparse {sub} " + shlex.join(map(str, args))).replace(str(root), "$ROOT")
 
 
 def not_run(kind: str, name: str, why) -> dict:
@@ -142,7 +148,7 @@ def judge(kind: str, name: str, cmd: str, done: Done, seconds: float, root: Path
 
 
 def probe(kind: str, name: str, root: Path, args, expect: Expect, *, run: Path | None = None, prepare=None,
-          cleanup=None, limit=None, env=None, prefix=(), shown_prefix="", timeout=300) -> dict:
+          cleanup=None, limit=None, env=None, prefix=(), shown_prefix="", timeout=300, sub="run") -> dict:
     """Makes the fault (`prepare()`; a probe this machine cannot make is recorded as not run, with why), runs
     the command in its own process, undoes what must be undone (`cleanup()`), and judges what it showed."""
     try:
@@ -151,7 +157,7 @@ def probe(kind: str, name: str, root: Path, args, expect: Expect, *, run: Path |
     except (OSError, subprocess.CalledProcessError, AssertionError) as err:
         return not_run(kind, name, err)
     try:
-        completed, seconds = command(args, limit=limit, env=env, prefix=prefix, timeout=timeout)
+        completed, seconds = command(args, limit=limit, env=env, prefix=prefix, timeout=timeout, sub=sub)
         done = Done(completed.returncode, completed.stdout, completed.stderr)
     except subprocess.TimeoutExpired as err:
         text = lambda b: b.decode(errors="replace") if isinstance(b, bytes) else (b or "")  # noqa: E731
@@ -159,7 +165,7 @@ def probe(kind: str, name: str, root: Path, args, expect: Expect, *, run: Path |
     finally:
         if cleanup is not None:
             cleanup()
-    return judge(kind, name, shown(args, root, shown_prefix), done, seconds, root, run, expect)
+    return judge(kind, name, shown(args, root, shown_prefix, sub), done, seconds, root, run, expect)
 
 
 def slug(name: str) -> str:
@@ -177,7 +183,8 @@ def folder_probes(root: Path) -> list[dict]:
     kind, base = "run folder", root / "folder"
     out = []
     for name, folder, extra, words in (
-            ("ulimit -f 16 KiB, TensorBoard on, no checkpoints", "ulimit", [], ("File too large [errno 27]",)),
+            ("ulimit -f 16 KiB, TensorBoard on, no checkpoints", "ulimit", ["--checkpoint-minutes", "0"],
+             ("File too large [errno 27]",)),
             ("ulimit -f 16 KiB, TensorBoard on, --checkpoint-every 1", "ulimit_checkpoints",
              ["--checkpoint-every", "1"], ())):
         run = base / folder
@@ -232,14 +239,14 @@ def folder_probes(root: Path) -> list[dict]:
 # ------------------------------------------------------------------------- early signals (item 6)
 
 def as_from_a_terminal():
-    """SIGINT, SIGTERM and SIGHUP as a process started from a terminal has them, however the sweep was started
+    """The signals a run handles as a process started from a terminal has them, however the sweep was started
     (a shell's `&` ignores SIGINT in its children, nohup SIGHUP)."""
-    for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+    for signum in SIGNALS:
         signal.signal(signum, signal.SIG_DFL)
 
 
 def spawn(args, prefix=()):
-    return subprocess.Popen([*prefix, *CLI, *args], stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+    return subprocess.Popen([*prefix, *CLI, "run", *map(str, args)], stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, cwd=ROOT, env={**os.environ, "JAX_PLATFORMS": "cpu"},
                             preexec_fn=as_from_a_terminal)
 
@@ -262,7 +269,7 @@ def signal_probes(root: Path) -> list[dict]:
             expect = Expect(exit=128 + signum, summary=(None,), within=at + 10,
                             words=(f"fedjax-sparse: {signum.name} during start-up, before the first round: nothing "
                                    f"was run",),
-                            check=lambda done, left=left: "" if set(left) <= {".lock", MANIFEST} else
+                            check=lambda done, left=left: "" if set(left) <= {MANIFEST} else
                             f"the folder holds {', '.join(left)}")
             record = judge(kind, f"{signum.name} at {at} s", shown(args, root, f"kill -{signum.name[3:]} at {at} s: "),
                            Done(proc.returncode, stdout, stderr), seconds, root, run, expect)
@@ -481,7 +488,7 @@ def checkpoint_probes(root: Path) -> list[dict]:
     out = []
     cases = [(*damage, 1) for damage in DAMAGES]
     cases.append(("manifest.ocdbt flipped, no checksums.json", "no_checksums", "disk", _no_checksums,
-                  "the checkpoint {latest} cannot be read (DATA_LOSS", 3))  # several runs: a late read is a race
+                  "the checkpoint {latest} has no checksums", 1))
     for case, folder, store, damage, words, attempts in cases:
         run = base / folder
         shutil.copytree(runs[store], run)
@@ -492,4 +499,213 @@ def checkpoint_probes(root: Path) -> list[dict]:
                              ["--resume", str(run), "--rounds", "4", "--no-progress"],
                              Expect(words=(line,), summary=("failed",), check=_kept_status_before_resume(run)),
                              run=run))
+    return out
+
+
+# ------------------------------------------------------------------------- the third review (issue 55)
+
+def missing_checksum_probes(root: Path) -> list[dict]:
+    """A SCAFFOLD run's latest checkpoint without its checksums.json (item 1): refused in one line naming it, as
+    a damaged one; deleted, the checkpoint before resumes."""
+    kind, base = "missing checksums", root / "checksums"
+    finished = base / "base"
+    try:
+        finished_run(finished, *TINY, "--algorithm", "scaffold", "--client-store", "disk", "--rounds", "2",
+                     "--checkpoint-every", "1")
+    except AssertionError as err:
+        return [not_run(kind, "every missing-checksums probe", err)]
+    out = []
+    for case, folder, then in (
+            ("checksums.json removed, the largest state/ocdbt.process_0/d file flipped (the review's)", "data",
+             lambda run: _flipped(_largest_data_file(run))),
+            ("checksums.json removed alone", "alone", lambda run: None)):
+        run = base / folder
+        shutil.copytree(finished, run)
+        (run / "checkpoints" / "2" / "checksums.json").unlink()
+        then(run)
+        latest = run / "checkpoints" / "2"
+        out.append(probe(kind, case, root, ["--resume", str(run), "--rounds", "4", "--no-progress"],
+                         Expect(words=(f"the checkpoint {latest} has no checksums", f"delete {latest} to resume from "
+                                       f"the checkpoint before"), check=_kept_status_before_resume(run)), run=run))
+    run = base / "deleted"
+    shutil.copytree(finished, run)
+    (run / "checkpoints" / "2" / "checksums.json").unlink()
+    shutil.rmtree(run / "checkpoints" / "2")
+    out.append(probe(kind, "checksums.json removed, then that checkpoint deleted as the line advises", root,
+                     ["--resume", str(run), "--rounds", "4", "--no-progress"],
+                     Expect(exit=0, lines=0, summary=("completed",),
+                            check=lambda done, run=run: "" if len(metrics_lines(run)) == 4 else
+                            f"metrics.jsonl holds {len(metrics_lines(run))} rounds, not 4"), run=run))
+    return out
+
+
+def metrics_lines(run: Path) -> list[str]:
+    path = run / "metrics.jsonl"
+    return path.read_text().splitlines() if path.exists() else []
+
+
+CUT_SHORT = "was cut short while it was saved (a kill, a lost process); deleted it"  # the resume's first line
+AGAIN = "no checkpoint there yet (the run stopped before its first); running it from round 1 again"  # its second
+KILLS = (  # (case, its folder, flags beyond B, where the run is killed, the lines its resume says)
+    ("default settings, kill -9 at the end of round 2", "default_round_2", [], "round_end:2:kill", (AGAIN,)),
+    ("default settings, kill -9 inside the end's checkpoint", "default_end", [], "checkpoint_write:1:kill",
+     (CUT_SHORT, AGAIN)),
+    ("--checkpoint-every 1, kill -9 inside the first checkpoint's write", "first_write", ["--checkpoint-every", "1"],
+     "checkpoint_write:1:kill", (CUT_SHORT, AGAIN)),
+    ("--checkpoint-every 1, kill -9 between orbax's commit of the first checkpoint and its checksums",
+     "first_commit", ["--checkpoint-every", "1"], "write:checksums.json:1:kill", (CUT_SHORT, AGAIN)),
+)
+
+
+def kill_probes(root: Path) -> list[dict]:
+    """Runs killed (kill -9, the fault hook) before their first checkpoint was complete, on default settings and
+    with --checkpoint-every 1 (item 2): --resume runs them again from round 1, to the uninterrupted run's
+    metrics, line for line."""
+    kind, base = "kill before the first checkpoint", root / "kills"
+    reference = base / "reference"
+    args = [*B, "--rounds", "4", "--no-tensorboard"]
+    try:
+        finished_run(reference, *args)
+    except AssertionError as err:
+        return [not_run(kind, "every kill probe", err)]
+    out = []
+    for case, folder, extra, fault, words in KILLS:
+        run = base / folder
+
+        def kill(run=run, extra=extra, fault=fault):
+            done, _ = command([*args, *extra, "--out", str(run)], faults=fault)
+            assert done.returncode == -signal.SIGKILL, f"the run to kill ended with {done.returncode}"
+
+        out.append(probe(kind, case, root, ["--resume", str(run), "--no-progress"],
+                         Expect(exit=0, lines=len(words), words=words,
+                                summary=("completed",),
+                                check=lambda done, run=run: "" if metrics_lines(run) == metrics_lines(reference) else
+                                "metrics.jsonl differs from the uninterrupted run's"),
+                         run=run, prepare=kill, shown_prefix=f"FEDJAX_SPARSE_FAULT={fault} (killed); "))
+    return out
+
+
+def cluster_signal_probes(root: Path) -> list[dict]:
+    """SIGUSR1 and SIGUSR2 (item 4; SLURM's --signal=USR1@90): in the rounds, the run stops after its round with
+    a checkpoint, summary "interrupted" and exit 128 + the signal, and its resume writes the uninterrupted
+    run's metrics; in start-up, one line."""
+    kind, base = "SIGUSR1", root / "usr_signals"
+    base.mkdir(parents=True)
+    args = [*B, "--rounds", "40", "--no-tensorboard"]
+    reference = base / "reference"
+    try:
+        finished_run(reference, *args)
+    except AssertionError as err:
+        return [not_run(kind, "every SIGUSR probe", err)]
+    out = []
+    for signum in (signal.SIGUSR1, signal.SIGUSR2):
+        run = base / signum.name
+        proc = spawn([*args, "--out", str(run)])
+        deadline = time.monotonic() + 300
+        while len(metrics_lines(run)) < 2 and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        proc.send_signal(signum)
+        start = time.perf_counter()
+        stdout, stderr = proc.communicate(timeout=300)
+        after = summary_of(run)
+        out.append(judge(kind, f"{signum.name} in the rounds", shown([*args, "--out", str(run)], root,
+                                                                      f"kill -{signum.name[3:]} after round 2: "),
+                         Done(proc.returncode, stdout, stderr), time.perf_counter() - start, root, run,
+                         Expect(exit=128 + signum, lines=2, summary=("interrupted",), within=10,
+                                words=(f"{signum.name}: stopped after round", "checkpoint saved in"),
+                                check=lambda done, after=after, signum=signum: "" if after.get("signal") == signum.name
+                                and after.get("last_checkpoint") else "no checkpoint or signal in summary.json")))
+        out.append(probe(kind, f"--resume after {signum.name}", root, ["--resume", str(run), "--no-progress"],
+                         Expect(exit=0, lines=0, summary=("completed",),
+                                check=lambda done, run=run: "" if metrics_lines(run) == metrics_lines(reference) else
+                                "metrics.jsonl differs from the uninterrupted run's"), run=run))
+    for at in (0.5, 1.0):
+        run = base / f"SIGUSR1_{at}"
+        start = time.perf_counter()
+        proc = spawn([*args, "--out", str(run)])
+        time.sleep(max(0.0, at - (time.perf_counter() - start)))
+        proc.send_signal(signal.SIGUSR1)
+        stdout, stderr = proc.communicate(timeout=300)
+        left = sorted(p.name for p in run.iterdir()) if run.exists() else []
+        out.append(judge(kind, f"SIGUSR1 at {at} s", shown([*args, "--out", str(run)], root, f"kill -USR1 at {at} s: "),
+                         Done(proc.returncode, stdout, stderr), time.perf_counter() - start, root, run,
+                         Expect(exit=128 + signal.SIGUSR1, summary=(None,), within=at + 10,
+                                words=("fedjax-sparse: SIGUSR1 during start-up, before the first round: nothing was "
+                                       "run",),
+                                check=lambda done, left=left: "" if set(left) <= {MANIFEST} else
+                                f"the folder holds {', '.join(left)}")))
+    return out
+
+
+def foreign_file_probes(root: Path) -> list[dict]:
+    """Files the run never wrote (item 3): a user's checkpoints/ and client_store/ in a run folder whose run made
+    neither, a user's .lock, a convert target holding the user's files: refused in one line and left as they
+    were, never deleted or overwritten."""
+    kind, base = "foreign files", root / "foreign"
+    out = []
+    run, before = base / "run_without_checkpoints", {}
+
+    def users_folders(run=run):
+        finished_run(run, *B, "--rounds", "1", "--checkpoint-minutes", "0", "--no-tensorboard")
+        for folder in ("checkpoints", "client_store"):
+            (run / folder).mkdir()
+            (run / folder / "model.pt").write_text("mine\n")
+        before.update(contents(run))
+
+    out.append(probe(kind, "--overwrite, the user's checkpoints/model.pt and client_store/model.pt in a run folder "
+                           "whose run made neither", root, [*B, "--rounds", "1", "--out", str(run), "--overwrite"],
+                     Expect(words=(f"--out {run} holds checkpoints, client_store, which fedjax-sparse has no record "
+                                   f"of writing",), summary=("completed",),
+                            check=lambda done: "" if contents(run) == before else "the user's files changed"),
+                     run=run, prepare=users_folders))
+
+    for case, folder, files, expect in (
+            ("a refused run into a folder with the user's .lock and config.json", "lock_refused",
+             {".lock": "mine\n", "config.json": '{"app": 1}\n'},
+             Expect(words=("holds config.json, which fedjax-sparse has no record of writing",), summary=(None,))),
+            ("a run into a folder with the user's .lock", "lock_completed", {".lock": "mine\n"},
+             Expect(exit=0, lines=0, summary=("completed",)))):
+        run, before_lock = base / folder, {}
+
+        def users_lock(run=run, files=files, before_lock=before_lock):
+            run.mkdir(parents=True)
+            for name, text in files.items():
+                (run / name).write_text(text)
+            before_lock.update(contents(run))
+
+        def lock_kept(done, run=run, before_lock=before_lock, refused=expect.exit != 0):
+            if (run / ".lock").read_text() != "mine\n":
+                return "the user's .lock changed"
+            if (run / LOCK_FILE).exists():
+                return f"{LOCK_FILE} was left behind"
+            return "" if not refused or contents(run) == before_lock else "the refused run changed the folder"
+
+        out.append(probe(kind, case, root, [*B, "--rounds", "1", "--no-tensorboard", "--out", str(run)],
+                         dataclasses.replace(expect, check=lock_kept), run=run, prepare=users_lock))
+
+    target, before_target = base / "convert_target", {}
+
+    def users_arrays():
+        target.mkdir(parents=True)
+        (target / "train_x.npy").write_bytes(b"mine")
+        (target / "test_y.npy").write_bytes(b"mine too")
+        before_target.update(contents(target))
+
+    out.append(probe(kind, "convert digits into a folder with the user's train_x.npy and test_y.npy", root,
+                     ["digits", str(target)],
+                     Expect(words=(f"{target} is not empty (test_y.npy, train_x.npy) and fedjax-sparse convert did "
+                                   f"not write it",), summary=(),
+                            check=lambda done: "" if contents(target) == before_target else "the user's files changed"),
+                     prepare=users_arrays, sub="convert"))
+    cut = base / "convert_cut_short"
+
+    def cut_short():
+        cut.mkdir(parents=True)
+        (cut / WRITING).touch()
+        (cut / "train_x.npy").write_bytes(b"half")
+
+    out.append(probe(kind, "convert digits into what a conversion cut short left (its mark, half a file)", root,
+                     ["digits", str(cut)], Expect(exit=0, lines=0, summary=(),
+                                                  check=lambda done: "" if (cut / "manifest.json").is_file() else
+                                                  "no manifest.json"), prepare=cut_short, sub="convert"))
     return out

@@ -1,14 +1,17 @@
 """The long fault sweep: kill -9 at seeded moments over algorithms and client stores, and real I/O failures.
 
 For every (algorithm, store) of the sweep: an uninterrupted run, then the same run killed (kill -9, through
-`fedjax_sparse.run.faults`) at seeded moments (between rounds, inside a checkpoint's background write, inside
-a metrics line), each time resumed, until it completes; it must write the uninterrupted run's metrics line
+`fedjax_sparse.run.faults`) at seeded moments (between rounds, inside a checkpoint's background write, between
+orbax's commit of a checkpoint and its checksums, inside a metrics line), each time resumed with --resume (also
+when no checkpoint was complete yet), until it completes; it must write the uninterrupted run's metrics line
 for line. Then, where this machine allows it, the failures the test suite injects happen for real: a full
 disk (a small tmpfs; needs root), a file-size limit (`ulimit -f`), an immutable checkpoints folder
 (`chattr +i`; needs root): each must end within seconds, in one line, with summary.json "failed" and a
-resumable last checkpoint. Then the probes of issue 36 (benchmarks/fault_probes.py), each a real process
+resumable last checkpoint. Then the probes of issues 36 and 55 (benchmarks/fault_probes.py), each a real process
 judged against what its test in tests/test_faults_*.py requires: the run folder and its writers, signals in the
-first 1.5 s, broken installed plug-ins, bad data and config files, damaged store rows and checkpoints. Results
+first 1.5 s, broken installed plug-ins, bad data and config files, damaged store rows and checkpoints,
+checkpoints without their checksums, kills before the first checkpoint, SIGUSR1 and SIGUSR2, files the run
+never wrote. Results
 go to benchmarks/results/fault_sweep_<device>_<date>.{md,json}.
 
     python -m benchmarks.fault_sweep [--quick] [--no-kills] [--out DIR]
@@ -37,7 +40,7 @@ BASE = ["--num-clients", "6", "--clients-per-round", "3", "--local-epochs", "1",
 ROUNDS = 6
 SWEEP = [("fedavg", "device"), ("scaffold", "disk"), ("scaffold", "host"), ("spafl", "disk"), ("fedgse", "device"),
          ("spatl", "device"), ("fedpm", "disk"), ("fedspa", "host"), ("fedp3", "device"), ("fedprox", "disk")]
-POINTS = ("round_end", "checkpoint_write", "metrics_write")
+POINTS = ("round_end", "checkpoint_write", "metrics_write", "write:checksums.json")
 EXTRA = {"fedgse": ["--significant-labels", "3"]}  # what an algorithm needs beyond BASE
 
 
@@ -51,19 +54,18 @@ def kill_sweep(algorithm: str, store: str, root: Path, rng: np.random.Generator)
     done, _ = command([*args, "--out", str(reference)])
     assert done.returncode == 0, done.stderr[-2000:]
     kills = []
-    for _ in range(4):
+    for attempt in range(4):
         point = str(rng.choice(POINTS))
-        resumable = has_checkpoint(run)
-        n = int(rng.integers(1 if resumable else 2, 4))
-        args_now = ["--resume", str(run), "--no-progress"] if resumable else [*args, "--out", str(run), "--overwrite"]
+        # killed before its first checkpoint was complete, a run resumes too (from round 1: issue 55)
+        before = "" if attempt == 0 or has_checkpoint(run) else " (resumed without a checkpoint)"
+        args_now = [*args, "--out", str(run)] if attempt == 0 else ["--resume", str(run), "--no-progress"]
+        n = int(rng.integers(1, 4))
         done, _ = command(args_now, faults=f"{point}:{n}:kill")
-        kills.append(f"{point}:{n}" + ("" if done.returncode == -signal.SIGKILL else " (run ended first)"))
+        kills.append(f"{point}:{n}{before}" + ("" if done.returncode == -signal.SIGKILL else " (run ended first)"))
         if done.returncode == 0:
             break
     if not (run / "summary.json").exists() or json.loads((run / "summary.json").read_text())["status"] != "completed":
-        # killed before its first checkpoint was whole: a fresh start is what a user does then
-        done, _ = command(["--resume", str(run), "--no-progress"] if has_checkpoint(run)
-                          else [*args, "--out", str(run), "--overwrite"])
+        done, _ = command(["--resume", str(run), "--no-progress"])
         assert done.returncode == 0, done.stderr[-2000:]
     return {"algorithm": algorithm, "store": store, "kills": kills, "same_metrics": metrics(run) == metrics(reference)}
 
@@ -116,7 +118,8 @@ def unmount_all(root: Path) -> None:
 
 
 PROBE_CLASSES = (io_probes, fault_probes.folder_probes, fault_probes.signal_probes, fault_probes.plugin_probes,
-                 fault_probes.data_probes, fault_probes.checkpoint_probes)
+                 fault_probes.data_probes, fault_probes.checkpoint_probes, fault_probes.missing_checksum_probes,
+                 fault_probes.kill_probes, fault_probes.cluster_signal_probes, fault_probes.foreign_file_probes)
 
 
 def table(probes: list[dict]) -> list[str]:

@@ -21,9 +21,9 @@ import numpy as np  # noqa: E402
 
 from .common import command_line, environment, finish, markdown_table, parser  # noqa: E402
 from fedjax_sparse.algorithms import BUILT_IN, make_algorithm, make_options  # noqa: E402
-from fedjax_sparse.core.algorithm import BuildContext  # noqa: E402
-from fedjax_sparse.core.local_training import LocalSGD  # noqa: E402
-from fedjax_sparse.core.round import build_round, clients_mesh, default_client_chunk  # noqa: E402
+from fedjax_sparse.core.contract.algorithm import BuildContext  # noqa: E402
+from fedjax_sparse.core.round.local_training import LocalSGD  # noqa: E402
+from fedjax_sparse.core.round.step import build_round, clients_mesh, default_client_chunk  # noqa: E402
 from fedjax_sparse.data.federated import federated_split  # noqa: E402
 from fedjax_sparse.models import get_model  # noqa: E402
 

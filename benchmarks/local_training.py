@@ -8,7 +8,7 @@ crop and flip, batch 64, SGD with momentum 0.9, lr 0.001: the setting of
 issue 19, where the official SpaFL code takes 3.4 ms per example-pass on 2
 CPU cores with 2 threads). Two variants, interleaved in one process:
 
-  library       compiled as the library compiles (`core.compilation.jit`);
+  library       compiled as the library compiles (`core.round.compilation.jit`);
   xla_defaults  plain `jax.jit`: XLA's default CPU options (YNNPACK convolutions);
   one_convolution_input_gradients
                 the library's, with every input gradient one convolution of
@@ -41,9 +41,9 @@ from .common import (best, command_line, environment, environment_markdown, fini
                      markdown_table)
 from .common import parser as benchmark_parser
 from fedjax_sparse.algorithms import BuildContext, make_algorithm
-from fedjax_sparse.core.compilation import jit
-from fedjax_sparse.core.local_training import LocalSGD
-from fedjax_sparse.core.round import round_info
+from fedjax_sparse.core.round.compilation import jit
+from fedjax_sparse.core.round.local_training import LocalSGD
+from fedjax_sparse.core.round.step import round_info
 from fedjax_sparse.data.federated import federated_split
 from fedjax_sparse.models import get_model
 from fedjax_sparse.models import conv as conv_module

@@ -1,7 +1,7 @@
 """What reducing the uploads in client order costs a sharded round.
 
 With a mesh, a round gathers the K sampled clients' uploads onto every device before the server's
-update (`core.round.round_step(ordered_reduction=True)`), so the sums over clients run in client
+update (`core.round.step.round_step(ordered_reduction=True)`), so the sums over clients run in client
 order whatever the number of devices or processes, and a run's figures equal one process's
 (`tests/test_distributed.py`). Without it, XLA sums each device's share and then across devices.
 This times both on the same mesh, interleaved in one process: FedAvg and SCAFFOLD on the digits
@@ -22,7 +22,7 @@ def main(argv=None) -> None:
     force_host_devices(argv)
     from .common import (best, command_line, environment, environment_markdown, finish, fmt, interleaved,
                          markdown_table, parser, stepping)
-    from fedjax_sparse.core.round import build_round, clients_mesh
+    from fedjax_sparse.core.round.step import build_round, clients_mesh
     from fedjax_sparse.run import RunConfig, build_experiment
 
     p = parser("benchmarks.ordered_reduction", __doc__, "two algorithms at K = 8, 3 repeats")

@@ -46,7 +46,7 @@ import numpy as np
 
 from .common import command_line, environment, environment_markdown, finish, fmt, markdown_table
 from .common import parser as benchmark_parser
-from fedjax_sparse.core.cpu_round import use_cpu_cores
+from fedjax_sparse.core.round.cpu import use_cpu_cores
 
 POPULATION = 4  # N = POPULATION x K: a Poisson draw's slots then exceed K by a few standard deviations
 DROPOUT = 0.1
@@ -58,21 +58,21 @@ SWITCHED_ON = ["default", "clock", "varying", "uniform_slots"]
 CHILD = r'''
 import hashlib, json, sys, time
 config = json.loads(sys.argv[1])
-from fedjax_sparse.core.cpu_round import CpuRound, keep_freed_memory, round_devices, use_cpu_cores
+from fedjax_sparse.core.round.cpu import CpuRound, keep_freed_memory, round_devices, use_cpu_cores
 use_cpu_cores()  # as the command line does, before JAX starts: a CPU device per usable core
 import jax, numpy as np
 import fedjax_sparse
 from fedjax_sparse.algorithms import fedavg
-from fedjax_sparse.core.local_training import LocalSGD
-from fedjax_sparse.core.round import build_round, default_client_chunk
+from fedjax_sparse.core.round.local_training import LocalSGD
+from fedjax_sparse.core.round.step import build_round, default_client_chunk
 from fedjax_sparse.data import load_dataset
 from fedjax_sparse.data.federated import federated_split
 from fedjax_sparse.models import get_model
 try:
-    from fedjax_sparse.core.round import RoundConditions
-    from fedjax_sparse.core.participation import poisson_sampler, uniform_sampler
-    from fedjax_sparse.core.clock import Stragglers, device_profile
-    from fedjax_sparse.core.flops import forward_flops
+    from fedjax_sparse.core.round.step import RoundConditions
+    from fedjax_sparse.core.federation.participation import poisson_sampler, uniform_sampler
+    from fedjax_sparse.core.federation.clock import Stragglers, device_profile
+    from fedjax_sparse.core.structure.flops import forward_flops
 except ImportError:  # the tree before issue 37
     RoundConditions = None
 

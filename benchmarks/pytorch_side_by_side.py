@@ -36,7 +36,7 @@ from .common import (command_line, environment, environment_markdown, finish, fm
                      markdown_table)
 from .common import parser as benchmark_parser
 from .local_training import REFERENCE_MS, Setting, client_update_fn
-from fedjax_sparse.core.compilation import jit
+from fedjax_sparse.core.round.compilation import jit
 
 TORCH_CLIENT = r"""
 import json, sys, time

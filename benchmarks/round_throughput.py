@@ -10,9 +10,9 @@ one device the examples per second of four ways to run the same round:
                with the platform's `default_client_chunk`, one jitted call per round, each
                client's steps a `lax.while_loop` (on an accelerator all clients are vmapped
                at once; on a CPU they go in cache-sized vmapped chunks, and with a CPU device
-               per core, `core.cpu_round.CpuRound` shares them among the devices);
+               per core, `core.round.cpu.CpuRound` shares them among the devices);
   engine_1cpu  (CPU only, where `engine` uses several CPU devices) the same round on one device:
-               `core.cpu_round`'s layout against `build_round`'s one jit, on one core;
+               `core.round.cpu`'s layout against `build_round`'s one jit, on one core;
   engine_vmap  (CPU only, where it differs from `engine`) the same round with all K clients
                in one vmap, the accelerator layout;
   step_loop    the way most federated code is written: a Python loop over the
@@ -80,13 +80,13 @@ import numpy as np
 import optax
 
 from fedjax_sparse.algorithms import fedavg
-from fedjax_sparse.core.algorithm import FederatedAlgorithm
-from fedjax_sparse.core.compilation import jit
-from fedjax_sparse.core.cpu_round import CpuRound, keep_freed_memory, round_devices, use_cpu_cores
-from fedjax_sparse.core.local_training import LocalSGD, masked_cross_entropy
-from fedjax_sparse.core.numerics import Numerics, numerics
-from fedjax_sparse.core.participation import sample_clients
-from fedjax_sparse.core.round import build_round, client_keys, default_client_chunk, round_info
+from fedjax_sparse.core.contract.algorithm import FederatedAlgorithm
+from fedjax_sparse.core.round.compilation import jit
+from fedjax_sparse.core.round.cpu import CpuRound, keep_freed_memory, round_devices, use_cpu_cores
+from fedjax_sparse.core.round.local_training import LocalSGD, masked_cross_entropy
+from fedjax_sparse.core.round.numerics import Numerics, numerics
+from fedjax_sparse.core.federation.participation import sample_clients
+from fedjax_sparse.core.round.step import build_round, client_keys, default_client_chunk, round_info
 from fedjax_sparse.data import load_dataset
 from fedjax_sparse.data.federated import (Batch, ClientData, FederatedSplit, client_batch,
                                           epoch_permutations, federated_split, padded_step_fraction)
@@ -581,7 +581,7 @@ def main(argv: Sequence[str] | None = None) -> list[dict]:
                         help="JAX CPU devices, all of them used where a round has the chunks (default: one per "
                              "usable core, used where they pay, as the command line does)")
     parser.add_argument("--release-freed-memory", action="store_true",
-                        help="leave glibc's allocator as it is (measures what core.cpu_round.keep_freed_memory brings)")
+                        help="leave glibc's allocator as it is (measures what core.round.cpu.keep_freed_memory brings)")
     args = parser.parse_args(argv)
 
     use_cpu_cores(args.cpu_devices)  # as the command line does: on a CPU, a device per core (before JAX starts)

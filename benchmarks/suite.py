@@ -53,8 +53,8 @@ from . import round_throughput as rt
 from .common import (command_line, environment, environment_markdown, finish, fmt,
                      markdown_table)
 from .common import parser as benchmark_parser
-from fedjax_sparse.core.cpu_round import keep_freed_memory, use_cpu_cores
-from fedjax_sparse.core.round import default_client_chunk
+from fedjax_sparse.core.round.cpu import keep_freed_memory, use_cpu_cores
+from fedjax_sparse.core.round.step import default_client_chunk
 
 BUDGET_SECONDS = {"accelerator": 4 * 60, "cpu": 20 * 60, "quick": 2 * 60}
 PRECISIONS = {"float32": {}, "tensorfloat32": {"matmul_precision": "tensorfloat32"},

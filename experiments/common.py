@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 from fedjax_sparse.algorithms import algorithm_names, refused
-from fedjax_sparse.core.cpu_round import use_cpu_cores
+from fedjax_sparse.core.round.cpu import use_cpu_cores
 from fedjax_sparse.run import DivergenceError, Interrupted, RunConfig, run_experiment
 from fedjax_sparse.run.checkpoints import CheckpointError
 from fedjax_sparse.run.outputs import device_description, dumps, plot_accuracy

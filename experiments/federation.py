@@ -2,13 +2,13 @@
 
 The question these methods exist for: how much sooner, in wall-clock on slow devices and links, does a sparse
 method reach an accuracy? Every client's round time is its counted training FLOPs over its device's speed, plus
-its counted bytes over its link's bandwidth, plus latency (`fedjax_sparse.core.clock`); a synchronous round lasts
+its counted bytes over its link's bandwidth, plus latency (`fedjax_sparse.core.federation.clock`); a synchronous round lasts
 until its last aggregated client returns, or until the deadline where a client did not make it (its update is
 lost). The columns: `seconds_to_0.9x_fedavg` (simulated seconds until the personalized accuracy first reaches 90 %
 of FedAvg's final one, averaged over the seeds), `simulated_seconds` (the whole run), `updates_lost_share` (the
 dispatched clients whose update the deadline or a failure lost).
 
-`digits` is the CPU-sized twin: scikit-learn's digits, the MLP, 20 clients, Dirichlet(0.5), 10 per round, 30 rounds, 2 local epochs, batch 16, lr 0.1; devices from the `iot` preset (median 0.2 GFLOP/s, 2 Mbit/s down, 0.5 Mbit/s up, 200 ms, log-normal spread 0.5) and a round deadline of 10 simulated seconds, at which a median client sending the dense MLP (about 0.35 MB each way) just makes it. Each method at its CLI defaults but for: SpaFL's alpha 0.0033 (the digits twin's scaled alpha, experiments/spafl.py), FedLDF's 2 uploads per layer of the 10, FedGSE's 2 significant labels with the dynamic capacities, SPATL's FLOPs reduction 0.2; `fedbuff` is FedAvg in asynchronous rounds (`--async-buffer 5`: the 10 clients per round in flight at once, a server step every 5 updates, staleness weight 1/sqrt(1 + s)) without a deadline (a late update is aggregated, down-weighted), for 60 steps, the 300 updates of FedAvg's 30 rounds. The metric is personalized accuracy (each client's model on its own test split; FedAvg's is the global model), since SpaFL and SPATL keep personal models.
+`digits` is the CPU-sized twin: scikit-learn's digits, the MLP, 20 clients, Dirichlet(0.5), 10 per round, 30 rounds, 2 local epochs, batch 16, lr 0.1; devices from the `iot` preset (median 0.05 GFLOP/s, 2 Mbit/s down, 0.5 Mbit/s up, 200 ms, log-normal spread 0.5) and a round deadline of 10 simulated seconds, at which a median client sending the dense MLP (about 0.35 MB each way) just makes it. Each method at its CLI defaults but for: SpaFL's alpha 0.0033 (the digits twin's scaled alpha, experiments/spafl.py), FedLDF's 2 uploads per layer of the 10, FedGSE's 2 significant labels with the dynamic capacities, SPATL's FLOPs reduction 0.2; `fedbuff` is FedAvg in asynchronous rounds (`--async-buffer 5`: the 10 clients per round in flight at once, a server step every 5 updates, staleness weight 1/sqrt(1 + s)) without a deadline (a late update is aggregated, down-weighted), for 60 steps, the 300 updates of FedAvg's 30 rounds. The metric is personalized accuracy (each client's model on its own test split; FedAvg's is the global model), since SpaFL and SPATL keep personal models.
 
     python -m experiments.federation [--quick] [--seeds 0,1,2] [--out DIR]
 """

@@ -24,11 +24,11 @@ import numpy as np
 from .common import Arm, Setting, chosen_setting, cifar10_folder, main
 from fedjax_sparse.algorithms.spatl import fit_predictor
 from fedjax_sparse.run.checkpoints import RunCheckpointer
-from fedjax_sparse.core.compilation import jit
-from fedjax_sparse.core.evaluation import global_evaluator
-from fedjax_sparse.core.model_parts import overlay
-from fedjax_sparse.core.local_training import LocalSGD
-from fedjax_sparse.core.streams import stream_key, stream_seed
+from fedjax_sparse.core.round.compilation import jit
+from fedjax_sparse.core.evaluation.evaluators import global_evaluator
+from fedjax_sparse.core.structure.model_parts import overlay
+from fedjax_sparse.core.round.local_training import LocalSGD
+from fedjax_sparse.core.round.streams import stream_key, stream_seed
 from fedjax_sparse.data.federated import federated_split
 from fedjax_sparse.run import RunConfig, build_experiment
 

@@ -9,13 +9,13 @@ sampled, Dirichlet(0.1); a few rounds, CPU-sized) through the ordinary runner
 state and writes `flops_check.md` / `.json` beside them:
 
   * per client, the inference FLOPs reduction of its salient sub-model as the
-    library counts it (`core.flops.layer_forward_flops`, count_inputs=True, the
-    figure `inference_flops_reduction_mean` logs) and as `core.flops.measure_layers` reads
+    library counts it (`core.structure.flops.layer_forward_flops`, count_inputs=True, the
+    figure `inference_flops_reduction_mean` logs) and as `core.structure.flops.measure_layers` reads
     it off the computation itself (the physically smaller network's multiply-
     accumulates: channels that are non-zero on a batch of the client's own
     images, outputs that reach the logits), encoder only and whole model;
   * per client, the label counts of its training data and of the share the
-    agent holds out (`algorithms.spatl.agent_holdout`): a class-ordered image
+    agent holds out (`algorithms.spatl_selection.agent_holdout`): a class-ordered image
     folder must not leave whole classes out of training.
 
     python -m experiments.spatl_flops_check [--rounds R] [--max-train-examples N] [--out DIR]
@@ -33,9 +33,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from .common import cifar10_folder
-from fedjax_sparse.algorithms.spatl import agent_holdout, encoder_layers
+from fedjax_sparse.algorithms.spatl_selection import agent_holdout, encoder_layers
 from fedjax_sparse.run.checkpoints import RunCheckpointer
-from fedjax_sparse.core.flops import layer_forward_flops, measure_layers
+from fedjax_sparse.core.structure.flops import layer_forward_flops, measure_layers
 from fedjax_sparse.data.federated import client_batch
 from fedjax_sparse.run.outputs import device_description
 from fedjax_sparse.run import RunConfig, build_experiment, run_experiment

@@ -1,7 +1,7 @@
 """What installed packages add through Python entry points (algorithms, models, samplers): each group read
 once, each entry point loaded where nothing it raises escapes, so a broken package costs its own plug-in
 and never the library's other parts. What a group's values must be, and what a refused one is told, is its
-registry's (`algorithms.registry`, `models`, `core.participation`)."""
+registry's (`algorithms.registry`, `models`, `core.federation.participation`)."""
 
 from __future__ import annotations
 

@@ -12,15 +12,41 @@ _flags = os.environ.get("XLA_FLAGS", "").split()
 os.environ["XLA_FLAGS"] = " ".join(_flags + [f for f in ("--xla_backend_optimization_level=0",
                                                         "--xla_llvm_disable_expensive_passes=true")
                                              if f not in _flags])
-# Everything compiled, by runs and by tests alike, goes to a JAX persistent cache of this session only, one for
-# both of pytest-xdist's workers: many tests compile the same program again (an algorithm's round on the same
-# model, rebuilt from fresh functions; the same eager operations), and the second compilation is a file read.
+# What runs cache beside their programs (decoded data sets) goes to a folder of this session only, one for both of
+# pytest-xdist's workers.
 _SESSION = os.environ.get("PYTEST_XDIST_TESTRUNUID")
 if _SESSION:
     os.environ["FEDJAX_SPARSE_CACHE"] = os.path.join(tempfile.gettempdir(), f"fedjax_sparse_test_cache_{_SESSION}")
     os.makedirs(os.environ["FEDJAX_SPARSE_CACHE"], exist_ok=True)
 else:
     os.environ["FEDJAX_SPARSE_CACHE"] = tempfile.mkdtemp(prefix="fedjax_sparse_test_cache_")
+# Everything compiled, by runs and by tests alike, goes to a persistent JAX cache in the user's cache folder
+# ($FEDJAX_SPARSE_TEST_JAX_CACHE names another; "session" keeps it to this session, as before issue 57): many tests
+# compile the same program again (an algorithm's round on the same model, rebuilt from fresh functions), and a
+# second run of the suite on this machine skips what the first compiled (the README gives both times). JAX keys
+# an entry by the program, its compile options and JAX's version, so an entry is never stale. Past 2 GB the
+# session's first process drops the entries least recently written (JAX's own size limit needs the filelock
+# package, which a test must not depend on).
+_JAX_CACHE = os.environ.get("FEDJAX_SPARSE_TEST_JAX_CACHE") or os.path.join(
+    os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "fedjax_sparse", "tests-jax")
+os.environ["FEDJAX_SPARSE_JAX_CACHE"] = (os.environ["FEDJAX_SPARSE_CACHE"] if _JAX_CACHE == "session"
+                                         else _JAX_CACHE)
+os.makedirs(os.environ["FEDJAX_SPARSE_JAX_CACHE"], exist_ok=True)
+
+
+def _trim(folder: str, most: int = 2 * 1024 ** 3, keep: int = 3 * 1024 ** 3 // 2) -> None:
+    entries = sorted((e for e in os.scandir(folder) if e.is_file()), key=lambda e: e.stat().st_mtime)
+    total = sum(e.stat().st_size for e in entries)
+    if total <= most:
+        return
+    while total > keep and entries:
+        entry = entries.pop(0)
+        total -= entry.stat().st_size
+        os.unlink(entry.path)
+
+
+if "PYTEST_XDIST_WORKER" not in os.environ:
+    _trim(os.environ["FEDJAX_SPARSE_JAX_CACHE"])
 
 # Every test computes float32 matrix products and convolutions in float32, by construction: on an Ampere or Hopper
 # GPU JAX computes them in TF32 unless told otherwise, and the tests that compare two computations failed there
@@ -38,7 +64,7 @@ import jax  # noqa: E402
 
 def _cache_everything():
     jax.config.update("jax_default_matmul_precision", "float32")  # also where a plugin imported JAX before us
-    jax.config.update("jax_compilation_cache_dir", os.environ["FEDJAX_SPARSE_CACHE"])
+    jax.config.update("jax_compilation_cache_dir", os.environ["FEDJAX_SPARSE_JAX_CACHE"])
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
 

@@ -16,10 +16,10 @@ jax.config.update("jax_num_cpu_devices", 3)
 
 import numpy as np  # noqa: E402
 
-from fedjax_sparse.core.cpu_evaluation import CpuEvaluator  # noqa: E402
-from fedjax_sparse.core.cpu_round import CpuRound  # noqa: E402
-from fedjax_sparse.core.evaluation import split_evaluator  # noqa: E402
-from fedjax_sparse.core.round import build_round  # noqa: E402
+from fedjax_sparse.core.evaluation.cpu import CpuEvaluator  # noqa: E402
+from fedjax_sparse.core.round.cpu import CpuRound  # noqa: E402
+from fedjax_sparse.core.evaluation.evaluators import split_evaluator  # noqa: E402
+from fedjax_sparse.core.round.step import build_round  # noqa: E402
 from fedjax_sparse.run import RunConfig, build_experiment  # noqa: E402
 from fedjax_sparse.run import cli  # noqa: E402
 

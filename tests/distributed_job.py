@@ -23,9 +23,10 @@ def run(process, mesh, directory: Path) -> dict:
 
     from conftest import linear_model
     from fedjax_sparse.algorithms import fedavg
-    from fedjax_sparse.core.client_store import initial_server_state, make_store
-    from fedjax_sparse.core.local_training import LocalSGD
-    from fedjax_sparse.core.store_round import StoreRound
+    from fedjax_sparse.core.client_state.choice import make_store
+    from fedjax_sparse.core.client_state.store import initial_server_state
+    from fedjax_sparse.core.round.local_training import LocalSGD
+    from fedjax_sparse.core.round.store import StoreRound
     from fedjax_sparse.data.windows import host_data
 
     rng = np.random.default_rng(0)
@@ -58,7 +59,7 @@ def run(process, mesh, directory: Path) -> dict:
 
 def main(argv):
     process_id, num_processes, port, out = int(argv[1]), int(argv[2]), int(argv[3]), Path(argv[4])
-    from fedjax_sparse.core import distributed
+    from fedjax_sparse.core.round import distributed
     process = distributed.initialize(f"127.0.0.1:{port}", num_processes, process_id, timeout_s=60)
     results = run(process, distributed.process_mesh(), out / f"work{process_id}")
     flat = {f"{name}/{field}": value for name, fields in results.items() for field, value in fields.items()

@@ -14,7 +14,7 @@ from fedjax_sparse.agent import (ActorCritic, AgentConfig, GraphTemplate, Observ
                                  generalized_advantages, graph_state, init_agent,
                                  largest_uniform_keep_ratio, policy_fn, search, search_clients,
                                  unit_norm_statistics)
-from fedjax_sparse.core.unit_selection import kept_units
+from fedjax_sparse.core.structure.unit_selection import kept_units
 from fedjax_sparse.models import get_model
 
 tree_map = jax.tree_util.tree_map
@@ -37,7 +37,7 @@ RESNET20 = GraphTemplate.from_structure(get_model("resnet20", (32, 32, 3), 10).s
 # ------------------------------------------------------------------ a synthetic client of ResNet-20
 # Layer l's accuracy factor is 1 - importance_l (1 - kept_l)^2: pruning an important layer
 # (importance 1) costs a lot, an unimportant one (0.02) almost nothing. FLOPs are the real
-# layer shares times the kept fraction of units (counted as `core.unit_selection.kept_units` counts).
+# layer shares times the kept fraction of units (counted as `core.structure.unit_selection.kept_units` counts).
 
 def resnet_flops_kept(env_state, keep_ratios):
     del env_state

@@ -1,4 +1,4 @@
-"""Sharded rounds placing the sampled clients on their devices by local steps (core.device_split): the
+"""Sharded rounds placing the sampled clients on their devices by local steps (core.round.device_split): the
 greedy LPT placement worked by hand, its padded fraction by hand, and the same figures as one device."""
 
 import os
@@ -8,7 +8,7 @@ import textwrap
 
 import numpy as np
 
-from fedjax_sparse.core.device_split import (BalancedSplit, balanced_order, balanced_padded_step_fraction,
+from fedjax_sparse.core.round.device_split import (BalancedSplit, balanced_order, balanced_padded_step_fraction,
                                              device_groups)
 from fedjax_sparse.data.federated import padded_step_fraction
 
@@ -61,11 +61,11 @@ SCRIPT = textwrap.dedent("""
     import jax, numpy as np
     assert jax.device_count() == 4, jax.devices()
     from fedjax_sparse.algorithms import fedavg, fednova, scaffold
-    from fedjax_sparse.core.cpu_round import CpuRound
-    from fedjax_sparse.core.device_split import BalancedSplit, balanced_order
-    from fedjax_sparse.core.local_training import LocalSGD
-    from fedjax_sparse.core.participation import uniform_sampler
-    from fedjax_sparse.core.round import RoundConditions, build_round, clients_mesh
+    from fedjax_sparse.core.round.cpu import CpuRound
+    from fedjax_sparse.core.round.device_split import BalancedSplit, balanced_order
+    from fedjax_sparse.core.round.local_training import LocalSGD
+    from fedjax_sparse.core.federation.participation import uniform_sampler
+    from fedjax_sparse.core.round.step import RoundConditions, build_round, clients_mesh
     from fedjax_sparse.data.federated import federated_split
     from fedjax_sparse.models import get_model
 

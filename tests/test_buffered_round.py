@@ -1,4 +1,4 @@
-"""Asynchronous rounds (FedBuff, `core.buffered_round`): against synchronous FedAvg, a timeline worked out
+"""Asynchronous rounds (FedBuff, `core.round.buffered`): against synchronous FedAvg, a timeline worked out
 by hand, exact resume, and what they refuse."""
 
 import jax
@@ -11,14 +11,14 @@ from fedjax_sparse.algorithms.fedldf import fedldf
 from fedjax_sparse.algorithms.fednova import fednova
 from fedjax_sparse.algorithms.feddyn import FedDynOptions, feddyn
 from fedjax_sparse.algorithms.scaffold import scaffold
-from fedjax_sparse.core.algorithm import BuildContext
-from fedjax_sparse.core.buffered_round import Buffering, BufferedRound, check_buffered
-from fedjax_sparse.core.client_store import DeviceStore, initial_server_state
-from fedjax_sparse.core.clock import DeviceProfile, ProfileDistribution, Stragglers, read_profile_file
-from fedjax_sparse.core.local_training import LocalSGD
-from fedjax_sparse.core.participation import poisson_sampler, sampling_order, uniform_sampler
-from fedjax_sparse.core.round import RoundConditions, build_round, client_keys
-from fedjax_sparse.core.server_optimizer import server_optimizer
+from fedjax_sparse.core.contract.algorithm import BuildContext
+from fedjax_sparse.core.round.buffered import Buffering, BufferedRound, check_buffered
+from fedjax_sparse.core.client_state.store import DeviceStore, initial_server_state
+from fedjax_sparse.core.federation.clock import DeviceProfile, ProfileDistribution, Stragglers, read_profile_file
+from fedjax_sparse.core.round.local_training import LocalSGD
+from fedjax_sparse.core.federation.participation import poisson_sampler, sampling_order, uniform_sampler
+from fedjax_sparse.core.round.step import RoundConditions, build_round, client_keys
+from fedjax_sparse.building_blocks.server_optimizer import server_optimizer
 from fedjax_sparse.models import get_model
 from fedjax_sparse.run.cli import main
 
@@ -109,6 +109,26 @@ def test_a_timeline_worked_out_by_hand(tmp_path):
                                       x1["variables"])
     jax.tree_util.tree_map(lambda got, want: np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6),
                            x2["variables"], expected)
+
+
+def test_asynchronous_scaffolds_control_variate_stays_the_mean_of_the_clients_under_staleness(tmp_path):
+    """SCAFFOLD's invariant c = (1/N) sum_i c_i (both start at zero; each step adds (1/N) sum of the buffer's
+    control deltas to c, and each of its clients adds its own to c_i) holds after every buffered step, with
+    updates of staleness 1 to 3 weighted by (1 + tau)^-1/2: the model's delta is down-weighted, the control
+    delta counts whole."""
+    train, local, variables = _setup()
+    algorithm, key = scaffold(local, 10), jax.random.key(1)
+    conditions = RoundConditions(uniform_sampler(10, 4), _latency_profile(tmp_path, [1.0 + 0.7 * c for c in range(10)]))
+    buffered = BufferedRound(algorithm, DeviceStore(algorithm, key, variables, 10), train, Buffering(1, 4), seed=3,
+                             conditions=conditions, counts=COUNTS)
+    server, staleness = initial_server_state(algorithm, key, variables, 10), []
+    for r in range(6):
+        server, out = buffered(server, r)
+        staleness += np.asarray(out.metrics["staleness"]).tolist()
+        mean = jax.tree_util.tree_map(lambda c: jnp.mean(c, axis=0), buffered.store.states)
+        jax.tree_util.tree_map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7),
+                               server["control"], mean)
+    assert max(staleness) >= 2 and min(staleness) == 0, staleness
 
 
 def test_an_asynchronous_run_resumes_exactly_on_every_client_store(tmp_path, capsys):

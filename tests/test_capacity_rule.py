@@ -15,15 +15,15 @@ from test_structure import zoo_model
 
 from conftest import initialized
 from fedjax_sparse.algorithms import make_algorithm, make_options
-from fedjax_sparse.core.algorithm import BuildContext
-from fedjax_sparse.core.clock import PRESETS, DeviceProfile, ProfileDistribution, Stragglers, device_profile
-from fedjax_sparse.core.flops import forward_flops
-from fedjax_sparse.core.local_training import LocalSGD
-from fedjax_sparse.core.messages import message_bytes
-from fedjax_sparse.core.participation import uniform_sampler
-from fedjax_sparse.core.round import RoundConditions, build_round, round_info
-from fedjax_sparse.core.unit_masks import variable_masks
-from fedjax_sparse.core.unit_selection import keep_top_units, prefix_scores, random_scores
+from fedjax_sparse.core.contract.algorithm import BuildContext
+from fedjax_sparse.core.federation.clock import PRESETS, DeviceProfile, ProfileDistribution, Stragglers, device_profile
+from fedjax_sparse.core.structure.flops import forward_flops
+from fedjax_sparse.core.round.local_training import LocalSGD
+from fedjax_sparse.core.messages.pricing import message_bytes
+from fedjax_sparse.core.federation.participation import uniform_sampler
+from fedjax_sparse.core.round.step import RoundConditions, build_round, round_info
+from fedjax_sparse.core.structure.unit_masks import variable_masks
+from fedjax_sparse.core.structure.unit_selection import keep_top_units, prefix_scores, random_scores
 from fedjax_sparse.models import MODEL_NAMES, get_model
 from fedjax_sparse.run.cli import main
 
@@ -74,15 +74,16 @@ def mlp():
 
 def test_hand_computed_levels_of_four_devices(tmp_path, mlp, make_split):
     """Levels 1, 1/2, 1/4 (256, 128, 64 hidden units: 85,002, 26,122 and 8,970 parameters, 4 bytes each way;
-    84,480, 25,856 and 8,832 forward FLOPs F an example), ten examples and one epoch (training: 3 x 10 F),
-    a deadline of 1 s. Seconds = down / downlink + 30 F / speed + up / uplink + latency:
-      client 0 (1 GFLOP/s, 1 MB/s both ways, 0.1 s): beta 1: 0.340008 + 0.0025344 + 0.340008 + 0.1 = 0.7825504
-      client 1 (uplink 250 kB/s): beta 1: 1.80 s, too slow; beta 1/2: 0.104488 + 0.00077568 + 0.417952 + 0.1
-               = 0.62321568
-      client 2 (1 MFLOP/s): beta 1/2: 0.104488 + 0.77568 + 0.104488 + 0.1 = 1.084656, too slow;
-               beta 1/4: 0.03588 + 0.26496 + 0.03588 + 0.1 = 0.43672
-      client 3 (1 MFLOP/s, 100 kB/s both ways, 0.5 s): beta 1/4 takes 0.3588 + 0.26496 + 0.3588 + 0.5
-               = 1.48256 s: nothing fits, it gets 1/4 and is late."""
+    84,480, 25,856 and 8,832 forward multiply-accumulates F an example), ten examples and one epoch
+    (training: 3 x 10 F, 2 FLOPs each), a deadline of 1 s. Seconds = down / downlink + 60 F / speed + up /
+    uplink + latency:
+      client 0 (1 GFLOP/s, 1 MB/s both ways, 0.1 s): beta 1: 0.340008 + 0.0050688 + 0.340008 + 0.1 = 0.7850848
+      client 1 (uplink 250 kB/s): beta 1: 1.80 s, too slow; beta 1/2: 0.104488 + 0.00155136 + 0.417952 + 0.1
+               = 0.62399136
+      client 2 (1 MFLOP/s): beta 1/2: 0.104488 + 1.55136 + 0.104488 + 0.1 = 1.860336, too slow;
+               beta 1/4: 0.03588 + 0.52992 + 0.03588 + 0.1 = 0.70168
+      client 3 (1 MFLOP/s, 100 kB/s both ways, 0.5 s): beta 1/4 takes 0.3588 + 0.52992 + 0.3588 + 0.5
+               = 1.74752 s: nothing fits, it gets 1/4 and is late."""
     assert [mlp_sub_model(u) for u in (256, 128, 64)] == [(85002, 84480), (26122, 25856), (8970, 8832)]
     path = tmp_path / "devices.csv"
     path.write_text("client,flops_per_second,downlink_bytes_per_second,uplink_bytes_per_second,latency_seconds\n"
@@ -108,7 +109,7 @@ def test_hand_computed_levels_of_four_devices(tmp_path, mlp, make_split):
         assert int(price) == 4 * mlp_sub_model(int(256 * beta))[0]
     capacities, seconds, late = one_round(algorithm, mlp, split, profile, 1.0)
     np.testing.assert_array_equal(capacities, expected)
-    np.testing.assert_allclose(seconds, [0.7825504, 0.62321568, 0.43672, 1.48256], rtol=1e-6)
+    np.testing.assert_allclose(seconds, [0.7850848, 0.62399136, 0.70168, 1.74752], rtol=1e-6)
     np.testing.assert_array_equal(late, [False, False, False, True])
 
 
@@ -118,7 +119,7 @@ def mlp_seconds(fig, counts, units, *, extra_up=0, flops=None):
     params, forward = np.array([mlp_sub_model(u) for u in units], np.float64).T
     forward = forward if flops is None else flops
     down, up = 4 * params, 4 * params + extra_up
-    return (down / fig["downlink_bytes_per_second"] + 3 * forward * counts[:, None] / fig["flops_per_second"]
+    return (down / fig["downlink_bytes_per_second"] + 2 * 3 * forward * counts[:, None] / fig["flops_per_second"]
             + up / fig["uplink_bytes_per_second"] + fig["latency_seconds"])
 
 
@@ -207,9 +208,10 @@ def test_over_the_zoo_the_rule_prices_what_a_random_sub_model_costs(model_name, 
     size, flops = table[-1].T
     # devices on which the full model's training (12 example passes a client on average) takes about as
     # long as its download, so that both weigh in the choice
-    profile = DeviceProfile("zoo", ProfileDistribution("zoo", 3 * 12 * flops[-1] * 1e6 / size[-1], 1e6, 1e6, 0.01))
+    profile = DeviceProfile("zoo", ProfileDistribution("zoo", 2 * 3 * 12 * flops[-1] * 1e6 / size[-1], 1e6, 1e6,
+                                                       0.01))
     fig = figures(profile, 16)
-    seconds = (size / fig["downlink_bytes_per_second"] + 3 * flops * counts[:, None] / fig["flops_per_second"]
+    seconds = (size / fig["downlink_bytes_per_second"] + 2 * 3 * flops * counts[:, None] / fig["flops_per_second"]
                + size / fig["uplink_bytes_per_second"] + fig["latency_seconds"])
     deadline = float(np.median(seconds[:, 1]))
     fitting = np.where(seconds <= deadline, np.arange(3), 0).max(axis=1)

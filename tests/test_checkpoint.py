@@ -94,8 +94,8 @@ def test_a_checkpoint_saved_before_the_client_stores_restores_on_the_device(tmp_
     device store takes them; another store is refused in one line saying what would work."""
     from conftest import linear_model
     from fedjax_sparse.algorithms import scaffold
-    from fedjax_sparse.core.client_store import make_store
-    from fedjax_sparse.core.local_training import LocalSGD
+    from fedjax_sparse.core.client_state.choice import make_store
+    from fedjax_sparse.core.round.local_training import LocalSGD
 
     model = linear_model()
     alg, key, variables = scaffold(LocalSGD(model, 0.1, 1, 2), 3), jax.random.key(0), model.init(jax.random.key(1))

@@ -1,6 +1,7 @@
 """The command line end to end on digits, and its one-line errors."""
 
 import json
+import re
 
 import jax
 import jax.numpy as jnp
@@ -141,11 +142,69 @@ def test_bad_arguments_get_a_one_line_error(tmp_path, capsys, args, fragment):
 def test_auto_says_what_it_chose_and_keeps_on_the_device_what_needs_it(tmp_path, monkeypatch, capsys):
     """With 1 kB of host memory available, auto puts FedAvg's clients on disk and says why; FedGSE, which
     reads every client's data on the device, stays on the device (the only store it runs with)."""
-    from fedjax_sparse.core import client_store
-    monkeypatch.setattr(client_store, "available_host_memory", lambda: 1000)
+    from fedjax_sparse.core.client_state import choice
+    monkeypatch.setattr(choice, "available_host_memory", lambda: 1000)
     base = dict(num_clients=6, clients_per_round=3, out=str(tmp_path / "run"))
     assert build_experiment(RunConfig.create(**base), progress=False).store.backend == "disk"
     err = capsys.readouterr().err
     assert err.startswith("fedjax-sparse: --client-store auto chose disk: ") and "of available host memory" in err
     exp = build_experiment(RunConfig.create(**base, algorithm="fedgse", significant_labels=2), progress=False)
     assert exp.store.backend == "device" and capsys.readouterr().err == ""
+
+
+def test_version_names_the_library_and_what_it_computes_with(capsys):
+    import jax
+
+    from fedjax_sparse import __version__
+
+    assert main(["--version"]) == 0
+    line = capsys.readouterr().out.strip()
+    assert line.startswith(f"fedjax-sparse {__version__} (jax {jax.__version__}, jaxlib ") and "Python 3." in line
+
+
+def test_the_progress_bar_says_the_first_round_is_compiling(tmp_path, capsys):
+    """Until the first round's figures arrive the bar reads "compiling: N s" with what JAX's cache held (the
+    session's cache here); the rounds after show their figures."""
+    args = [a for a in SMALL if a != "--no-progress"]
+    assert main(["run", *args, "--rounds", "2", "--out", str(tmp_path / "r")]) == 0
+    lines = capsys.readouterr().err.replace("\r", "\n").splitlines()
+    compiling = [line for line in lines if "compiling: " in line]
+    assert compiling and all(" 0/2 " in line for line in compiling), compiling
+    assert re.search(r"compiling: \d+ s \(JAX's cache held \d+ programs; \d+ read from it, \d+ compiled so far\)",
+                     compiling[0])
+    assert any(" 2/2 " in line and "acc=" in line for line in lines)
+
+
+def test_help_lists_the_option_groups_and_help_group_shows_one_whole(capsys):
+    """`run --help` fits on two screens, a line or two per group; `--help-group privacy` is that group in full;
+    every option is in exactly one group and keeps its flag."""
+    import argparse
+
+    from fedjax_sparse.algorithms import registered
+    from fedjax_sparse.core.contract.options import flag_name, option_fields
+    from fedjax_sparse.run import RunConfig
+    from fedjax_sparse.run.run_flags import GROUPS, command_parser
+
+    with pytest.raises(SystemExit):
+        main(["run", "--help"])
+    text = capsys.readouterr().out
+    assert len(text.splitlines()) <= 60
+    for name in (*GROUPS, "server-optimizer", "sub-models", "spatl", "spafl", "fedgse"):
+        assert re.search(rf"^  {re.escape(name)} +\d+ options?: ", text, re.M), name
+    with pytest.raises(SystemExit):
+        main(["run", "--help-group", "privacy"])
+    privacy = capsys.readouterr().out
+    assert privacy.startswith("privacy:") and "--dp-clip" in privacy and "--secure-aggregation" in privacy
+    assert "--lr " not in privacy and "--rounds" not in privacy
+    with pytest.raises(SystemExit):
+        main(["run", "--help-group", "nope"])
+    assert "--help-group 'nope' is no group; valid: all, data, federation" in capsys.readouterr().err
+
+    run = next(a for a in command_parser()._subparsers._group_actions[0].choices.values() if a.prog.endswith(" run"))
+    in_groups = [a.dest for g in run._action_groups for a in g._group_actions
+                 if g.title not in ("positional arguments", "options")]
+    assert len(in_groups) == len(set(in_groups))  # one group each
+    declared = {f.name for cls in (RunConfig, *(s.options for s in registered().values())) for f in option_fields(cls)}
+    assert declared <= set(in_groups)
+    flags = {s for a in run._actions for s in a.option_strings}
+    assert {flag_name(name) for name in declared} <= flags and isinstance(run, argparse.ArgumentParser)

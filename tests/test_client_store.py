@@ -8,13 +8,15 @@ import pytest
 
 from fedjax_sparse.algorithms import fedavg, make_algorithm, make_options, scaffold, spafl
 from fedjax_sparse.algorithms import BUILT_IN
-from fedjax_sparse.algorithms.spatl import SalientPolicy, spatl
-from fedjax_sparse.core.algorithm import BuildContext
-from fedjax_sparse.core.client_rows import RowLayout, SlotMap
-from fedjax_sparse.core.client_store import choose_store, initial_server_state, make_store, server_init
-from fedjax_sparse.core.local_training import LocalSGD
-from fedjax_sparse.core.participation import sample_clients, sample_clients_host
-from fedjax_sparse.core.store_round import StoreRound
+from fedjax_sparse.algorithms.spatl import spatl
+from fedjax_sparse.algorithms.spatl_selection import SalientPolicy
+from fedjax_sparse.core.contract.algorithm import BuildContext
+from fedjax_sparse.core.client_state.rows import RowLayout, SlotMap
+from fedjax_sparse.core.client_state.choice import choose_store, make_store
+from fedjax_sparse.core.client_state.store import initial_server_state, server_init
+from fedjax_sparse.core.round.local_training import LocalSGD
+from fedjax_sparse.core.federation.participation import sample_clients, sample_clients_host
+from fedjax_sparse.core.round.store import StoreRound
 from fedjax_sparse.data.federated import federated_split
 from fedjax_sparse.data.windows import host_data, open_host_data, save_host_data
 from fedjax_sparse.models import get_model

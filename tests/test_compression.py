@@ -13,12 +13,12 @@ from test_structure import zoo_model
 from conftest import synthetic_split
 from fedjax_sparse.algorithms import make_algorithm, make_options
 from fedjax_sparse.algorithms.uplink_compression import UplinkCompressionOptions, compress_uplink
-from fedjax_sparse.core.algorithm import BuildContext
-from fedjax_sparse.core.compression import decompressed, random_k, stochastic_quantization, top_k
-from fedjax_sparse.core.local_training import LocalSGD
-from fedjax_sparse.core.messages import KnownMaskArray, QuantizedArray, message_bytes
-from fedjax_sparse.core.options import ignored_options, validate
-from fedjax_sparse.core.round import build_round, round_info
+from fedjax_sparse.core.contract.algorithm import BuildContext
+from fedjax_sparse.core.messages.compression import decompressed, random_k, stochastic_quantization, top_k
+from fedjax_sparse.core.round.local_training import LocalSGD
+from fedjax_sparse.core.messages.pricing import KnownMaskArray, QuantizedArray, message_bytes
+from fedjax_sparse.core.contract.options import ignored_options, validate
+from fedjax_sparse.core.round.step import build_round, round_info
 from fedjax_sparse.models import MODEL_NAMES, get_model
 
 tree_map = jax.tree_util.tree_map

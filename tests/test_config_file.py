@@ -5,7 +5,8 @@ import json
 
 import pytest
 
-from fedjax_sparse.run.cli import _config, _parser, main
+from fedjax_sparse.run.cli import main
+from fedjax_sparse.run.run_flags import command_parser, config_from_args
 
 SMALL = ["--num-clients", "6", "--clients-per-round", "3", "--local-epochs", "1", "--no-progress"]
 
@@ -35,7 +36,7 @@ FILES = {
 
 
 def config_of(*argv):
-    return _config(_parser().parse_args(["run", *argv]))
+    return config_from_args(command_parser().parse_args(["run", *argv]))
 
 
 def test_toml_yaml_and_json_give_one_config_and_flags_override_it(tmp_path):

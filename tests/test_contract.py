@@ -10,9 +10,9 @@ import pytest
 from conftest import synthetic_split
 from fedjax_sparse.algorithms import BUILT_IN, fedavg, make_algorithm, make_options
 from fedjax_sparse.algorithms.personalization import PersonalizationOptions, personalize
-from fedjax_sparse.core.algorithm import BuildContext, PrivateSum
-from fedjax_sparse.core.contract import ContractError, check_contract
-from fedjax_sparse.core.local_training import LocalSGD
+from fedjax_sparse.core.contract.algorithm import BuildContext, PrivateSum
+from fedjax_sparse.core.contract.check import ContractError, check_contract
+from fedjax_sparse.core.round.local_training import LocalSGD
 from fedjax_sparse.models import get_model
 
 tree_map = jax.tree_util.tree_map
@@ -52,10 +52,13 @@ def with_state(base, **changes):
 
 
 @pytest.mark.parametrize("mistake,words", [
-    ("client state shape", "client_update returns a client state whose leaf count is float32[3], init's is int32[]"),
-    ("client state key", "client_update returns a client state with a leaf extra (int32[]) that init's has not"),
-    ("no loss", "client_update's metrics lack 'loss' (they hold ['num_steps'])"),
-    ("server state key", "server_update returns a server state with a leaf round (int32[]) that init's has not"),
+    ("client state shape", "client_update (tests/test_contract.py:LINE) returns a client state whose leaf count is "
+                           "float32[3], init's is int32[]"),
+    ("client state key", "client_update (tests/test_contract.py:LINE) returns a client state with a leaf extra "
+                         "(int32[]) that init's has not"),
+    ("no loss", "client_update (tests/test_contract.py:LINE)'s metrics lack 'loss' (they hold ['num_steps'])"),
+    ("server state key", "server_update (tests/test_contract.py:LINE) returns a server state with a leaf round "
+                         "(int32[]) that init's has not"),
     ("not a message", "broadcast or client_update returns a leaf that is not an array: client_update/message/note is a str"),
     ("object in message", "broadcast or client_update returns a leaf that is not an array: client_update/message/tag is a Marker"),
 ])
@@ -87,7 +90,8 @@ def test_each_mistake_is_one_line_naming_the_function_and_the_leaf(setting, mist
     with pytest.raises(ContractError) as caught:
         check_contract(broken, variables, 4, 2, split)
     message = str(caught.value)
-    assert words in message and "\n" not in message and message.startswith("fedavg: ")
+    line = (client_update if words.startswith("client_update") else server_update).__code__.co_firstlineno
+    assert words.replace("LINE", str(line)) in message and "\n" not in message and message.startswith("fedavg: ")
 
 
 class Marker:
@@ -117,7 +121,7 @@ def test_a_server_step_may_report_metrics_and_the_run_logs_them(setting, tmp_pat
     figures are FedAvg's."""
     from fedjax_sparse.algorithms import registry  # noqa: PLC0415
     from fedjax_sparse.algorithms.fedavg import FedAvgOptions  # noqa: PLC0415
-    from fedjax_sparse.core.algorithm import AlgorithmSpec, ServerStep  # noqa: PLC0415
+    from fedjax_sparse.core.contract.algorithm import AlgorithmSpec, ServerStep  # noqa: PLC0415
     from fedjax_sparse.run import RunConfig, run_experiment  # noqa: PLC0415
     import json  # noqa: PLC0415
 
@@ -150,7 +154,7 @@ def test_a_server_step_may_report_metrics_and_the_run_logs_them(setting, tmp_pat
 
 def test_a_step_metric_that_is_not_a_scalar_is_refused(setting):
     model, split, local, context, variables = setting
-    from fedjax_sparse.core.algorithm import ServerStep  # noqa: PLC0415
+    from fedjax_sparse.core.contract.algorithm import ServerStep  # noqa: PLC0415
     base = fedavg(local)
     bad = dataclasses.replace(base, server_update=lambda s, u, w, i: ServerStep(base.server_update(s, u, w, i),
                                                                                 {"per_client": w}))
@@ -193,7 +197,7 @@ def test_an_algorithms_shapes_are_traced_once_per_context_and_forgotten_with_it(
     import gc
 
     from conftest import linear_model
-    from fedjax_sparse.core import wrapping
+    from fedjax_sparse.core.contract import wrapping
 
     context = BuildContext(local=LocalSGD(linear_model(), 0.1, 1, 2), num_clients=3, clients_per_round=3, train=None,
                            num_classes=3)
@@ -208,3 +212,70 @@ def test_an_algorithms_shapes_are_traced_once_per_context_and_forgotten_with_it(
     del algorithm
     gc.collect()
     assert len(wrapping._TRACED) < held
+
+
+# The three classic mistakes of an algorithm written outside the library, as its author meets them on the command
+# line: a client state that keeps an axis it should not (a step or batch axis), a server step that forgets to
+# reduce over the clients' axis, and shapes that disagree inside the author's own arithmetic.
+def _kept_axis(base):
+    def client_update(down, state, data, key, info):
+        up, new, metrics = base.client_update(down, state, data, key, info)
+        return up, {"count": jnp.stack([new["count"]] * 2)}, metrics
+    return {"client_update": client_update}, client_update, ("client state whose leaf count is int32[2], init's is "
+                                                             "int32[]")
+
+
+def _unreduced(base):
+    def server_update(server_state, ups, weights, info):
+        new = base.server_update(server_state, ups, weights, info)
+        return {**new, "variables": {**new["variables"], "params": tree_map(
+            lambda p, u: p + 0.0 * u, new["variables"]["params"], ups["params"])}}
+    return {"server_update": server_update}, server_update, ("server state whose leaf variables/params/fc1/bias is "
+                                                             "float32[2, 256], init's is float32[256]")
+
+
+def _disagreeing(base):
+    def server_update(server_state, ups, weights, info):
+        new = base.server_update(server_state, ups, weights, info)
+        kernel = new["variables"]["params"]["fc1"]["kernel"]
+        scale = kernel @ kernel  # [64, 256] @ [64, 256]: the author meant kernel.T @ kernel
+        return {**new, "variables": {**new["variables"], "params": {**new["variables"]["params"], "fc1": {
+            **new["variables"]["params"]["fc1"], "kernel": kernel * scale.mean()}}}}
+    return {"server_update": server_update}, server_update, "TypeError: dot_general requires contracting dimensions"
+
+
+@pytest.mark.parametrize("mistake", [_kept_axis, _unreduced, _disagreeing], ids=lambda m: m.__name__.strip("_"))
+def test_a_classic_mistake_on_the_command_line_is_one_line_naming_file_line_and_leaf(setting, tmp_path, capsys,
+                                                                                   monkeypatch, mistake):
+    """One line naming the function with its file:line (where it is defined, or for a failure the author's line
+    it passed through) and the leaf, with JAX's statement whole; FEDJAX_SPARSE_TRACEBACK=1 adds the traceback."""
+    from fedjax_sparse.algorithms import registry
+    from fedjax_sparse.core.contract.algorithm import AlgorithmSpec, NoOptions
+    from fedjax_sparse.run.cli import main
+
+    holder = {}
+
+    def build(context, options):
+        base = with_state(fedavg(context.local))
+        changes, holder["fn"], holder["words"] = mistake(base)
+        return dataclasses.replace(base, name="mistaken", **changes)
+
+    monkeypatch.setitem(registry.ALGORITHMS, "mistaken", AlgorithmSpec("mistaken", NoOptions, build))
+    args = ["run", "--algorithm", "mistaken", "--rounds", "1", "--num-clients", "4", "--clients-per-round", "2",
+            "--max-train-examples", "80", "--no-progress"]
+    assert main([*args, "--out", str(tmp_path / "one")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1, err
+    code = holder["fn"].__code__
+    if mistake is _disagreeing:  # the line of the product, in the function that failed
+        line = next(i for i, text in enumerate(open(code.co_filename), 1) if "kernel @ kernel" in text)
+        assert f"at tests/test_contract.py:{line} in server_update: " in err
+        assert "FEDJAX_SPARSE_TRACEBACK=1" in err and "..." not in err
+    else:
+        assert f"(tests/test_contract.py:{code.co_firstlineno}) returns a " in err
+    assert holder["words"] in err, err
+    monkeypatch.setenv("FEDJAX_SPARSE_TRACEBACK", "1")
+    assert main([*args, "--out", str(tmp_path / "two")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("Traceback (most recent call last)") and err.strip().splitlines()[-1].startswith(
+        "fedjax-sparse: error: mistaken: ")

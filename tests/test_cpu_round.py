@@ -1,4 +1,4 @@
-"""Clients shared by several CPU devices (core.cpu_round): which clients each device trains, which
+"""Clients shared by several CPU devices (core.round.cpu): which clients each device trains, which
 devices a round takes, and the same figures as on one device."""
 
 import json
@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from fedjax_sparse.core.cpu_evaluation import MIN_SLOTS_PER_DEVICE, evaluation_devices
-from fedjax_sparse.core.cpu_round import MIN_CHUNKS_PER_DEVICE, client_shares, round_devices
+from fedjax_sparse.core.evaluation.cpu import MIN_SLOTS_PER_DEVICE, evaluation_devices
+from fedjax_sparse.core.round.cpu import MIN_CHUNKS_PER_DEVICE, client_shares, round_devices
 
 JOB = Path(__file__).resolve().parent / "cpu_round_job.py"
 

@@ -12,12 +12,12 @@ import numpy as np
 import pytest
 
 from fedjax_sparse.algorithms import fedavg, make_algorithm, make_options
-from fedjax_sparse.algorithms.differential_privacy import DifferentialPrivacyOptions, keeps_client_state, privatize
+from fedjax_sparse.privacy.mechanism import DifferentialPrivacyOptions, keeps_client_state, privatize
 from fedjax_sparse.algorithms.fedldf import fedldf_random
-from fedjax_sparse.core.algorithm import BuildContext
-from fedjax_sparse.core.local_training import LocalSGD
-from fedjax_sparse.core.privacy_accounting import PrivacyLedger, calibrated_noise
-from fedjax_sparse.core.round import client_keys, round_info
+from fedjax_sparse.core.contract.algorithm import BuildContext, server_step
+from fedjax_sparse.core.round.local_training import LocalSGD
+from fedjax_sparse.privacy.accounting import PrivacyLedger, calibrated_noise
+from fedjax_sparse.core.round.step import client_keys, round_info
 from fedjax_sparse.models import get_model
 from fedjax_sparse.run.cli import main
 
@@ -122,6 +122,70 @@ def test_the_noise_has_the_standard_deviation_it_should(setting):
     assert not np.allclose(*[jax.tree_util.tree_leaves(u)[0] for u in ups])  # each client its own draw
 
 
+@pytest.mark.parametrize("name", ["scaffold", "feddyn"])
+def test_every_released_state_has_the_same_spread_whoever_took_part(setting, name):
+    """Poisson sampling, K = 4 expected of N = 8, z = 2, C = 0.5: each released state's noise (its value with z
+    less its value without, from the same uploads) has the spread of the noised sum over its fixed denominator,
+    whether K' = 2 or 6 clients took part. SCAFFOLD: the model moves by the mean, z C / K, the control variate by
+    the sum over N, z C / N; FedDyn: h by alpha times the sum over N, alpha z C / N, the model by the mean less
+    h / alpha, z C (1 / K + 1 / N). The number taking part scaled the sums before (the control variate's spread
+    was K' / K of z C / N), so their norm told K'."""
+    model, split, variables = setting
+    context = BuildContext(local=LocalSGD(model, 0.1, 1, 8), num_clients=8, clients_per_round=4, train=split,
+                           num_classes=10)
+    algorithm = make_algorithm(name, context, make_options(name, {}))
+    clip, z, alpha = 0.5, 2.0, make_options("feddyn", {}).feddyn_alpha
+
+    def private(noise):
+        return privatize(algorithm, context, DifferentialPrivacyOptions(dp_clip=clip), noise_multiplier=noise,
+                         expected_clients=4, sampling="poisson")
+
+    noised, plain = private(z), private(0.0)
+    server, clients = noised.init(jax.random.key(1), variables, 8)
+    ids = jnp.arange(8)
+    info = round_info(0, 0, ids)
+    ups = jax.jit(jax.vmap(lambda c, state, key: noised.client_update(noised.broadcast(server, c, info), state,
+                                                                      split.client(c), key, info)[0]))(
+        ids, clients, client_keys(0, 0, ids))
+
+    @jax.jit
+    def noise_of(present):
+        step = info.replace(participating=present)
+        return tree_map(jnp.subtract, noised.server_update(server, ups, present.astype(jnp.float32), step),
+                        plain.server_update(server, ups, present.astype(jnp.float32), step))
+
+    expected = ({"variables": z * clip / 4, "control": z * clip / 8} if name == "scaffold" else
+                {"variables": z * clip * (1 / 4 + 1 / 8), "h": alpha * z * clip / 8})
+    for taking_part in (2, 6):
+        noise = noise_of(jnp.arange(8) < taking_part)
+        for key, spread in expected.items():
+            drawn = np.concatenate([np.ravel(x) for x in jax.tree_util.tree_leaves(noise[key])])
+            assert drawn.size > 80_000
+            assert abs(drawn.std() / spread - 1) < 0.02, (taking_part, key, drawn.std(), spread)
+
+
+def test_a_round_nobody_took_part_in_is_noised_as_any_other(setting):
+    """A Poisson round can draw nobody (here a sampler that dispatches no slot): the private run's model still
+    moves by the noise over K, N(0, (z C / 4)^2) per entry, so that it does not tell the round was empty (a plain
+    run's stays as it was: tests/test_participation.py)."""
+    from fedjax_sparse.core.federation.participation import Participants, Sampler  # noqa: PLC0415
+    from fedjax_sparse.core.round.step import RoundConditions, build_round  # noqa: PLC0415
+
+    model, split, variables = setting
+    nobody = Sampler("nobody", 8, False, lambda key, r: Participants(jnp.arange(8), jnp.zeros(8, bool),
+                                                                      jnp.int32(0)))
+    local = LocalSGD(model, 0.1, 1, 8)
+    context = BuildContext(local=local, num_clients=8, clients_per_round=4, train=split, num_classes=10)
+    private = privatize(fedavg(local, "uniform"), context, DifferentialPrivacyOptions(dp_clip=0.5),
+                        noise_multiplier=2.0, expected_clients=4, sampling="poisson")
+    server, clients = private.init(jax.random.key(1), variables, 8)
+    new, _, out = build_round(private, split, 8, seed=0, conditions=RoundConditions(nobody))(server, clients, 0)
+    assert not np.asarray(out.dispatched).any()
+    moved = np.concatenate([np.ravel(a - b) for a, b in zip(jax.tree_util.tree_leaves(new["variables"]),
+                                                             jax.tree_util.tree_leaves(server["variables"]))])
+    assert moved.std() == pytest.approx(2.0 * 0.5 / 4, rel=0.02)
+
+
 @pytest.mark.parametrize("algorithm,extra", [("fedavg", ["--aggregation-weights", "uniform"]), ("scaffold", [])])
 def test_without_noise_or_clipping_it_is_the_algorithm_itself(tmp_path, capsys, algorithm, extra):
     flags = [*TINY, "--rounds", "2", "--algorithm", algorithm, *extra]
@@ -135,8 +199,13 @@ def test_without_noise_or_clipping_it_is_the_algorithm_itself(tmp_path, capsys, 
 
 
 def test_a_private_run_records_epsilon_and_resumes_exactly(tmp_path, capsys):
+    """With adaptive clipping (the clip norm resumes with the model): summary.json holds the mechanism's parts,
+    from which dp-accounting's own figure is recomputed: an update noised at multiplier z_delta (sensitivity 1
+    clip norm) and a count noised at sigma_b (sensitivity 1/2) are one Gaussian of multiplier
+    (z_delta^-2 + (sigma_b / (1/2))^-2)^(-1/2), Poisson-sampled at q = 3/8 each round."""
     flags = [*TINY, "--num-clients", "8", "--clients-per-round", "3", "--sampler", "poisson", "--dp-clip", "0.5",
-             "--dp-noise-multiplier", "0.8", "--checkpoint-every", "2"]
+             "--dp-noise-multiplier", "0.8", "--dp-target-quantile", "0.5", "--dp-count-noise", "1",
+             "--checkpoint-every", "2"]
     whole, half = tmp_path / "whole", tmp_path / "half"
     assert main(["run", *flags, "--rounds", "4", "--out", str(whole)]) == 0
     assert main(["run", *flags, "--rounds", "2", "--out", str(half)]) == 0
@@ -144,7 +213,20 @@ def test_a_private_run_records_epsilon_and_resumes_exactly(tmp_path, capsys):
     assert records(half) == records(whole)
     ledger = PrivacyLedger(0.8, 8, 3, "poisson", 1 / 8 ** 1.1)
     assert [r["dp_epsilon"] for r in records(whole)] == [ledger.epsilon(r) for r in (1, 2, 3, 4)]
-    assert summary(whole)["dp_epsilon"] == ledger.epsilon(4)
+    # what is released, and nothing else: no training loss, client figures, participation, bytes or FLOPs
+    assert all(set(r) == {"round", "dp_epsilon", "test_accuracy", "test_loss", "server_dp_clip_norm"}
+               for r in records(whole)), records(whole)[0]
+    parts = summary(whole)
+    assert not {"final_train_loss", "final_personalized_accuracy", "cumulative_bytes", "train_flops_total",
+                "clients_dispatched_total", "num_train_examples"} & set(parts)
+    assert parts["dp_update_noise_multiplier"] == pytest.approx((0.8 ** -2 - 2.0 ** -2) ** -0.5)
+    assert parts["dp_count_noise"] == 1.0 and parts["dp_count_sensitivity"] == 0.5
+    combined = (parts["dp_update_noise_multiplier"] ** -2
+                + (parts["dp_count_noise"] / parts["dp_count_sensitivity"]) ** -2) ** -0.5
+    assert combined == pytest.approx(parts["dp_noise_multiplier"], rel=1e-12)
+    direct = dp_accounting.rdp.RdpAccountant()
+    direct.compose(dp_accounting.PoissonSampledDpEvent(3 / 8, dp_accounting.GaussianDpEvent(combined)), 4)
+    assert parts["dp_epsilon"] == pytest.approx(direct.get_epsilon(parts["dp_delta"]), rel=1e-9)
     capsys.readouterr()
 
 
@@ -265,23 +347,70 @@ def test_adaptive_clipping_steps_the_norm_toward_the_quantile(setting):
         _, _, metrics = algorithm.client_update(algorithm.broadcast(server, c, info), {}, split.client(c),
                                                 client_keys(0, 0, jnp.arange(4))[c], info)
         norms.append(float(metrics["update_norm"]))
-    under = np.array([float(u["under_clip"]) for u in ups])
+    under = np.array([float(u["under_clip"]) + 0.5 for u in ups])  # each indicator is sent centred
     np.testing.assert_array_equal(under, np.array(norms) <= 0.3)
     stacked = tree_map(lambda *x: jnp.stack(x), *ups)
-    new = algorithm.server_update(server, stacked, jnp.ones(4), info)
+    new, metrics = server_step(algorithm.server_update(server, stacked, jnp.ones(4), info))
+    assert float(metrics["dp_clip_norm"]) == pytest.approx(0.3)  # the norm the clients were sent, released
     assert float(new["dp_clip"]) == pytest.approx(0.3 * math.exp(-0.2 * (under.mean() - 0.5)), rel=1e-6)
     # the count's noise is paid from the same budget: z_delta = (z^-2 - (2 sigma_b)^-2)^(-1/2)
-    from fedjax_sparse.core.privacy_accounting import adaptive_update_noise  # noqa: PLC0415
+    from fedjax_sparse.privacy.accounting import adaptive_update_noise  # noqa: PLC0415
     assert adaptive_update_noise(1.0, 1.0) == pytest.approx((1 - 0.25) ** -0.5)
     with pytest.raises(ValueError, match="--dp-count-noise 0.4 is too small"):
         adaptive_update_noise(1.0, 0.4)
 
 
+def test_adaptive_clippings_count_moves_by_half_where_a_client_is_added(setting):
+    """Andrew et al.'s estimator centres each client's indicator, so that adding or removing a client moves the
+    count the server noises by 1/2, what z_delta = (z^-2 - (2 sigma_b)^-2)^(-1/2) pays for. Without noise the
+    count is read back off the step, K b = K (gamma - ln(C1 / C0) / eta), with each client in turn absent (Poisson
+    sampling leaves slots empty): it moves by exactly 1/2 for a client under the norm and one over it alike."""
+    model, split, variables = setting
+    algorithm = _private(model, split, 0.3, 0.0, dp_target_quantile=0.5, dp_clip_lr=0.2)
+    server, _ = algorithm.init(jax.random.key(1), variables, 8)
+    ids = jnp.arange(4)
+    info = round_info(0, 0, ids)
+    exchange = jax.jit(jax.vmap(lambda state, c, key: algorithm.client_update(
+        algorithm.broadcast(state, c, info), {}, split.client(c), key, info), in_axes=(None, 0, 0)))
+    norms = sorted(np.asarray(exchange(server, ids, client_keys(0, 0, ids))[2]["update_norm"]).tolist())
+    clip = (norms[1] + norms[2]) / 2  # the norm travels in the server state: two clients under it, two over it
+    server = {**server, "dp_clip": jnp.float32(clip)}
+    ups = exchange(server, ids, client_keys(0, 0, ids))[0]
+    under = (np.asarray(ups["under_clip"]) > 0).tolist()
+    assert sum(under) == 2
+
+    @jax.jit
+    def count(present):
+        new, _ = server_step(algorithm.server_update(server, ups, present.astype(jnp.float32),
+                                                     info.replace(participating=present)))
+        return 4 * (0.5 - jnp.log(new["dp_clip"] / server["dp_clip"]) / 0.2)
+
+    everyone = float(count(jnp.ones(4, bool)))
+    for absent in range(4):
+        moved = everyone - float(count(jnp.arange(4) != absent))
+        assert moved == pytest.approx(0.5 if under[absent] else -0.5, abs=1e-4), (absent, moved)
+
+
+def test_adaptive_clippings_default_count_noise_that_would_spend_the_budget_is_refused(tmp_path, capsys):
+    """sigma_b = K / 20 = 0.2 at 4 clients a round: the count alone is a Gaussian of multiplier 2 sigma_b = 0.4,
+    more than a budget of z = 1 allows."""
+    assert main(["run", *TINY, "--clients-per-round", "4", "--rounds", "1", "--dp-clip", "0.5",
+                 "--dp-target-quantile", "0.5", "--out", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and ("the default --dp-count-noise (K / 20 = 0.2 at 4 clients per round) is too "
+                                     "small for the noise multiplier 1: the count alone would spend the budget") in err
+
+
 def test_an_adaptive_run_raises_a_norm_that_clips_everyone(tmp_path, capsys):
+    """--dp-record-unreleased records the clients' figures too (here: every update clipped), which a private run
+    otherwise leaves out."""
     run = tmp_path / "run"
     assert main(["run", *TINY, "--rounds", "3", "--dp-clip", "0.01", "--dp-target-quantile", "0.5",
-                 "--dp-noise-multiplier", "1", "--dp-count-noise", "2", "--out", str(run)]) == 0
-    clips = [r["client_clip_norm"] for r in records(run)]
+                 "--dp-noise-multiplier", "1", "--dp-count-noise", "2", "--dp-record-unreleased", "--out",
+                 str(run)]) == 0
+    clips = [r["server_dp_clip_norm"] for r in records(run)]
     assert clips[0] == pytest.approx(0.01) and clips[0] < clips[1] < clips[2]
-    assert all(r["client_update_clipped"] == 1.0 for r in records(run))
+    assert [r["client_clip_norm"] for r in records(run)] == pytest.approx(clips)
+    assert all(r["client_update_clipped"] == 1.0 and r["train_loss"] > 0 for r in records(run))
+    assert summary(run)["cumulative_bytes"] > 0
     capsys.readouterr()

@@ -12,15 +12,15 @@ import numpy as np
 import pytest
 
 from fedjax_sparse.algorithms import fedavg
-from fedjax_sparse.algorithms.differential_privacy import DifferentialPrivacyOptions, private_sum_of, privatize
+from fedjax_sparse.privacy.mechanism import DifferentialPrivacyOptions, private_sum_of, privatize
 from fedjax_sparse.algorithms.fedldf import fedldf
 from fedjax_sparse.algorithms.scaffold import scaffold
 from fedjax_sparse.algorithms.uplink_compression import UplinkCompressionOptions, compress_uplink
-from fedjax_sparse.core.algorithm import BuildContext
-from fedjax_sparse.core.local_training import LocalSGD
-from fedjax_sparse.core.messages import KnownMaskArray, SparseArray, message_bytes
-from fedjax_sparse.core.round import client_keys, round_info
-from fedjax_sparse.core.wrapping import broadcast_shapes, upload_changes, upload_shapes
+from fedjax_sparse.core.contract.algorithm import BuildContext
+from fedjax_sparse.core.round.local_training import LocalSGD
+from fedjax_sparse.core.messages.pricing import KnownMaskArray, SparseArray, message_bytes
+from fedjax_sparse.core.round.step import client_keys, round_info
+from fedjax_sparse.core.contract.wrapping import broadcast_shapes, upload_changes, upload_shapes
 from fedjax_sparse.models import MODEL_NAMES, get_model
 from fedjax_sparse.run.cli import main
 
@@ -118,6 +118,18 @@ def test_fedldf_noise_is_z_times_its_sensitivity_over_n(setting, sampling, sprea
     moved = _flat(_jitted_step(private, server, ups, info, None)["variables"]) - _flat(server["variables"])
     assert moved.size == 85002
     assert abs(moved.std() / (z * spread * clip / n) - 1) < 0.02 and abs(moved.mean()) < 0.02 * z * clip / n
+
+
+def test_fedldf_noises_a_round_nobody_took_part_in(setting):
+    """No client present, so no layer sent: FedLDF's masked mean would keep every entry as it was, telling the
+    round was empty. Each layer's mean still gains the noise over n, N(0, (z 2 C / n)^2) (Poisson sampling)."""
+    model, split, variables = setting
+    n, clip, z = 3, 0.5, 2.0
+    _, private = _private_fedldf(model, split, n, clip, z)
+    server, ups, info = _round(private, split, variables)
+    moved = _flat(_jitted_step(private, server, ups, info, jnp.zeros(SLOTS, bool))["variables"]) - _flat(
+        server["variables"])
+    assert abs(moved.std() / (z * 2 * clip / n) - 1) < 0.02
 
 
 def test_fedldf_without_noise_or_clipping_is_fedldf_itself(setting):
@@ -226,9 +238,10 @@ def test_topk_with_error_feedback_without_noise_or_clipping_is_itself(tmp_path, 
 
 def test_fedldf_and_topk_runs_record_their_epsilon(tmp_path, capsys):
     """Poisson sampling, per-layer clipping, adaptive clipping (FedLDF's choice reads the wrapped upload): the
-    runs complete and record the accountant's epsilon; top-k's uplink is still priced sparse."""
+    runs complete and record the accountant's epsilon; top-k's uplink is still priced sparse (its bytes recorded
+    with `--dp-record-unreleased`)."""
     flags = [*TINY, "--num-clients", "8", "--clients-per-round", "3", "--sampler", "poisson", "--rounds", "2",
-             "--dp-clip", "0.5", "--dp-noise-multiplier", "1"]
+             "--dp-clip", "0.5", "--dp-noise-multiplier", "1", "--dp-record-unreleased"]
     fedldf_run, topk_run, dense_run = tmp_path / "fedldf", tmp_path / "topk", tmp_path / "dense"
     assert main(["run", *flags, "--algorithm", "fedldf", "--clients-per-layer", "1", "--dp-clipping", "per_layer",
                  "--dp-target-quantile", "0.5", "--dp-count-noise", "2", "--out", str(fedldf_run)]) == 0
@@ -237,7 +250,7 @@ def test_fedldf_and_topk_runs_record_their_epsilon(tmp_path, capsys):
     assert main(["run", *flags, "--out", str(dense_run)]) == 0
     for run in (fedldf_run, topk_run):
         assert summary(run)["dp_epsilon"] == records(dense_run)[-1]["dp_epsilon"] > 0
-    assert records(fedldf_run)[0]["client_clip_norm"] == pytest.approx(0.5)
+    assert records(fedldf_run)[0]["server_dp_clip_norm"] == pytest.approx(0.5)
     topk_bytes, dense_bytes = (sum(r["uplink_bytes"] for r in records(run)) for run in (topk_run, dense_run))
     assert 0 < topk_bytes < dense_bytes / 20
     capsys.readouterr()

@@ -97,7 +97,7 @@ def test_an_options_class_shows_every_option_with_its_flag_default_and_help(site
     Run configuration page said "the fields below" and showed none. Every option of RunConfig and of each
     built-in algorithm's options class is on the page that renders the class, with its flag, help and default."""
     from fedjax_sparse.algorithms import BUILT_IN, get_spec
-    from fedjax_sparse.core.options import flag_name, option_fields, spec_of
+    from fedjax_sparse.core.contract.options import flag_name, option_fields, spec_of
     from fedjax_sparse.run import RunConfig
 
     classes = {RunConfig, *(get_spec(name).options for name in BUILT_IN)}
@@ -157,8 +157,8 @@ def test_the_contracts_types_document_every_field(site):
     """Each field of what an algorithm builds on and receives is named in its class's docstring (BuildContext's
     once listed 7 of its 10; ClientData and Batch none), those classes are on the contract's page, and the
     contract says what a stateless algorithm's `init` returns for its clients."""
-    from fedjax_sparse.core.algorithm import BuildContext, FederatedAlgorithm, RoundInfo, ServerStep, StaleUpload
-    from fedjax_sparse.core.local_training import LocalObjective
+    from fedjax_sparse.core.contract.algorithm import BuildContext, FederatedAlgorithm, RoundInfo, ServerStep, StaleUpload
+    from fedjax_sparse.core.round.local_training import LocalObjective
     from fedjax_sparse.data.federated import Batch, ClientData
 
     for cls in (BuildContext, FederatedAlgorithm, RoundInfo, ServerStep, StaleUpload, LocalObjective, ClientData,
@@ -170,7 +170,7 @@ def test_the_contracts_types_document_every_field(site):
     assert "`{}`" in FederatedAlgorithm.__doc__
     ids = rendered_ids([site / "reference" / "contract" / "index.html"])
     for cls in (BuildContext, RoundInfo, ClientData, Batch):
-        assert f"{cls.__module__}.{cls.__qualname__}" in ids or f"fedjax_sparse.core.algorithm.{cls.__name__}" in ids
+        assert f"{cls.__module__}.{cls.__qualname__}" in ids or f"fedjax_sparse.core.contract.algorithm.{cls.__name__}" in ids
 
 
 def test_the_site_knows_its_address_and_links_the_repositorys_files(site):
@@ -188,3 +188,24 @@ def test_the_site_knows_its_address_and_links_the_repositorys_files(site):
             cited += 1
             assert match.group(1) and REPO_URL in match.group(1), (page, match.group(2))
     assert cited > 5
+
+
+def test_the_layout_page_draws_every_package_and_module_from_the_folders():
+    """docs/layout.md's tree is the hook's (docs/hooks/layout_tree.py), drawn when the site is built: every
+    package with its __init__'s first sentence, every module with its docstring's."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("layout_tree", ROOT / "docs" / "hooks" / "layout_tree.py")
+    layout_tree = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(layout_tree)
+    assert layout_tree.MARKER in (ROOT / "docs" / "layout.md").read_text()
+    tree = layout_tree.tree_markdown()
+    package = ROOT / "fedjax_sparse"
+    for init in package.rglob("__init__.py"):
+        if init.parent != package:
+            assert f"**`{init.parent.name}/`**: {layout_tree.first_sentence(init)}" in tree, init
+            assert layout_tree.first_sentence(init), f"{init} has no docstring"
+    for module in package.rglob("*.py"):
+        if module.name not in ("__init__.py", "__main__.py"):
+            assert f"`{module.stem}`: " in tree, module
+    assert "- **`round/`**: The round:" in tree and "`step`: One federated round as one jitted computation." in tree

@@ -5,9 +5,9 @@ import importlib
 
 import pytest
 
-MODULES = ("fedjax_sparse.building_blocks", "fedjax_sparse.core.compression", "fedjax_sparse.core.messages",
-           "fedjax_sparse.core.model_parts", "fedjax_sparse.core.local_training",
-           "fedjax_sparse.core.server_optimizer", "fedjax_sparse.core.unit_masks")
+MODULES = ("fedjax_sparse.building_blocks", "fedjax_sparse.core.messages.compression", "fedjax_sparse.core.messages.pricing",
+           "fedjax_sparse.core.structure.model_parts", "fedjax_sparse.core.round.local_training",
+           "fedjax_sparse.building_blocks.server_optimizer", "fedjax_sparse.core.structure.unit_masks")
 
 
 @pytest.mark.parametrize("name", MODULES)

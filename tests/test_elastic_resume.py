@@ -1,7 +1,8 @@
 """Elastic resume: a checkpoint written by P processes resumes on P' (the survivors of a lost process,
 or more of them), each process taking its clients' rows (id % P') from the P snapshots. Through the
-command line, 2 processes lose one for real (kill -9 at the end of round 3: the other stops in one line
-naming the checkpoint of round 2), the survivor resumes alone to round 4, and 3 processes end the run:
+command line, 2 processes lose one for real (kill -9 while the checkpoint of round 4 is written: the other
+stops in one line naming the checkpoint of round 2, and leaves no part of round 4's), the survivor resumes
+alone to round 4, and 3 processes end the run:
 every record of rounds 1 to 6, the final server state and every client's final state are the
 uninterrupted run's, to the last bit; in the library, the rows of 2 processes' stores (host and disk
 mixed) land on 3 and on 1, each client's bytes where its new process holds them; a checkpoint missing
@@ -20,17 +21,18 @@ import pytest
 from conftest import SCAFFOLD_ARGS, SCAFFOLD_ROUNDS, linear_model
 from test_distributed import assert_same_records, finish, free_port, launch_cli, records, run_processes
 from fedjax_sparse.algorithms import scaffold
-from fedjax_sparse.core.client_store import make_store
-from fedjax_sparse.core.distributed import ProcessLayout
-from fedjax_sparse.core.local_training import LocalSGD
-from fedjax_sparse.core.participation import sample_clients_host
-from fedjax_sparse.core.store_snapshots import ClientRowsLost, SnapshotError
+from fedjax_sparse.core.client_state.choice import make_store
+from fedjax_sparse.core.round.distributed import ProcessLayout
+from fedjax_sparse.core.round.local_training import LocalSGD
+from fedjax_sparse.core.federation.participation import sample_clients_host
+from fedjax_sparse.core.client_state.snapshots import ClientRowsLost, SnapshotError
 from fedjax_sparse.run.checkpoints import ClientStatesHandler, ClientStatesRestore
 from fedjax_sparse.run.cli import main
 
 RUN = SCAFFOLD_ARGS
 NUM_CLIENTS, PER_ROUND = (int(RUN[RUN.index(flag) + 1]) for flag in ("--num-clients", "--clients-per-round"))
-LOST_AFTER = 3  # the round whose end process 1 of 2 does not outlive; the last checkpoint is round 2's
+LOST_AFTER = 4  # the round whose checkpoint's save process 1 of 2 does not outlive; the last checkpoint is round 2's
+MEET_S = 12  # --launch-timeout of the run that loses a process: how long the other waits in the save
 GROWN = 3  # the processes that end the run
 
 
@@ -41,37 +43,45 @@ def summary(run):
 @pytest.fixture(scope="module")
 def chain(tmp_path_factory, scaffold_reference):
     """conftest's SCAFFOLD run, in three launches into one folder: two processes (auto picks the host
-    store), process 1 killed by the fault hook at the end of round 3, so process 0 stops; the survivor
-    alone resumes the checkpoint of round 2 to round 4 on the disk store; three processes resume that to
-    round 6 (auto again: the host store, each gathering its rows from the one process's disk file). K = 6
-    puts 3, 6 and 2 clients on each device. What the loss left (records, summary) is kept before the
-    folder is resumed."""
+    store), process 1 killed by the fault hook while it writes its part of the checkpoint of round 4 (its
+    second), so process 0 stops; the survivor alone resumes the checkpoint of round 2 to round 4 on the disk
+    store; three processes resume that to round 6 (auto again: the host store, each gathering its rows from
+    the one process's disk file). K = 6 puts 3, 6 and 2 clients on each device. What the loss left
+    (records, summary, checkpoints) is kept before the folder is resumed."""
     run = tmp_path_factory.mktemp("elastic") / "run"
-    port, kill = free_port(), {"FEDJAX_SPARSE_FAULT": f"round_end:{LOST_AFTER}:kill"}
-    lost = finish([launch_cli(i, port, *RUN, "--rounds", SCAFFOLD_ROUNDS, "--out", run, env=kill if i == 1 else None)
-                   for i in range(2)], timeout=400)
-    left = SimpleNamespace(records=records(run), summary=summary(run))
+    port, kill = free_port(), {"FEDJAX_SPARSE_FAULT": "checkpoint_write:2:kill"}
+    lost = finish([launch_cli(i, port, *RUN, "--rounds", SCAFFOLD_ROUNDS, "--out", run, "--checkpoint-minutes", 0,
+                              timeout=MEET_S, env=kill if i == 1 else None) for i in range(2)], timeout=400)
+    left = SimpleNamespace(records=records(run), summary=summary(run),
+                           checkpoints=sorted(p.name for p in (run / "checkpoints").iterdir()))
     assert main(["run", "--resume", str(run), "--rounds", "4", "--client-store", "disk", "--no-progress"]) == 0
     resumed = run_processes(GROWN, "--resume", run, "--rounds", SCAFFOLD_ROUNDS, "--client-store", "auto",
                             "--no-progress")
     return SimpleNamespace(reference=scaffold_reference, run=run, lost=lost, left=left, resumed=resumed)
 
 
-def test_a_lost_process_stops_the_other_in_one_line_naming_the_checkpoint(chain):
-    """Process 1 died by SIGKILL; process 0 wrote round 3 (the uninterrupted run's figures), its next
-    collective failed, and it ended with exit 2 and one line saying where to resume."""
+def test_a_process_lost_in_a_save_stops_the_other_in_one_line_leaving_no_part_of_it(chain):
+    """Process 1 died by SIGKILL while the checkpoint of round 4 was written; process 0, which wrote round 4
+    (the uninterrupted run's figures), waited for it at orbax's barrier and ended with exit 2 and one line: a
+    lost process, resume with the processes there are. The third review: exit 134 after JAX's heartbeat with a
+    30-line absl trace, a summary advising to free the disk, and checkpoints/4 left as if complete."""
     (rc, _, stderr), (killed_rc, _, _) = chain.lost
     assert killed_rc == -9 and rc == 2, stderr[-3000:]
     last = stderr.strip().splitlines()[-1]
-    assert "another process stopped while" in last and f"resume from round 2 with --resume {chain.run}" in last, last
-    assert "Traceback" not in stderr
+    assert last == (f"fedjax-sparse: error: cannot save the checkpoint of round 4 in {chain.run / 'checkpoints'}: a "
+                    f"process of the 2 stopped answering while it was saved (DEADLINE_EXCEEDED: Barrier timed out); "
+                    f"the checkpoint of round 2 is intact; every process stops: resume with the processes you have, "
+                    f"--resume {chain.run} (a checkpoint resumes on any number of processes)"), last
+    assert "Traceback" not in stderr and "Check failure" not in stderr
+    assert chain.left.checkpoints == ["2"]  # neither orbax's unfinished folder nor the save's mark
     assert_same_records(records(chain.reference)[:LOST_AFTER], chain.left.records, LOST_AFTER)
     assert chain.left.summary["status"] == "failed" and chain.left.summary["rounds_done"] == LOST_AFTER
+    assert chain.left.summary["error"] == last.split("error: ", 1)[1] and chain.left.summary["last_checkpoint"] == 2
 
 
 def test_the_survivor_then_three_processes_write_the_uninterrupted_runs_figures(chain):
-    """Every record of rounds 1 to 6, once each (round 3, written before the loss past the checkpoint, is
-    replaced by the survivor's), is the uninterrupted run's."""
+    """Every record of rounds 1 to 6, once each (rounds 3 and 4, written before the loss past the checkpoint,
+    are replaced by the survivor's), is the uninterrupted run's."""
     run = chain.run
     assert_same_records(records(chain.reference), records(run), SCAFFOLD_ROUNDS)
     assert summary(run)["processes"] == GROWN and summary(run)["status"] == "completed"

@@ -7,12 +7,12 @@ import optax
 import pytest
 
 from fedjax_sparse.algorithms import fedavg, fednova, fedprox, local_only, scaffold
-from fedjax_sparse.core.aggregation import weighted_mean
-from fedjax_sparse.core.evaluation import personalized_evaluator
-from fedjax_sparse.core.local_training import LocalSGD, masked_cross_entropy, run_local_steps
-from fedjax_sparse.core.participation import sample_clients
-from fedjax_sparse.core.round import build_round, client_keys, default_client_chunk, round_info
-from fedjax_sparse.core.server_optimizer import server_optimizer
+from fedjax_sparse.core.messages.aggregation import weighted_mean
+from fedjax_sparse.core.evaluation.evaluators import personalized_evaluator
+from fedjax_sparse.core.round.local_training import LocalSGD, masked_cross_entropy, run_local_steps
+from fedjax_sparse.core.federation.participation import sample_clients
+from fedjax_sparse.core.round.step import build_round, client_keys, default_client_chunk, round_info
+from fedjax_sparse.building_blocks.server_optimizer import server_optimizer
 from fedjax_sparse.data.federated import (client_batch, epoch_permutations, federated_split, normalize,
                                           steps_per_epoch)
 from conftest import LINEAR_CLASSES as CLASSES, linear_model

@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from fedjax_sparse.core.evaluation import global_evaluator, personalized_evaluator
+from fedjax_sparse.core.evaluation.evaluators import global_evaluator, personalized_evaluator
 from fedjax_sparse.data.federated import federated_split
 from conftest import LINEAR_CLASSES as CLASSES, linear_model
 from fedjax_sparse.models import get_model
@@ -188,7 +188,7 @@ def test_the_global_batch_holds_about_1e8_multiply_adds_between_125_and_1000_exa
     """The digits MLP: 64*256 + 256*256 + 256*10 = 84,480 multiply-adds an example, so 1,000 examples
     (84 M) fit; CIFAR's CNNs (tens of millions an example) get the floor of 125; a test set smaller
     than the batch is one batch; the rule's bound moves the choice."""
-    from fedjax_sparse.core.evaluation import default_global_batch
+    from fedjax_sparse.core.evaluation.evaluators import default_global_batch
 
     mlp = get_model("mlp", (8, 8, 1), 10)
     assert default_global_batch(mlp, 10_000) == 1000

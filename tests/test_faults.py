@@ -22,9 +22,10 @@ import pytest
 from PIL import Image
 
 from fedjax_sparse.run.cli import main
-from fedjax_sparse.run.folder import RunFolderError, hold_run_folder
-from fedjax_sparse.run.outputs import say
-from fedjax_sparse.run.signals import StopAfterRound
+from fedjax_sparse.run.folder import LOCK_FILE, RunFolderError, hold_run_folder
+from fedjax_sparse.console import say
+from fedjax_sparse.run import loop
+from fedjax_sparse.run.signals import StopAfterRound, stop_start_up_at_once
 
 TINY = ["--num-clients", "4", "--clients-per-round", "2", "--local-epochs", "1", "--max-train-examples", "200",
         "--max-test-examples", "100", "--no-progress", "--no-tensorboard"]
@@ -139,7 +140,8 @@ def test_11_overwrite_unlinks_a_linked_checkpoints_folder_and_run_files_that_are
     (copy / "checkpoints").symlink_to(target)
     code, err = cli(capsys, *TINY, "--rounds", "1", "--out", str(copy), "--overwrite")
     assert code == 0, err
-    assert target.is_dir() and not (copy / "checkpoints").exists()  # the link went, never its target
+    # the link went, never its target (the new run's checkpoint is a folder of its own)
+    assert target.is_dir() and any(target.iterdir()) and not (copy / "checkpoints").is_symlink()
     other = tmp_path / "other"
     shutil.copytree(copy, other)
     assert main(["run", *TINY, "--rounds", "2", "--checkpoint-every", "1", "--out", str(other), "--overwrite"]) == 0
@@ -152,8 +154,9 @@ def test_11_overwrite_unlinks_a_linked_checkpoints_folder_and_run_files_that_are
 
 def test_18_deleting_the_lock_file_does_not_let_a_second_run_in(tmp_path):
     run = tmp_path / "run"
-    with hold_run_folder(run):
-        (run / ".lock").unlink()
+    with hold_run_folder(run) as held:
+        held.announce()
+        (run / LOCK_FILE).unlink()
         with pytest.raises(RunFolderError, match="in use by another run \\(pid unknown\\)"):
             with hold_run_folder(run):
                 pass
@@ -188,7 +191,7 @@ def test_8_a_failed_plot_leaves_no_temporary_file(tmp_path, capsys, monkeypatch)
     code, err = cli(capsys, *TINY, "--rounds", "1", "--out", str(run))
     assert code == 2
     one_line(err, f"cannot write {run / 'accuracy.png'}: No space left on device [errno 28]")
-    assert sorted(p.name for p in run.iterdir() if p.name.startswith(".")) == [".lock"]
+    assert sorted(p.name for p in run.iterdir() if p.name.startswith(".")) == []  # nor the lock's pid file
     assert summary(run)["status"] == "failed"
 
 
@@ -244,6 +247,39 @@ def test_15_16_signal_messages_say_what_happens_and_sighup_is_caught(capsys, req
     assert err.strip() == "fedjax-sparse: SIGTERM: round 6 is the run's last; the run ends after it, as it would have"
     say("the handlers are gone again")
     assert signal.getsignal(signal.SIGHUP) == signal.SIG_DFL
+
+
+def test_55_4_sigusr1_and_sigusr2_stop_a_run_after_its_round_as_sigterm_does(tmp_path, capsys, monkeypatch, request):
+    """The third review: `kill -USR1` (what SLURM's --signal=USR1@90 sends before a job's time limit) ended a run
+    at once, exit 138, with no checkpoint and no summary. docs/scale.md says which signals a run handles."""
+    ignored = []  # stands in for Python's default, which would end the test process where the run takes none
+    for signum in (signal.SIGUSR1, signal.SIGUSR2):
+        before = signal.signal(signum, lambda s, frame: ignored.append(s))
+        request.addfinalizer(lambda signum=signum, before=before: signal.signal(signum, before))
+    real = loop.fault_point
+
+    def signal_after_round_1(point):
+        if point == "round_end" and not sent:
+            sent.append(point)
+            os.kill(os.getpid(), signal.SIGUSR1)
+        real(point)
+
+    sent = []
+    monkeypatch.setattr(loop, "fault_point", signal_after_round_1)
+    run = tmp_path / "run"
+    code, err = cli(capsys, *TINY, "--rounds", "3", "--out", str(run))
+    assert (code, ignored) == (128 + signal.SIGUSR1, [])
+    assert err.strip().splitlines()[-1] == (f"fedjax-sparse: SIGUSR1: stopped after round 1 of 3; checkpoint saved in "
+                                            f"{run / 'checkpoints' / '1'}; continue with --resume {run}")
+    assert summary(run)["status"] == "interrupted" and summary(run)["signal"] == "SIGUSR1"
+    with StopAfterRound(first_round=2, last_round=3) as stop:
+        os.kill(os.getpid(), signal.SIGUSR2)
+    assert stop.signum == signal.SIGUSR2 and ignored == []
+    assert capsys.readouterr().err == "fedjax-sparse: SIGUSR2: stopping after round 2, then saving a checkpoint\n"
+    with stop_start_up_at_once():  # in start-up: the one line, as for the others
+        assert all(signal.getsignal(s) == signal.getsignal(signal.SIGTERM) for s in (signal.SIGUSR1, signal.SIGUSR2))
+    scale = " ".join((Path(ROOT) / "docs" / "scale.md").read_text().split())
+    assert "A run handles SIGINT, SIGTERM, SIGHUP, SIGUSR1 and SIGUSR2 alike" in scale
 
 
 # ------------------------------------------------------------------------------- flags (10, 17)

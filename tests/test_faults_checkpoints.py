@@ -1,6 +1,8 @@
 """Checkpoints under the second fault review (issue 36, items 3 and 10): a byte changed in anything a checkpoint
 covers (the disk store's rows, the client-state snapshots, orbax's files) is refused in one line naming the file
 and the checkpoint, before it is restored, where it used to resume silently with wrong states or spill tracebacks.
+And under the third (issue 55, items 1, 5 and 6): a checkpoint without its checksums is refused as a damaged one;
+a save that failed or was cut short leaves nothing that looks complete; an edited config.json is named.
 """
 
 import json
@@ -12,10 +14,10 @@ import numpy as np
 import pytest
 
 from fedjax_sparse.algorithms import scaffold
-from fedjax_sparse.core.client_store import make_store
-from fedjax_sparse.core.store_snapshots import SnapshotError
+from fedjax_sparse.core.client_state.choice import make_store
+from fedjax_sparse.core.client_state.snapshots import SnapshotError
 from test_client_store import setting  # noqa: F401 - a fixture
-from test_faults import cli, copy, fresh_fault_counts, one_line, three_rounds  # noqa: F401 - fixtures
+from test_faults import TINY, cli, copy, fresh_fault_counts, one_line, records, summary, three_rounds  # noqa: F401
 
 
 def flip(path, start=None, count=16):
@@ -25,6 +27,14 @@ def flip(path, start=None, count=16):
     for i in range(start, min(start + count, len(data))):
         data[i] ^= 0xFF
     path.write_bytes(bytes(data))
+
+
+def as_before_checksums(step):
+    """The checkpoint in `step` as a version before checksums wrote it: no checksums.json, no mark in its meta."""
+    (step / "checksums.json").unlink()
+    meta = json.loads((step / "meta" / "metadata").read_text())
+    del meta["checksummed"]
+    (step / "meta" / "metadata").write_text(json.dumps(meta))
 
 
 def test_36_3_scaled_rows_of_the_disk_store_are_refused_naming_the_file_and_the_checkpoint(copy, capsys):
@@ -135,7 +145,7 @@ def test_36_10_a_garbled_snapshot_names_its_checkpoint_folder_and_reads_leave_no
     one_line(err, f"the client-state snapshot {meta} cannot be read", f"delete its checkpoint folder {latest} to resume")
     shutil.rmtree(latest)
     before = copy / "checkpoints" / "2"
-    (before / "checksums.json").unlink()
+    as_before_checksums(before)
     flip(before / "state" / "manifest.ocdbt")
     code, err = cli(capsys, "--resume", str(copy), "--rounds", "4", "--no-progress")
     assert code == 2
@@ -149,3 +159,75 @@ def test_36_10_a_garbled_snapshot_names_its_checkpoint_folder_and_reads_leave_no
 
     LateRead()
     assert capsys.readouterr().err == ""
+
+
+# ------------------------------------------------------------------ the third fault review (issue 55)
+
+def largest_data_file(step):
+    return max((step / "state" / "ocdbt.process_0" / "d").iterdir(), key=lambda f: f.stat().st_size)
+
+
+def test_55_1_a_checkpoint_without_its_checksums_is_refused_naming_it(three_rounds, copy, capsys):
+    """The review removed checkpoints/2/checksums.json and flipped bytes of a data file there: the damaged state
+    loaded unchecked and the run went NaN, blamed on the learning rate. Refused like a damaged checkpoint, and the
+    one before resumes, to the uninterrupted run's records."""
+    latest = copy / "checkpoints" / "3"
+    (latest / "checksums.json").unlink()
+    flip(largest_data_file(latest))
+    code, err = cli(capsys, "--resume", str(copy), "--rounds", "4", "--no-progress")
+    assert code == 2
+    one_line(err, f"the checkpoint {latest} has no checksums ({latest / 'checksums.json'} is missing",
+             f"delete {latest} to resume from the checkpoint before")
+    shutil.rmtree(latest)
+    code, err = cli(capsys, "--resume", str(copy), "--rounds", "4", "--no-progress")
+    assert code == 0, err
+    assert records(copy)[:3] == records(three_rounds) and len(records(copy)) == 4
+
+
+def test_55_5_a_save_that_fails_after_orbax_committed_it_leaves_no_checkpoint(three_rounds, tmp_path, capsys,
+                                                                              monkeypatch):
+    """A save can fail after orbax committed the checkpoint, before its checksums are written (the review: a
+    process lost in the save; here the disk full at the checksums): checkpoints/2 stayed, complete to look at,
+    though the summary said its save failed. It is deleted; the run resumes from round 1's, to the records of the
+    run that never failed."""
+    run = tmp_path / "run"
+    monkeypatch.setenv("FEDJAX_SPARSE_FAULT", "write:checksums.json:2:errno=28")
+    code, err = cli(capsys, *TINY, "--algorithm", "scaffold", "--rounds", "3", "--checkpoint-every", "1",
+                    "--client-store", "disk", "--out", str(run))
+    monkeypatch.delenv("FEDJAX_SPARSE_FAULT")
+    assert code == 2
+    one_line(err, f"cannot save the checkpoint of round 2 in {run / 'checkpoints'}: No space left on device "
+                  f"[errno 28]", "the checkpoint of round 1 is intact")
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["1"]
+    assert summary(run)["status"] == "failed" and summary(run)["last_checkpoint"] == 1
+    code, err = cli(capsys, "--resume", str(run), "--no-progress")
+    assert code == 0, err
+    assert records(run) == records(three_rounds)
+
+
+def test_55_5_a_checkpoint_whose_save_was_cut_short_is_deleted_on_resume(three_rounds, copy, capsys):
+    """What a kill between orbax's commit and the checksums leaves (the save's mark, no checksums.json): the
+    resume said nothing and took it unchecked. It is deleted, saying so, and the one before resumes."""
+    latest = copy / "checkpoints" / "3"
+    (latest / "checksums.json").unlink()
+    (copy / "checkpoints" / ".saving-3").touch()
+    code, err = cli(capsys, "--resume", str(copy), "--rounds", "4", "--no-progress")
+    assert code == 0, err
+    assert f"the checkpoint of round 3 in {copy / 'checkpoints'} was cut short while it was saved" in err
+    assert records(copy)[:3] == records(three_rounds) and len(records(copy)) == 4
+    assert sorted(p.name for p in (copy / "checkpoints").iterdir()) == ["3", "4"]  # round 3's saved anew
+
+
+def test_55_6_an_edited_config_json_is_named_not_blamed_on_flags(copy, capsys):
+    """The review changed lr from 0.1 to 0.3 in config.json and resumed without flags: "... this run has 0.3;
+    drop those flags". And a flag on top of the edit is still the flag's to drop."""
+    config = json.loads((copy / "config.json").read_text())
+    (copy / "config.json").write_text(json.dumps({**config, "lr": 0.3}))
+    code, err = cli(capsys, "--resume", str(copy), "--rounds", "4", "--no-progress")
+    assert code == 2
+    one_line(err, f"{copy / 'config.json'} was edited after the checkpoint was saved (lr: the checkpoint has 0.1, "
+                  f"config.json has 0.3)", "put the checkpoint's values back in it")
+    assert "flags" not in err
+    code, err = cli(capsys, "--resume", str(copy), "--rounds", "4", "--seed", "7", "--no-progress")
+    assert code == 2
+    one_line(err, "config.json has 0.3", "(seed: checkpoint has 0, this run has 7): drop those flags")

@@ -1,6 +1,7 @@
 """Issue 36, bad data and config files (items 8, 9, 11): a LEAF folder is checked while read, a generated
 population's overflow is named as the data's, and a config file's repeated keys, quoted numbers and alias
-bombs are refused -- each in one line naming the file or value, within seconds."""
+bombs are refused -- each in one line naming the file or value, within seconds. Issue 55 (item 3): the
+converter refuses a folder holding files it did not write."""
 
 import json
 import os
@@ -9,7 +10,9 @@ import signal
 import numpy as np
 import pytest
 
+from fedjax_sparse.data.mapped import WRITING, read_manifest
 from fedjax_sparse.data.synthetic import Synthetic
+from fedjax_sparse.run.cli import main
 from test_faults import TINY, cli, one_line
 
 
@@ -163,3 +166,22 @@ def test_36_11_a_quoted_value_is_cut_to_a_line_and_yaml_exponents_are_numbers(tm
     assert len(err) < 300
     (tmp_path / "e.yaml").write_text("lr: 1e-3\nserver_lr: 5E+1\nrounds: 3\n")
     assert read_config_file(tmp_path / "e.yaml") == {"lr": 0.001, "server_lr": 50.0, "rounds": 3}
+
+
+def test_55_3b_convert_refuses_a_folder_it_did_not_write(tmp_path, capsys):
+    """The review: `fedjax-sparse convert digits d` overwrote the user's d/train_x.npy and d/test_y.npy (exit 0),
+    though its help says "an empty or new folder". A folder a conversion cut short left is converted again."""
+    users = tmp_path / "d"
+    users.mkdir()
+    (users / "train_x.npy").write_bytes(b"mine")
+    (users / "test_y.npy").write_bytes(b"mine too")
+    assert main(["convert", "digits", str(users)]) == 2
+    one_line(capsys.readouterr().err, f"{users} is not empty (test_y.npy, train_x.npy) and fedjax-sparse convert "
+                                      f"did not write it", "choose an empty or new folder")
+    assert {p.name: p.read_bytes() for p in users.iterdir()} == {"train_x.npy": b"mine", "test_y.npy": b"mine too"}
+    cut = tmp_path / "cut"  # what a conversion killed half-way leaves: its mark, part of its files
+    cut.mkdir()
+    (cut / WRITING).touch()
+    (cut / "train_x.npy").write_bytes(b"half")
+    assert main(["convert", "digits", str(cut)]) == 0
+    assert read_manifest(cut)["name"] == "digits" and not (cut / WRITING).exists()

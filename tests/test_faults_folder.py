@@ -1,21 +1,27 @@
 """The run folder under the second fault review (issue 36, items 1, 5 and 12): --overwrite deletes only what
 the library wrote; every writer of the folder (metrics, summary, plot, partition, TensorBoard events, the
 manifest, the disk store's rows) fails in one line naming its file, with a failed summary; no library's
-warning comes before that line.
+warning comes before that line. And under the third (issue 55, items 3 and 6): folders recorded when first
+written, the lock's pid file the library's own, the statuses documented.
 """
 
 import json
 import logging
 import os
+import re
 import shlex
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
-from fedjax_sparse.core.client_store import DiskStore
+from fedjax_sparse.core.client_state.row_store import DiskStore
 from fedjax_sparse.run.cli import main
+from fedjax_sparse.run.folder import LOCK_FILE
+from fedjax_sparse.run.failures import STATUSES
+from fedjax_sparse.run.outputs import RunWriter
 from test_faults import ROOT, TINY, cli, fresh_fault_counts, one_line, summary  # noqa: F401 - a fixture
 
 TENSORBOARD = [a for a in TINY if a != "--no-tensorboard"]  # on, as by default
@@ -39,7 +45,7 @@ def users_folder(path):
 
 
 def contents(path):
-    return {p.relative_to(path): p.read_bytes() for p in path.rglob("*") if p.is_file() and p.name != ".lock"}
+    return {p.relative_to(path): p.read_bytes() for p in path.rglob("*") if p.is_file()}
 
 
 # ------------------------------------------------------------------------------------------ item 1
@@ -78,10 +84,10 @@ def test_36_1_overwrite_deletes_only_what_the_library_wrote(finished, tmp_path, 
                   f"summary.json, accuracy.png, checkpoints, events.out.tfevents.", "pass --overwrite")
     old_events = sorted(p.name for p in run.glob("events.out.tfevents.*"))
     assert main(["run", *TENSORBOARD, "--rounds", "1", "--out", str(run), "--overwrite"]) == 0
-    assert (run / "notes.txt").read_text() == "mine\n" and not (run / "checkpoints").exists()
+    assert (run / "notes.txt").read_text() == "mine\n" and [p.name for p in (run / "checkpoints").iterdir()] == ["1"]
     assert not set(old_events) & {p.name for p in run.glob("events.out.tfevents.*")}
     assert set(json.loads((run / MANIFEST).read_text())["files"]) >= {p.name for p in run.iterdir()} - {
-        ".lock", MANIFEST, "notes.txt"}
+        MANIFEST, "notes.txt"}
 
 
 # ------------------------------------------------------------------------------------------ item 5
@@ -161,7 +167,7 @@ def test_36_12_a_diverged_run_logs_no_warning_before_its_line(tmp_path, capsys, 
 def test_36_12_a_data_set_not_prepared_logs_no_warning_before_its_line(tmp_path, capsys, caplog):
     """The review: a TFDS set that is not prepared (offline, --no-download) printed absl's "Variant folder ...
     has no dataset_info.json" before the line. A run that fails before its first round leaves its folder as it
-    was (the lock alone), so the same command may simply be run again once the data are there."""
+    was, so the same command may simply be run again once the data are there."""
     caplog.set_level(logging.WARNING)
     (tmp_path / "tfds").mkdir()
     code, err = cli(capsys, *TINY, "--rounds", "1", "--dataset", "mnist", "--data-dir", str(tmp_path / "tfds"),
@@ -169,4 +175,60 @@ def test_36_12_a_data_set_not_prepared_logs_no_warning_before_its_line(tmp_path,
     assert code == 2
     one_line(err, f"tfds data set 'mnist' is not prepared under {tmp_path / 'tfds' / 'mnist'}")
     assert not caplog.records
-    assert [p.name for p in (tmp_path / "mnist").iterdir()] == [".lock"]  # the same command may be run again
+    assert list((tmp_path / "mnist").iterdir()) == []  # the same command may be run again
+
+
+# ------------------------------------------------------------------ the third fault review (issue 55)
+
+def test_55_3a_overwrite_keeps_a_users_checkpoints_and_client_store_the_run_never_made(tmp_path, capsys,
+                                                                                       monkeypatch):
+    """The manifest listed checkpoints/ and client_store/ from the start, so --overwrite deleted them with the
+    user's files inside though the run had made neither (it failed before its first save; auto chose the device
+    store). A folder is recorded when the run first writes into it."""
+    run = tmp_path / "run"
+    monkeypatch.setenv("FEDJAX_SPARSE_FAULT", "write:metrics.jsonl:1:errno=28")  # ends in round 1, before a save
+    code, _ = cli(capsys, *TINY, "--rounds", "2", "--out", str(run))
+    monkeypatch.delenv("FEDJAX_SPARSE_FAULT")
+    assert code == 2 and summary(run)["status"] == "failed"
+    for folder in ("checkpoints", "client_store"):
+        (run / folder).mkdir()
+        (run / folder / "mine.txt").write_text("mine\n")
+    before = contents(run)
+    code, err = cli(capsys, *TINY, "--rounds", "1", "--out", str(run), "--overwrite")
+    assert code == 2
+    one_line(err, f"--out {run} holds checkpoints, client_store, which fedjax-sparse has no record of writing")
+    assert contents(run) == before
+
+
+def test_55_3c_the_lock_is_the_librarys_own_file_gone_after_the_run_never_made_in_a_refused_folder(
+        tmp_path, capsys, monkeypatch):
+    """The review's own .lock in --out was overwritten with a PID; a refused run left a new .lock in the user's
+    folder; every run left .lock behind, outside its manifest."""
+    user = tmp_path / "user"
+    user.mkdir()
+    (user / ".lock").write_text("mine\n")
+    (user / "config.json").write_text('{"app": 1}\n')
+    before = contents(user)
+    code, err = cli(capsys, *TINY, "--rounds", "1", "--out", str(user))
+    assert code == 2 and "holds config.json, which fedjax-sparse has no record of writing" in err
+    assert contents(user) == before  # nothing added, nothing changed
+    (user / "config.json").unlink()
+    held = []
+    real = RunWriter.write_config
+    monkeypatch.setattr(RunWriter, "write_config", lambda self, config: (
+        held.append((user / LOCK_FILE).read_text()), real(self, config)))
+    assert main(["run", *TINY, "--rounds", "1", "--out", str(user)]) == 0
+    assert held == [f"{os.getpid()}\n"]  # while the run held the folder, its pid in the library's file
+    assert (user / ".lock").read_text() == "mine\n" and not (user / LOCK_FILE).exists()
+
+
+def test_55_6_the_statuses_a_summary_takes_are_the_documented_ones(tmp_path, capsys):
+    """A diverged run wrote "diverged" where the docs promised "failed" for every failure: the docs list every
+    status, and a diverged run writes the one they give it."""
+    text = " ".join((Path(ROOT) / "docs" / "cli.md").read_text().split())
+    listed = re.search(r'`summary\.json`\'s `"status"` is one of (.*?)\.', text).group(1)
+    assert tuple(re.findall(r"`(\w+)`(?: \(| or|,)", listed)) == STATUSES
+    assert "`diverged` (a non-finite loss or model)" in listed
+    run = tmp_path / "run"
+    code, err = cli(capsys, *TINY, "--rounds", "2", "--server-lr", "1e30", "--out", str(run))
+    assert code == 2 and "the run diverged" in err and summary(run)["status"] == "diverged"

@@ -50,7 +50,8 @@ def test_36_5_a_file_size_limit_with_checkpoints_on_is_one_line_and_leaves_the_c
     command = shlex.join([sys.executable, "-m", "fedjax_sparse", "run", *REVIEW, "--rounds", "3",
                           "--checkpoint-every", "1", "--out", str(run)])
     done = subprocess.run(["bash", "-c", f"ulimit -f 16 && exec {command}"],  # 16 KiB
-                          env={**os.environ, "JAX_PLATFORMS": "cpu", "FEDJAX_SPARSE_CACHE": str(cache)}, cwd=ROOT,
+                          env={**os.environ, "JAX_PLATFORMS": "cpu", "FEDJAX_SPARSE_CACHE": str(cache),
+                               "FEDJAX_SPARSE_JAX_CACHE": str(cache)}, cwd=ROOT,
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 2, done.stderr[-3000:]
     one_line(done.stderr, f"fedjax-sparse: error: cannot save the checkpoint of round 1 in {run / 'checkpoints'}: "
@@ -79,7 +80,7 @@ def test_36_12_an_unreadable_compilation_cache_entry_is_replaced_without_a_warni
     try:
         with warnings.catch_warnings(record=True) as seen, pytest.MonkeyPatch.context() as patch:
             warnings.simplefilter("default")
-            patch.setenv("FEDJAX_SPARSE_CACHE", str(cache))
+            patch.setenv("FEDJAX_SPARSE_JAX_CACHE", str(cache))
             compilation_cache.reset_cache()
             use_compilation_cache(True)
             jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)  # this small function too

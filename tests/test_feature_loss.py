@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from conftest import synthetic_split
-from fedjax_sparse.core.local_training import LocalObjective, LocalSGD
+from fedjax_sparse.core.round.local_training import LocalObjective, LocalSGD
 from fedjax_sparse.data.federated import normalize
 from fedjax_sparse.models import MODEL_NAMES, get_model
 from fedjax_sparse.models.check import check_model

@@ -9,10 +9,10 @@ import pytest
 from conftest import jitted_exchange
 from fedjax_sparse.algorithms import make_algorithm, make_options
 from fedjax_sparse.algorithms.fedadp import keep_within_budget, upload_ratio
-from fedjax_sparse.core.algorithm import BuildContext
-from fedjax_sparse.core.local_training import LocalSGD
-from fedjax_sparse.core.messages import SparseArray, message_bytes
-from fedjax_sparse.core.round import build_round, round_info
+from fedjax_sparse.core.contract.algorithm import BuildContext
+from fedjax_sparse.core.round.local_training import LocalSGD
+from fedjax_sparse.core.messages.pricing import SparseArray, message_bytes
+from fedjax_sparse.core.round.step import build_round, round_info
 from fedjax_sparse.models import Layer, ModelStructure, get_model
 
 tree_map = jax.tree_util.tree_map

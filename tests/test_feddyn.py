@@ -6,9 +6,9 @@ import numpy as np
 
 from conftest import linear_model
 from fedjax_sparse.algorithms import make_algorithm, make_options
-from fedjax_sparse.core.algorithm import BuildContext
-from fedjax_sparse.core.local_training import LocalSGD
-from fedjax_sparse.core.round import build_round
+from fedjax_sparse.core.contract.algorithm import BuildContext
+from fedjax_sparse.core.round.local_training import LocalSGD
+from fedjax_sparse.core.round.step import build_round
 from test_engine import SCAFFOLD_CLIENTS, SCAFFOLD_STEPS, hand_local_sgd, order_free_split, random_theta, \
     to_params, to_vector
 

@@ -13,10 +13,10 @@ import pytest
 from fedjax_sparse.algorithms import BUILT_IN, fedavg, fedldf, fedldf_random, hdfl
 from fedjax_sparse.algorithms.fedldf import random_n_per_layer, top_n_per_layer
 from fedjax_sparse.run.cli import main
-from fedjax_sparse.core.layer_groups import layer_groups, model_layer_groups
-from fedjax_sparse.core.local_training import LocalSGD
-from fedjax_sparse.core.messages import message_bytes
-from fedjax_sparse.core.round import build_round, round_info
+from fedjax_sparse.core.structure.layer_groups import layer_groups, model_layer_groups
+from fedjax_sparse.core.round.local_training import LocalSGD
+from fedjax_sparse.core.messages.pricing import message_bytes
+from fedjax_sparse.core.round.step import build_round, round_info
 from fedjax_sparse.models import get_model
 from fedjax_sparse.models.structure import ModelStructure
 
@@ -234,7 +234,7 @@ def test_the_registry_builds_every_algorithm_with_its_options(make_split, mlp):
     """Each name builds the algorithm of that name; FedLDF's n from its options reaches the upload
     choice (exactly n of the K = 4 clients upload each layer)."""
     from fedjax_sparse.algorithms import make_algorithm, make_options
-    from fedjax_sparse.core.algorithm import BuildContext
+    from fedjax_sparse.core.contract.algorithm import BuildContext
     split = make_split([8, 8, 8, 8])
     context = BuildContext(local=local_sgd(mlp), num_clients=4, clients_per_round=4, train=split, num_classes=10,
                            labels_per_client=2)

@@ -15,14 +15,14 @@ from test_structure import zoo_model
 
 from fedjax_sparse.algorithms import make_algorithm, make_options
 from fedjax_sparse.algorithms.fedp3 import assigned_layers
-from fedjax_sparse.core.algorithm import BuildContext
-from fedjax_sparse.core.flops import layer_forward_flops
-from fedjax_sparse.core.layer_groups import model_layer_groups
-from fedjax_sparse.core.local_training import LocalSGD
-from fedjax_sparse.core.messages import KnownMaskArray, SparseArray, message_bytes
-from fedjax_sparse.core.round import round_info
-from fedjax_sparse.core.unit_masks import variable_masks
-from fedjax_sparse.core.unit_selection import keep_top_units, prefix_scores
+from fedjax_sparse.core.contract.algorithm import BuildContext
+from fedjax_sparse.core.structure.flops import layer_forward_flops
+from fedjax_sparse.core.structure.layer_groups import model_layer_groups
+from fedjax_sparse.core.round.local_training import LocalSGD
+from fedjax_sparse.core.messages.pricing import KnownMaskArray, SparseArray, message_bytes
+from fedjax_sparse.core.round.step import round_info
+from fedjax_sparse.core.structure.unit_masks import variable_masks
+from fedjax_sparse.core.structure.unit_selection import keep_top_units, prefix_scores
 from fedjax_sparse.models import MODEL_NAMES, get_model
 from fedjax_sparse.models.structure import get_path, set_path
 

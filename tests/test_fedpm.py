@@ -17,10 +17,10 @@ from conftest import synthetic_split
 from fedjax_sparse.algorithms import make_algorithm, make_options
 from fedjax_sparse.algorithms.fedpm import beta_posterior, masked_paths, sampled_mask
 from fedjax_sparse.run.cli import main
-from fedjax_sparse.core.algorithm import BuildContext
-from fedjax_sparse.core.local_training import LocalSGD
-from fedjax_sparse.core.messages import CodedMask, Known, coded_mask_bytes, message_bytes
-from fedjax_sparse.core.round import round_info
+from fedjax_sparse.core.contract.algorithm import BuildContext
+from fedjax_sparse.core.round.local_training import LocalSGD
+from fedjax_sparse.core.messages.pricing import CodedMask, Known, coded_mask_bytes, message_bytes
+from fedjax_sparse.core.round.step import round_info
 from fedjax_sparse.models import Layer, Model, ModelStructure, get_model
 from fedjax_sparse.models import layers as L
 from fedjax_sparse.models.structure import get_path

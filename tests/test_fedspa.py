@@ -18,10 +18,10 @@ from conftest import synthetic_split
 from fedjax_sparse.algorithms import make_algorithm, make_options
 from fedjax_sparse.algorithms.fedspa import prune_and_grow, swap_fraction
 from fedjax_sparse.run.cli import main
-from fedjax_sparse.core.algorithm import BuildContext
-from fedjax_sparse.core.local_training import LocalSGD
-from fedjax_sparse.core.messages import KnownMaskArray, SparseArray, message_bytes
-from fedjax_sparse.core.round import build_round, round_info
+from fedjax_sparse.core.contract.algorithm import BuildContext
+from fedjax_sparse.core.round.local_training import LocalSGD
+from fedjax_sparse.core.messages.pricing import KnownMaskArray, SparseArray, message_bytes
+from fedjax_sparse.core.round.step import build_round, round_info
 from fedjax_sparse.models import Layer, Model, ModelStructure
 from fedjax_sparse.models.layers import batch_norm
 

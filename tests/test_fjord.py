@@ -17,10 +17,10 @@ from conftest import initialized, synthetic_split
 from fedjax_sparse.algorithms import make_algorithm, make_options
 from fedjax_sparse.algorithms.fjord import batch_width, client_width, distillation_loss, tier_width, width_step_loss
 from fedjax_sparse.run.cli import main
-from fedjax_sparse.core.algorithm import BuildContext
-from fedjax_sparse.core.local_training import LocalSGD
-from fedjax_sparse.core.messages import Known, KnownMaskArray, message_bytes
-from fedjax_sparse.core.round import build_round, round_info
+from fedjax_sparse.core.contract.algorithm import BuildContext
+from fedjax_sparse.core.round.local_training import LocalSGD
+from fedjax_sparse.core.messages.pricing import Known, KnownMaskArray, message_bytes
+from fedjax_sparse.core.round.step import build_round, round_info
 from fedjax_sparse.data.federated import Batch
 from fedjax_sparse.models import MODEL_NAMES, get_model
 

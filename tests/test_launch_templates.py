@@ -1,7 +1,7 @@
 """The launch templates docs/scale.md shows (docs/launch/): the page includes every one of them, and each runs as
 it is meant to. The SLURM batch scripts are run by bash with SLURM's commands stubbed; the srun line they run
 is then given, task by task, the variables SLURM sets for its tasks, and the layout the library derives from
-them (`core.distributed.slurm_local_devices`, JAX's own SLURM detection for the rest) must give every process
+them (`core.round.distributed.slurm_local_devices`, JAX's own SLURM detection for the rest) must give every process
 the same number of GPUs, every GPU of the step to one process, and K a multiple of the devices: under both
 readings of SLURM_GPUS_ON_NODE (the step's GPUs on the node, as srun(1) documents it, or the task's). Tasks
 split unevenly over nodes sharing their GPUs are refused by every task alike, in one line, before any waits.
@@ -23,8 +23,8 @@ from pathlib import Path
 import pytest
 from jax._src.clusters import ClusterEnv  # what jax.distributed.initialize asks for what it was not given
 
-from fedjax_sparse.core import distributed
-from fedjax_sparse.run.cli import _config, _parser
+from fedjax_sparse.core.round import distributed
+from fedjax_sparse.run.run_flags import command_parser, config_from_args
 
 ROOT = Path(__file__).resolve().parents[1]
 LAUNCH = ROOT / "docs" / "launch"
@@ -189,9 +189,9 @@ def test_each_slurm_template_gives_every_process_its_gpus(path, reading, tmp_pat
     it, whatever SLURM_GPUS_ON_NODE counts (counting the task's, the code before read the bound tasks as 4
     sharing 1 GPU and refused them)."""
     options, command = srun_line(path, tmp_path)
-    args = _parser().parse_args(command[1:])
+    args = command_parser().parse_args(command[1:])
     assert args.cluster and args.out == str(tmp_path / "run")
-    config = _config(args)
+    config = config_from_args(args)
     tasks = slurm_tasks(options, reading)
     layouts = [derived_layout(env, monkeypatch) for _, env, _ in tasks]
     (coordinator,) = {coordinator for coordinator, *_ in layouts}
@@ -269,7 +269,7 @@ def test_a_requeued_job_resumes_its_run_and_overwrites_only_its_own_folder(made_
         (tmp_path / "run.job").write_text(f"{made_by}\n")
     _, command = srun_line(LAUNCH / "slurm_node.sbatch", tmp_path, SLURM_RESTART_COUNT="1")
     assert [a for a in command if a in ("--out", "--overwrite", "--resume")] == expected
-    args = _parser().parse_args(command[1:])
+    args = command_parser().parse_args(command[1:])
     assert (args.resume or args.out) == str(run)
     marker = tmp_path / "run.job"  # a start in a folder that did not exist marks it as this job's; else it stays
     assert (marker.read_text().strip() if marker.exists() else None) == ("4242" if state is None else made_by)
@@ -327,18 +327,18 @@ def test_the_multi_host_lines_start_one_run_of_distinct_processes(tmp_path):
                               text=True, timeout=60)
         assert done.returncode == 0, done.stderr
     lines = [call[1:] for call in recorded(calls)]
-    parsed = [_parser().parse_args(line) for line in lines]
+    parsed = [command_parser().parse_args(line) for line in lines]
     assert [a.process_id for a in parsed] == [0, 1]
     assert all(distributed.check_launch(a.coordinator, a.num_processes, a.process_id) for a in parsed)
     assert {a.num_processes for a in parsed} == {2}
     assert lines[0][:lines[0].index("--process-id")] == lines[1][:lines[1].index("--process-id")]
     assert lines[0][lines[0].index("--process-id") + 2:] == lines[1][lines[1].index("--process-id") + 2:]
     assert parsed[0].out == str(tmp_path / "run") and parsed[0].resume is None
-    _config(parsed[0])
+    config_from_args(parsed[0])
     folder_with_checkpoint(tmp_path / "run", committed=True)
     calls.unlink()
     subprocess.run(["bash", script, "0"], env=batch_env(tmp_path / "again", calls), check=True, timeout=60)
-    assert _parser().parse_args(recorded(calls)[0][1:]).resume == str(tmp_path / "run")
+    assert command_parser().parse_args(recorded(calls)[0][1:]).resume == str(tmp_path / "run")
 
 
 def test_the_tpu_pod_command_runs_the_same_cluster_line_on_every_worker(tmp_path):
@@ -358,6 +358,6 @@ def test_the_tpu_pod_command_runs_the_same_cluster_line_on_every_worker(tmp_path
     subprocess.run(["bash", "-c", remote], env={**batch_env(tmp_path / "worker", calls), "HOME": str(home)},
                    check=True, timeout=60)
     (line,) = [call[1:] for call in recorded(calls)]
-    args = _parser().parse_args(line)
+    args = command_parser().parse_args(line)
     assert args.cluster and args.out == "/mnt/bucket/runs/fedavg"
-    _config(args)
+    config_from_args(args)

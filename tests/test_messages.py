@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 
 from fedjax_sparse.algorithms import fedavg, fednova, local_only, scaffold
-from fedjax_sparse.core.local_training import LocalSGD
-from fedjax_sparse.core.messages import SparseArray, index_itemsize, message_bytes, unit_sparse
-from fedjax_sparse.core.round import build_round
+from fedjax_sparse.core.round.local_training import LocalSGD
+from fedjax_sparse.core.messages.pricing import SparseArray, index_itemsize, message_bytes, unit_sparse
+from fedjax_sparse.core.round.step import build_round
 from fedjax_sparse.models import Layer, ModelStructure, get_model
 
 
@@ -80,7 +80,7 @@ def test_round_bytes_equal_analytic_counts(make_split, name, up_factor, down_fac
 
 
 def test_masked_mean_weights_only_the_senders_and_keeps_the_rest():
-    from fedjax_sparse.core.aggregation import masked_mean
+    from fedjax_sparse.core.messages.aggregation import masked_mean
     x = jnp.array([[1.0, 2.0, 3.0], [5.0, 6.0, 7.0], [9.0, 10.0, 11.0]])
     m = jnp.array([[True, True, False], [True, False, False], [False, True, False]])
     w = jnp.array([1.0, 3.0, 4.0])

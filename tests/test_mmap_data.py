@@ -12,6 +12,7 @@ import pytest
 
 from fedjax_sparse import data
 from fedjax_sparse.data import mapped
+from fedjax_sparse.data.convert import convert
 from fedjax_sparse.data.clients import federate
 from fedjax_sparse.data.process_layout import ProcessLayout
 from fedjax_sparse.run import RunConfig, run_experiment
@@ -46,7 +47,7 @@ def test_a_run_on_the_converted_folder_is_the_run_on_its_source(tmp_path, store)
     """Bit for bit, on the device store (the folder loaded whole) and where `auto` chooses: the device store
     for digits in memory, never for the folder (it would load it whole), the host store then (the stores
     compute the same)."""
-    folder = mapped.convert("digits", tmp_path / "digits")
+    folder = convert("digits", tmp_path / "digits")
     figures, stores = [], []
     for spec in ("digits", f"mmap:{folder}"):
         out = tmp_path / spec.replace("/", "_")
@@ -84,7 +85,7 @@ def write_leaf(root):
 
 def test_leaf_json_converts_with_its_writers(tmp_path):
     root = write_leaf(tmp_path / "leaf")
-    folder = mapped.convert(f"leaf:{root}", tmp_path / "femnist")
+    folder = convert(f"leaf:{root}", tmp_path / "femnist")
     opened = data.load_dataset(f"mmap:{folder}")
     same_dataset(data.load_dataset(f"leaf:{root}"), opened)
     assert opened.has_clients and data.sources.has_own_clients(f"mmap:{folder}")
@@ -101,7 +102,7 @@ def test_an_image_folder_converts(tmp_path):
             for i in range(n):
                 Image.fromarray(rng.integers(0, 256, (6, 5, 3), dtype=np.uint8)).save(
                     tmp_path / "images" / split / name / f"{i}.png")
-    folder = mapped.convert(f"imagefolder:{tmp_path / 'images'}", tmp_path / "mapped")
+    folder = convert(f"imagefolder:{tmp_path / 'images'}", tmp_path / "mapped")
     same_dataset(data.load_dataset(f"imagefolder:{tmp_path / 'images'}", progress=False),
                  data.load_dataset(f"mmap:{folder}"))
 
@@ -110,7 +111,7 @@ def test_a_tfds_data_set_converts(tmp_path, no_network):
     tfds = pytest.importorskip("tensorflow_datasets")
     with tfds.testing.mock_data(num_examples=6):  # mocked reading: nothing is built or downloaded
         source = data.load_tfds("cifar10", data_dir=tmp_path, download=False, progress=False)
-        folder = mapped.convert("cifar10", tmp_path / "cifar10", data_dir=tmp_path, download=False, progress=False)
+        folder = convert("cifar10", tmp_path / "cifar10", data_dir=tmp_path, download=False, progress=False)
     same_dataset(source, data.load_dataset(f"mmap:{folder}"))
 
 
@@ -181,7 +182,7 @@ def test_an_image_folder_streams_into_the_folder_its_loader_writes(tmp_path, mon
     with monkeypatch.context() as patched:
         never_whole(patched)
         _, chunks = watch_writes(patched)
-        streamed = mapped.convert(spec, tmp_path / "streamed", progress=False)
+        streamed = convert(spec, tmp_path / "streamed", progress=False)
     assert [n for n, _ in chunks] == [5, 5, 5, 5, 4, 5, 5, 5, 1]
     truth = mapped.save_mapped(data.load_dataset(spec, progress=False), tmp_path / "whole")
     assert json.loads((truth / "manifest.json").read_text())["splits"]["train"]["shape"] == [6, 7, channels]
@@ -199,7 +200,7 @@ def test_a_tfds_data_set_streams_into_the_folder_its_loader_writes(tmp_path, mon
         with monkeypatch.context() as patched:
             never_whole(patched)
             _, chunks = watch_writes(patched)
-            streamed = mapped.convert(name, tmp_path / "streamed", **options)
+            streamed = convert(name, tmp_path / "streamed", **options)
         truth = mapped.save_mapped(data.load_dataset(name, **options), tmp_path / "whole")
     assert [n for n, _ in chunks] == [3, 3, 3, 1] * 2
     same_files(streamed, truth)
@@ -232,7 +233,7 @@ def test_conversion_holds_at_most_one_chunk_of_decoded_examples(tmp_path, monkey
         monkeypatch.setattr(image_folder, "_read_image",
                             lambda *args: decoded.__setitem__(0, decoded[0] + 1) or read_image(*args))
         monkeypatch.setattr(mapped, "_CHUNK_BYTES", 4 * 6 * 7 * 3)
-        mapped.convert(spec, tmp_path / "mapped", progress=False)
+        convert(spec, tmp_path / "mapped", progress=False)
         examples = 40
     else:
         tfds = pytest.importorskip("tensorflow_datasets")
@@ -241,7 +242,7 @@ def test_conversion_holds_at_most_one_chunk_of_decoded_examples(tmp_path, monkey
                                   decoded) for split, n in (("train", 30), ("test", 13))}
         monkeypatch.setattr(mapped, "_CHUNK_BYTES", 4 * 28 * 28)
         with tfds.testing.mock_data(as_data_source_fn=lambda builder, split, **kw: [records[s] for s in split]):
-            folder = mapped.convert("mnist", tmp_path / "mapped", data_dir=tmp_path, download=False, progress=False)
+            folder = convert("mnist", tmp_path / "mapped", data_dir=tmp_path, download=False, progress=False)
         opened = data.load_dataset(f"mmap:{folder}")
         np.testing.assert_array_equal(opened.x_train, records["train"].images)
         np.testing.assert_array_equal(opened.y_test, records["test"].labels)

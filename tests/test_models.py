@@ -651,11 +651,11 @@ def test_max_pool2_equals_flax_max_pool_in_values_and_gradients(shape):
 
 
 def test_library_jit_keeps_cpu_convolutions_out_of_ynnpack():
-    """On a CPU, `core.compilation.jit` compiles a convolution with XLA's own kernels (YNNPACK's run
+    """On a CPU, `core.round.compilation.jit` compiles a convolution with XLA's own kernels (YNNPACK's run
     the zoo's shapes 2-4x slower, benchmarks/results/cnn_client_cpu.md) and keeps YNNPACK's dots."""
     from jax import lax
 
-    from fedjax_sparse.core.compilation import compiler_options, jit
+    from fedjax_sparse.core.round.compilation import compiler_options, jit
 
     if jax.default_backend() != "cpu":
         assert compiler_options() is None

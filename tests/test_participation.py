@@ -12,17 +12,17 @@ from scipy.stats import binom
 
 from fedjax_sparse import plugins
 from fedjax_sparse.algorithms.fedavg import fedavg
-from fedjax_sparse.core.clock import (DeviceProfile, ProfileDistribution, Stragglers, client_seconds, device_profile,
+from fedjax_sparse.core.federation.clock import (DeviceProfile, ProfileDistribution, Stragglers, client_seconds, device_profile,
                                       read_profile_file, round_returns)
-from fedjax_sparse.core.evaluation import client_accuracy_figures
-from fedjax_sparse.core.local_training import LocalSGD
-from fedjax_sparse.core.messages import message_bytes
-from fedjax_sparse.core.participation import (SamplerContext, SamplerSpec, build_sampler, data_size_sampler,
+from fedjax_sparse.core.evaluation.evaluators import client_accuracy_figures
+from fedjax_sparse.core.round.local_training import LocalSGD
+from fedjax_sparse.core.messages.pricing import message_bytes
+from fedjax_sparse.core.federation.participation import (SamplerContext, SamplerSpec, build_sampler, data_size_sampler,
                                               diurnal_online, poisson_sampler, poisson_slots,
                                               read_availability_trace, register_sampler, sample_clients,
                                               uniform_sampler, SAMPLERS)
-from fedjax_sparse.core.round import RoundConditions, build_round, client_keys, round_info
-from fedjax_sparse.core.flops import forward_flops
+from fedjax_sparse.core.round.step import RoundConditions, build_round, client_keys, round_info
+from fedjax_sparse.core.structure.flops import forward_flops
 from fedjax_sparse.models import get_model
 from fedjax_sparse.run.cli import main
 from conftest import synthetic_split
@@ -136,11 +136,11 @@ def test_an_outside_sampler_registers_and_a_run_uses_it(tmp_path, capsys, monkey
 
 def test_client_seconds_and_the_round_by_hand():
     profiles = DeviceProfile("p", table=np.array([[1e9, 1e6, 5e5, 0.1], [2e9, 2e6, 1e6, 0.0], [1e8, 1e6, 1e6, 0.5]]))
-    flops = jnp.array([4e9, 4e9, 1e8])
+    macs = jnp.array([2e9, 2e9, 5e7])  # the library's FLOPs: multiply-accumulates, 2 FLOPs each at a FLOP/s rate
     down = jnp.array([2e6, 2e6, 1e6])
     up = jnp.array([1e6, 1e6, 0.0])
-    seconds = client_seconds(profiles.profiles(0, jnp.arange(3)), flops, down, up)
-    # 2 + 4 + 2 + 0.1; 1 + 2 + 1 + 0; 1 + 1 + 0 + 0.5
+    seconds = client_seconds(profiles.profiles(0, jnp.arange(3)), macs, down, up)
+    # 2 + 2 x 2e9 / 1e9 + 2 + 0.1; 1 + 2 x 2e9 / 2e9 + 1 + 0; 1 + 2 x 5e7 / 1e8 + 0 + 0.5
     np.testing.assert_allclose(seconds, [8.1, 4.0, 2.5], rtol=1e-6)
     reporting, failed = jnp.array([True, True, True]), jnp.zeros(3, bool)
     everyone = round_returns(reporting, failed, seconds, Stragglers())
@@ -154,6 +154,13 @@ def test_client_seconds_and_the_round_by_hand():
     one_failed = round_returns(jnp.array([True, True, False]), jnp.array([False, False, True]), seconds,
                                Stragglers(deadline=10.0))
     assert one_failed.returned.tolist() == [True, True, False] and float(one_failed.seconds) == 10.0
+    # two returned of the three a round needs: it is abandoned after the server waited to the deadline
+    short = round_returns(jnp.array([True, True, False]), jnp.array([False, False, True]), seconds,
+                          Stragglers(deadline=10.0, min_reports=3))
+    assert short.returned.tolist() == [False, False, False] and short.abandoned.tolist() == [True, True, False]
+    assert float(short.seconds) == 10.0
+    enough = round_returns(reporting, failed, seconds, Stragglers(min_reports=3))
+    assert enough.returned.tolist() == [True, True, True] and not enough.abandoned.any()
 
 
 def test_profiles_are_a_pure_function_of_seed_and_client_with_the_presets_medians():
@@ -204,10 +211,31 @@ def test_a_round_with_a_clock_trains_exactly_as_without_and_lasts_its_slowest_cl
     jax.tree_util.tree_map(np.testing.assert_array_equal, plain_server, clocked_server)  # bit for bit
     ids = np.asarray(out.client_ids)
     model_bytes = int(message_bytes(server["variables"]))
-    by_hand = (model_bytes / 1e6 + per_example * np.asarray(split.counts)[ids] / speeds[ids, 0]
+    by_hand = (model_bytes / 1e6 + 2 * per_example * np.asarray(split.counts)[ids] / speeds[ids, 0]
                + model_bytes / 5e5 + speeds[ids, 3])
     np.testing.assert_allclose(out.client_seconds, by_hand, rtol=1e-5)
     assert float(out.returns.seconds) == pytest.approx(by_hand.max(), rel=1e-5)
+
+
+def test_a_conv_models_round_lasts_its_multiply_accumulates_as_two_flops_each_by_hand():
+    """LeNet-5-Caffe on 16x16x1 (16 -> conv 12 -> pool 6 -> conv 2 -> pool 1), forward multiply-accumulates of
+    one example: conv1 5*5*1*20 * 12*12 = 72,000, conv2 5*5*20*50 * 2*2 = 100,000, fc1 50*500 = 25,000, fc2
+    500*10 = 5,000: 202,000; training 3 x that an example an epoch. A device of s FLOP/s takes 2 x MACs / s."""
+    split = synthetic_split([5, 7, 3], shape=(16, 16, 1))
+    model = get_model("lenet5_caffe", (16, 16, 1), 10)
+    assert forward_flops(model.structure) == 202_000
+    algorithm = fedavg(LocalSGD(model, learning_rate=0.1, epochs=2, batch_size=8))
+    server, clients = algorithm.init(jax.random.key(1), model.init(jax.random.key(0)), 3)
+    speeds = np.array([[1e7, 1e9, 1e9, 0.0], [2e7, 1e9, 1e9, 0.5], [4e6, 1e9, 1e9, 0.0]])
+    per_example = 3 * 202_000 * 2  # the dense count the run gives the clock: 3 x forward x epochs
+    conditions = RoundConditions(uniform_sampler(3, 2), DeviceProfile("t", table=speeds), Stragglers(), per_example)
+    _, _, out = build_round(algorithm, split, 2, seed=0, conditions=conditions)(server, clients, 0)
+    ids = np.asarray(out.client_ids)
+    model_bytes = 4 * (500 + 25_000 + 25_000 + 5_000)  # float32 weights, no biases, both ways
+    by_hand = 2 * model_bytes / 1e9 + 2 * per_example * np.array([5, 7, 3])[ids] / speeds[ids, 0] + speeds[ids, 3]
+    np.testing.assert_allclose(out.client_seconds, by_hand, rtol=1e-6)
+    assert float(out.returns.seconds) == pytest.approx(by_hand.max(), rel=1e-6)
+    assert by_hand.max() > 1.0  # compute, not the links, is what the round waits for
 
 
 def test_a_client_past_the_deadline_is_lost_and_the_round_equals_the_one_without_it(round_parts):
@@ -237,6 +265,34 @@ def test_a_client_past_the_deadline_is_lost_and_the_round_equals_the_one_without
                            new_server["variables"], expected)
 
 
+def test_a_round_below_its_minimum_reports_is_abandoned_and_counted(round_parts):
+    """4 dispatched, one past the deadline: 3 return, below --min-reports 4. The server keeps its model and
+    every client its state; the 3 uploads that arrived count as sent; the round is counted abandoned and its
+    3 updates lost beside the late one."""
+    from fedjax_sparse.run.federation import federation_record, federation_totals
+    from fedjax_sparse.run.records import Counters
+
+    split, model, algorithm, server, clients = round_parts
+    ids = np.asarray(sample_clients(0, 0, 6, 4))
+    speeds = np.array([[1e12, 1e9, 1e9, 0.0]] * 6)
+    speeds[int(ids[2]), 0] = 1.0
+    conditions = RoundConditions(uniform_sampler(6, 4), DeviceProfile("t", table=speeds),
+                                 Stragglers(deadline=1.0, min_reports=4), 3.0 * forward_flops(model.structure) * 2)
+    new_server, new_clients, out = build_round(algorithm, split, 4, seed=0, conditions=conditions)(server, clients, 0)
+    jax.tree_util.tree_map(np.testing.assert_array_equal, new_server, server)
+    jax.tree_util.tree_map(np.testing.assert_array_equal, new_clients, clients)
+    model_bytes = int(message_bytes(server["variables"]))
+    assert np.asarray(out.uplink_bytes).tolist() == [0 if c == ids[2] else model_bytes for c in ids]
+    counters = Counters()
+    record = federation_record(out, conditions, counters)
+    assert {k: record[k] for k in ("clients_returned", "updates_late", "round_abandoned", "updates_abandoned")} == {
+        "clients_returned": 0, "updates_late": 1, "round_abandoned": True, "updates_abandoned": 3}
+    totals = federation_totals(conditions, counters)
+    assert totals["rounds_abandoned_total"] == 1 and totals["updates_lost_total"] == 4
+    with pytest.raises(ValueError, match="--min-reports 5 exceeds the 4 clients a round dispatches"):
+        RoundConditions(uniform_sampler(6, 4), stragglers=Stragglers(min_reports=5))
+
+
 # -------------------------------------------------------------------------------------- the run and its files
 
 def test_client_accuracy_figures_by_hand():
@@ -251,7 +307,7 @@ def test_client_accuracy_figures_by_hand():
 
 def test_the_run_records_the_federation_and_resumes_exactly(tmp_path, capsys):
     flags = [*TINY, "--num-clients", "8", "--clients-per-round", "3", "--sampler", "poisson", "--device-profile",
-             "iot", "--round-deadline", "4", "--dropout", "0.2", "--checkpoint-every", "2"]
+             "iot", "--round-deadline", "4", "--dropout", "0.2", "--min-reports", "2", "--checkpoint-every", "2"]
     whole, half = tmp_path / "whole", tmp_path / "half"
     assert main(["run", *flags, "--rounds", "4", "--out", str(whole)]) == 0
     assert main(["run", *flags, "--rounds", "2", "--out", str(half)]) == 0
@@ -260,8 +316,10 @@ def test_the_run_records_the_federation_and_resumes_exactly(tmp_path, capsys):
     last = records(whole)[-1]
     assert last["cumulative_simulated_seconds"] == pytest.approx(sum(r["simulated_seconds"] for r in records(whole)))
     assert all(r["simulated_seconds"] <= 4.0 + 1e-6 for r in records(whole))
-    lost = sum(r["updates_late"] + r["updates_failed"] for r in records(whole))
+    lost = sum(r["updates_late"] + r["updates_failed"] + r["updates_abandoned"] for r in records(whole))
     assert summary(whole)["updates_lost_total"] == lost
+    assert summary(whole)["rounds_abandoned_total"] == sum(r["round_abandoned"] for r in records(whole))
+    assert all(r["round_abandoned"] == (r["clients_returned"] + r["updates_abandoned"] < 2) for r in records(whole))
     assert summary(whole)["clients_dispatched_total"] == sum(r["clients_dispatched"] for r in records(whole))
     capsys.readouterr()
 
@@ -271,6 +329,8 @@ def test_the_run_records_the_federation_and_resumes_exactly(tmp_path, capsys):
     (["--over-selection", "0.5"], "--over-selection needs a clock"),
     (["--online-fraction", "0.3"], "--online-fraction is read only with --sampler availability"),
     (["--dropout", "1"], "--dropout"),
+    (["--min-reports", "3"], "--min-reports 3 exceeds the 2 clients a round dispatches"),
+    (["--min-reports", "1", "--dp-clip", "1"], "--dp-clip with --min-reports"),
 ])
 def test_federation_flags_that_cannot_apply_are_one_line(tmp_path, capsys, flags, words):
     assert main(["run", *TINY, "--rounds", "1", *flags, "--out", str(tmp_path / "run")]) == 2
@@ -279,7 +339,7 @@ def test_federation_flags_that_cannot_apply_are_one_line(tmp_path, capsys, flags
 
 
 def test_an_installed_sampler_is_found_through_its_entry_point_and_a_broken_one_skipped(monkeypatch):
-    from fedjax_sparse.core import participation
+    from fedjax_sparse.core.federation import participation
 
     class Entry:
         def __init__(self, name, spec):
@@ -307,7 +367,7 @@ def test_an_installed_sampler_is_found_through_its_entry_point_and_a_broken_one_
 
 
 def test_poisson_slots_split_evenly_over_a_sharded_rounds_devices(monkeypatch):
-    from fedjax_sparse.core.participation import poisson_slots
+    from fedjax_sparse.core.federation.participation import poisson_slots
     from fedjax_sparse.run import federation
     from fedjax_sparse.run.config import RunConfig
 

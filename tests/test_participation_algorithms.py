@@ -22,13 +22,13 @@ from conftest import synthetic_split
 from fedjax_sparse.algorithms import BUILT_IN, make_algorithm, make_options
 from fedjax_sparse.algorithms.personalization import PersonalizationOptions, personalize
 from fedjax_sparse.algorithms.uplink_compression import UplinkCompressionOptions, compress_uplink
-from fedjax_sparse.core.algorithm import BuildContext, replicate
-from fedjax_sparse.core.layer_groups import model_layer_groups
-from fedjax_sparse.core.local_training import LocalSGD
-from fedjax_sparse.core.messages import KnownMaskArray
-from fedjax_sparse.core.participation import Sampler
-from fedjax_sparse.core.round import RoundConditions, round_info, round_step
-from fedjax_sparse.core.server_optimizer import STATE_KEY
+from fedjax_sparse.core.contract.algorithm import BuildContext, replicate
+from fedjax_sparse.core.structure.layer_groups import model_layer_groups
+from fedjax_sparse.core.round.local_training import LocalSGD
+from fedjax_sparse.core.messages.pricing import KnownMaskArray
+from fedjax_sparse.core.federation.participation import Sampler
+from fedjax_sparse.core.round.step import RoundConditions, round_info, round_step
+from fedjax_sparse.building_blocks.server_optimizer import STATE_KEY
 from fedjax_sparse.models import get_model
 
 tree_map = jax.tree_util.tree_map

@@ -14,11 +14,11 @@ from fedjax_sparse.algorithms import make_algorithm, make_options
 from fedjax_sparse.algorithms.personalization import PersonalizationOptions, personalize
 from fedjax_sparse.algorithms.uplink_compression import UplinkCompressionOptions, compress_uplink
 from fedjax_sparse.run.cli import main
-from fedjax_sparse.core.algorithm import BuildContext
-from fedjax_sparse.core.compression import stochastic_quantization
-from fedjax_sparse.core.local_training import LocalSGD
-from fedjax_sparse.core.messages import QuantizedArray, SparseArray, message_bytes
-from fedjax_sparse.core.round import build_round, round_info
+from fedjax_sparse.core.contract.algorithm import BuildContext
+from fedjax_sparse.core.messages.compression import stochastic_quantization
+from fedjax_sparse.core.round.local_training import LocalSGD
+from fedjax_sparse.core.messages.pricing import QuantizedArray, SparseArray, message_bytes
+from fedjax_sparse.core.round.step import build_round, round_info
 from fedjax_sparse.models import get_model
 
 tree_map = jax.tree_util.tree_map

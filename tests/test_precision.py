@@ -30,11 +30,11 @@ import pytest
 from conftest import synthetic_split
 from test_models import NATURAL, sample_input
 from test_participation_algorithms import CASES, COUNTS, IDS, K, N, SEED, build, case_id
-from fedjax_sparse.core.algorithm import BuildContext
-from fedjax_sparse.core.compilation import compiler_options
-from fedjax_sparse.core.local_training import LocalSGD, masked_cross_entropy
-from fedjax_sparse.core.numerics import GPU_DETERMINISM, Numerics, numerics
-from fedjax_sparse.core.round import round_step
+from fedjax_sparse.core.contract.algorithm import BuildContext
+from fedjax_sparse.core.round.compilation import compiler_options
+from fedjax_sparse.core.round.local_training import LocalSGD, masked_cross_entropy
+from fedjax_sparse.core.round.numerics import GPU_DETERMINISM, Numerics, numerics
+from fedjax_sparse.core.round.step import round_step
 from fedjax_sparse.models import MODEL_NAMES, get_model
 from fedjax_sparse.run.cli import main
 

@@ -76,8 +76,11 @@ def records(run):
 def test_a_registered_algorithm_runs_from_the_cli_with_its_option_and_resumes_exactly(clean_registry, tmp_path,
                                                                                         capsys):
     registry.register(SPEC)
-    with pytest.raises(SystemExit):
+    with pytest.raises(SystemExit):  # its options are a group of the run's flags, listed and shown
         main(["run", "--help"])
+    assert re.search(r"^  topk +1 option : options of topk_fedavg$", capsys.readouterr().out, re.M)
+    with pytest.raises(SystemExit):
+        main(["run", "--help-group", "topk"])
     assert ("top-k FedAvg: the share of the model's change each client sends [topk_fedavg]"
             in " ".join(capsys.readouterr().out.split()))
     args = [*TINY, "--algorithm", "topk_fedavg", "--topk-ratio", "0.02"]
@@ -133,5 +136,6 @@ def test_registering_refuses_clashes_and_the_contract_is_checked_before_the_firs
     registry.register(AlgorithmSpec("broken", registry.ALGORITHMS["fedavg"].options, broken))
     assert main(["run", *TINY, "--algorithm", "broken", "--rounds", "1", "--out", str(tmp_path / "r")]) == 2
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "broken: client_update returns a client state with a leaf seen" in err
+    assert err.count("\n") == 1 and re.search(r"broken: client_update \(tests/test_registry.py:\d+\) returns a "
+                                              r"client state with a leaf seen", err), err
     assert not (tmp_path / "r" / "metrics.jsonl").exists()

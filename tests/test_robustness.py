@@ -10,9 +10,9 @@ from PIL import Image
 
 from fedjax_sparse import run as runner
 from fedjax_sparse.run.cli import main
-from fedjax_sparse.core import streams
-from fedjax_sparse.core.participation import sample_clients
-from fedjax_sparse.core.streams import STREAMS, stream_key, stream_seed
+from fedjax_sparse.core.round import streams
+from fedjax_sparse.core.federation.participation import sample_clients
+from fedjax_sparse.core.round.streams import STREAMS, stream_key, stream_seed
 
 TINY = ["--num-clients", "6", "--clients-per-round", "3", "--rounds", "1", "--local-epochs", "1", "--no-progress"]
 

@@ -25,7 +25,7 @@ from conftest import SCAFFOLD_ARGS, SCAFFOLD_ROUNDS
 from fedjax_sparse.run.checkpoints import CheckpointError, RunCheckpointer
 from fedjax_sparse.run.cli import main
 from fedjax_sparse.data.image_folder import load_image_folder
-from fedjax_sparse.run.folder import hold_run_folder
+from fedjax_sparse.run.folder import LOCK_FILE, hold_run_folder
 
 ROUNDS, ARGS = SCAFFOLD_ROUNDS, SCAFFOLD_ARGS
 DISK = ["--client-store", "disk"]
@@ -186,16 +186,18 @@ def test_a_signal_during_start_up_ends_the_run_with_one_line(tmp_path):
     out, err = proc.communicate(timeout=60)
     assert proc.returncode == 128 + signal.SIGINT
     assert err == "fedjax-sparse: SIGINT during start-up, before the first round: nothing was run\n" and out == ""
-    assert [p.name for p in run.iterdir()] == [".lock"]  # so the same command may simply be run again
+    assert list(run.iterdir()) == []  # so the same command may simply be run again
 
 
 def test_the_lock_names_its_holder(tmp_path, capsys):
     run = tmp_path / "run"
-    with hold_run_folder(run):
+    with hold_run_folder(run) as held:
+        held.announce()
         code, err = cli(capsys, *ARGS, "--rounds", "1", "--out", str(run))
+        assert [p.name for p in run.iterdir()] == [LOCK_FILE]  # the holder's, untouched by the refused run
     assert code == 2 and err.count("\n") == 1
     assert f"--out {run} is in use by another run (pid {os.getpid()})" in err
-    assert [p.name for p in run.iterdir()] == [".lock"]
+    assert list(run.iterdir()) == []  # the holder removed it
 
 
 # ---------------------------------------------------------------------------------------------
@@ -233,8 +235,8 @@ def test_a_save_that_cannot_happen_is_an_error(tmp_path):
     import jax
     from conftest import linear_model
     from fedjax_sparse.algorithms import fedavg
-    from fedjax_sparse.core.client_store import make_store
-    from fedjax_sparse.core.local_training import LocalSGD
+    from fedjax_sparse.core.client_state.choice import make_store
+    from fedjax_sparse.core.round.local_training import LocalSGD
 
     model = linear_model()
     store = make_store("device", fedavg(LocalSGD(model, 0.1, 1, 2)), jax.random.key(0), model.init(jax.random.key(1)),

@@ -1,4 +1,4 @@
-"""Secure aggregation's cost model (`core.secure_aggregation`) against independent truths: every message of a
+"""Secure aggregation's cost model (`core.messages.secure_aggregation`) against independent truths: every message of a
 small round counted by hand, the field sized so that a brute-force sum of maximal inputs fits (and one bit
 less wraps), a masked round simulated end to end recovering the exact sum, SecAgg+'s degree and threshold
 against the table the authors' implementation publishes, Bonawitz et al.'s published expansion factors,
@@ -11,8 +11,8 @@ import math
 import numpy as np
 import pytest
 
-from fedjax_sparse.core import secure_aggregation
-from fedjax_sparse.core.secure_aggregation import (SecureAggregation, field_bits, fixed_point_decode_sum,
+from fedjax_sparse.core.messages import secure_aggregation
+from fedjax_sparse.core.messages.secure_aggregation import (SecureAggregation, field_bits, fixed_point_decode_sum,
                                                    fixed_point_encode, masked_input_bytes, secagg_plus_graph)
 
 

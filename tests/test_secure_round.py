@@ -13,13 +13,13 @@ import pytest
 from conftest import synthetic_split
 from fedjax_sparse.algorithms import BUILT_IN, fedavg, make_algorithm, make_options
 from fedjax_sparse.algorithms.personalization import PersonalizationOptions, personalize
-from fedjax_sparse.core.algorithm import BuildContext
-from fedjax_sparse.core.clock import Stragglers, read_profile_file
-from fedjax_sparse.core.local_training import LocalSGD
-from fedjax_sparse.core.participation import uniform_sampler
-from fedjax_sparse.core.round import RoundConditions, round_info, round_step
-from fedjax_sparse.core.secure_aggregation import SecureAggregation, summed_entries
-from fedjax_sparse.core.wrapping import upload_shapes
+from fedjax_sparse.core.contract.algorithm import BuildContext
+from fedjax_sparse.core.federation.clock import Stragglers, read_profile_file
+from fedjax_sparse.core.round.local_training import LocalSGD
+from fedjax_sparse.core.federation.participation import uniform_sampler
+from fedjax_sparse.core.round.step import RoundConditions, round_info, round_step
+from fedjax_sparse.core.messages.secure_aggregation import SecureAggregation, summed_entries
+from fedjax_sparse.core.contract.wrapping import upload_shapes
 from fedjax_sparse.models import MODEL_NAMES, get_model
 from fedjax_sparse.run.cli import main
 

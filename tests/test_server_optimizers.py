@@ -10,12 +10,12 @@ import pytest
 
 from conftest import linear_model
 from fedjax_sparse.algorithms import ALGORITHMS, BUILT_IN, fedavg, make_algorithm, make_options
-from fedjax_sparse.core.algorithm import BuildContext
-from fedjax_sparse.core.local_training import LocalSGD
-from fedjax_sparse.core.round import build_round
-from fedjax_sparse.core.server_optimizer import FedOptState, ServerOptimizerOptions, server_optimizer
-from fedjax_sparse.core.unit_masks import variable_masks
-from fedjax_sparse.core.unit_selection import keep_top_units, prefix_scores
+from fedjax_sparse.core.contract.algorithm import BuildContext
+from fedjax_sparse.core.round.local_training import LocalSGD
+from fedjax_sparse.core.round.step import build_round
+from fedjax_sparse.building_blocks.server_optimizer import FedOptState, ServerOptimizerOptions, server_optimizer
+from fedjax_sparse.core.structure.unit_masks import variable_masks
+from fedjax_sparse.core.structure.unit_selection import keep_top_units, prefix_scores
 from fedjax_sparse.models import get_model
 from test_engine import SCAFFOLD_CLIENTS, SCAFFOLD_STEPS, hand_local_sgd, order_free_split, random_theta, \
     to_params, to_vector

@@ -10,11 +10,12 @@ SCRIPT = textwrap.dedent("""
     import jax, numpy as np
     assert jax.device_count() == 4, jax.devices()
     from fedjax_sparse.algorithms import fedavg, scaffold
-    from fedjax_sparse.core.local_training import LocalSGD
-    from fedjax_sparse.core.client_store import initial_server_state, make_store
-    from fedjax_sparse.core.distributed import process_mesh
-    from fedjax_sparse.core.round import build_round, clients_mesh
-    from fedjax_sparse.core.store_round import StoreRound
+    from fedjax_sparse.core.round.local_training import LocalSGD
+    from fedjax_sparse.core.client_state.choice import make_store
+    from fedjax_sparse.core.client_state.store import initial_server_state
+    from fedjax_sparse.core.round.distributed import process_mesh
+    from fedjax_sparse.core.round.step import build_round, clients_mesh
+    from fedjax_sparse.core.round.store import StoreRound
     from fedjax_sparse.data.federated import federated_split
     from fedjax_sparse.data.windows import host_data
     from fedjax_sparse.models import get_model

@@ -15,14 +15,14 @@ from fedjax_sparse.algorithms.spafl import (global_threshold_update, init_thresh
                                             reset_collapsed_layers, ste_masks, threshold_masks,
                                             unit_magnitudes)
 from fedjax_sparse.run.cli import main
-from fedjax_sparse.core.flops import forward_flops, training_flops
-from fedjax_sparse.core.local_training import LocalSGD, clip_grad_norm, masked_cross_entropy
-from fedjax_sparse.core.messages import message_bytes
-from fedjax_sparse.core.round import build_round
-from fedjax_sparse.core.unit_masks import (density, layer_mean_density, live_input_fraction,
+from fedjax_sparse.core.structure.flops import forward_flops, training_flops
+from fedjax_sparse.core.round.local_training import LocalSGD, clip_grad_norm, masked_cross_entropy
+from fedjax_sparse.core.messages.pricing import message_bytes
+from fedjax_sparse.core.round.step import build_round
+from fedjax_sparse.core.structure.unit_masks import (density, layer_mean_density, live_input_fraction,
                                            variable_masks)
 from fedjax_sparse.data.federated import client_batch, epoch_permutations, steps_per_epoch
-from fedjax_sparse.core.round import round_info
+from fedjax_sparse.core.round.step import round_info
 from fedjax_sparse.models import Layer, ModelStructure, get_model
 from fedjax_sparse.models.structure import get_path, set_path
 

@@ -11,16 +11,16 @@ import pytest
 
 from conftest import initialized
 from fedjax_sparse.algorithms import fedavg, make_algorithm, make_options
-from fedjax_sparse.algorithms.spatl import (encoder_flops, encoder_layers, fit_predictor, salient_masks,
-                                            uniform_keep_ratio, unit_l2_norms)
+from fedjax_sparse.algorithms.spatl import fit_predictor
+from fedjax_sparse.algorithms.spatl_selection import (encoder_flops, encoder_layers, salient_masks, uniform_keep_ratio, unit_l2_norms)
 from fedjax_sparse.run.cli import main
-from fedjax_sparse.core.algorithm import BuildContext
-from fedjax_sparse.core.layer_groups import leaf_paths
-from fedjax_sparse.core.model_parts import part_labels, take_part
-from fedjax_sparse.core.local_training import LocalSGD, masked_cross_entropy
-from fedjax_sparse.core.messages import SparseArray, message_bytes
-from fedjax_sparse.core.round import build_round, round_info
-from fedjax_sparse.core.unit_masks import full_unit_masks
+from fedjax_sparse.core.contract.algorithm import BuildContext
+from fedjax_sparse.core.structure.layer_groups import leaf_paths
+from fedjax_sparse.core.structure.model_parts import part_labels, take_part
+from fedjax_sparse.core.round.local_training import LocalSGD, masked_cross_entropy
+from fedjax_sparse.core.messages.pricing import SparseArray, message_bytes
+from fedjax_sparse.core.round.step import build_round, round_info
+from fedjax_sparse.core.structure.unit_masks import full_unit_masks
 from fedjax_sparse.data.federated import normalize
 from fedjax_sparse.models import Layer, ModelStructure, get_model
 
@@ -174,7 +174,7 @@ def test_the_fixed_policy_meets_the_flops_target_with_the_largest_uniform_ratio(
     layers = encoder_layers(structure)
     dense = float(encoder_flops(structure, full_unit_masks(structure), layers))
     scores = {l.name: -jnp.arange(l.num_units, dtype=jnp.float32) for l in structure.layers}
-    from fedjax_sparse.core.unit_selection import keep_top_units
+    from fedjax_sparse.core.structure.unit_selection import keep_top_units
     for target in (0.2, 0.5):
         r = uniform_keep_ratio(structure, layers, target)
         kept = float(encoder_flops(structure, keep_top_units(structure, scores, r, layers=layers), layers))
@@ -320,9 +320,9 @@ def test_partial_participation_evaluates_the_global_encoder_and_reports_the_roun
     diagnostics describe the one upload of the round, by hand: fc1 keeps 64 of 256 units, fc2 64 of
     256 and only their inputs, so (64 x 64 + 64 + 64 x 64 + 64) / 82,432 encoder weights, and the
     model's FLOPs fall from 64 x 256 + 256 x 256 + 256 x 10 to 64 x 64 + 64 x 64 + 64 x 10."""
-    from fedjax_sparse.core.evaluation import population_diagnostics
-    from fedjax_sparse.core.model_parts import overlay
-    from fedjax_sparse.core.streams import stream_key
+    from fedjax_sparse.core.evaluation.evaluators import population_diagnostics
+    from fedjax_sparse.core.structure.model_parts import overlay
+    from fedjax_sparse.core.round.streams import stream_key
     split = make_split([12, 16, 12, 20])
     alg, local = build(mlp, split, salient_keep=0.25, clients_per_round=1)
     variables = mlp.init(jax.random.key(0))
@@ -388,7 +388,8 @@ def test_agent_policy_meets_the_flops_target_and_carries_its_state_over_rounds(m
     the state a search returns is what the next search starts from (different from starting
     afresh), `agent_reset` ignores it, and a saved agent is what every client starts from."""
     from fedjax_sparse.agent import AgentConfig, GraphTemplate, save_agent
-    from fedjax_sparse.algorithms.spatl import agent_policy, load_agent
+    from fedjax_sparse.agent import load_agent
+    from fedjax_sparse.algorithms.spatl_selection import agent_policy
     split = make_split([40])
     variables = mlp.init(jax.random.key(0))
     layers = encoder_layers(mlp.structure)
@@ -438,7 +439,7 @@ def test_held_out_shares_are_random_stratified_and_cost_no_class_its_training_on
     classes of one example keep back to train on), no class loses all its training examples, the two views split the window exactly, and the draw is the client's own (the
     same for the same seed, another for another seed). The last 10 % of the window would be one or two
     classes."""
-    from fedjax_sparse.algorithms.spatl import agent_holdout, split_holdout
+    from fedjax_sparse.algorithms.spatl_selection import agent_holdout, split_holdout
     from fedjax_sparse.data import partition
     from fedjax_sparse.data.federated import federated_split
     y = np.repeat(np.arange(10), 60)
@@ -483,7 +484,7 @@ def test_on_a_trained_mlp_the_agent_beats_uniform_pruning_at_the_same_flops():
     import optax
 
     from fedjax_sparse.agent import AgentConfig
-    from fedjax_sparse.algorithms.spatl import agent_policy
+    from fedjax_sparse.algorithms.spatl_selection import agent_policy
     from fedjax_sparse.data.federated import federated_split
     from fedjax_sparse.data.sources import load_digits
 

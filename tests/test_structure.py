@@ -1,11 +1,11 @@
 """What a sub-model consists of, on every model of the zoo.
 
 The structure description (`ModelStructure`) is the one statement of which weights a
-sub-model holds (`core.unit_masks.variable_masks`), what it costs to run
-(`core.flops.layer_forward_flops`) and what it uploads. These tests hold it against the
+sub-model holds (`core.structure.unit_masks.variable_masks`), what it costs to run
+(`core.structure.flops.layer_forward_flops`) and what it uploads. These tests hold it against the
 computation itself: the gradient of the masked model (zero exactly outside
 `variable_masks`, non-zero inside), and what every convolution and dense call really
-receives and delivers (`core.flops.measure_layers`), for unit masks drawn as the methods draw
+receives and delivers (`core.structure.flops.measure_layers`), for unit masks drawn as the methods draw
 them: the group-tied sub-model selection over all hidden layers (HeteroFL, FedRolex,
 Federated Dropout, FedGSE), ordered dropout's prefixes (Fjord, FedP3's downlink), SPATL's
 encoder-only selection, and SpaFL's untied per-layer masks.
@@ -22,10 +22,10 @@ import numpy as np
 import pytest
 from test_models import NATURAL
 
-from fedjax_sparse.algorithms.spatl import encoder_layers
-from fedjax_sparse.core.flops import layer_forward_flops, measure_layers
-from fedjax_sparse.core.unit_masks import input_unit_masks, variable_masks
-from fedjax_sparse.core.unit_selection import keep_top_units, prefix_scores
+from fedjax_sparse.algorithms.spatl_selection import encoder_layers
+from fedjax_sparse.core.structure.flops import layer_forward_flops, measure_layers
+from fedjax_sparse.core.structure.unit_masks import input_unit_masks, variable_masks
+from fedjax_sparse.core.structure.unit_selection import keep_top_units, prefix_scores
 from fedjax_sparse.models import MODEL_NAMES, get_model
 from fedjax_sparse.models.conv import Conv2D, conv2d
 from fedjax_sparse.models.recurrent import LSTM
@@ -249,7 +249,7 @@ def test_bad_descriptions_are_refused_in_one_line():
 
 def test_all_ones_masks_leave_the_resnets_unchanged():
     """Masking the option-A shortcut changes nothing when every unit is kept."""
-    from fedjax_sparse.core.unit_masks import full_unit_masks
+    from fedjax_sparse.core.structure.unit_masks import full_unit_masks
 
     model = get_model("resnet20", (4, 4, 3), 10)
     variables = positive_variables(model, 0)

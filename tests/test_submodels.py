@@ -17,12 +17,12 @@ from fedjax_sparse.algorithms.fedgse import (public_set, similar_batch, top_labe
                                              unit_gradient_scores)
 from fedjax_sparse.algorithms.submodels import SubmodelOptions, client_capacity
 from fedjax_sparse.run.cli import main
-from fedjax_sparse.core.algorithm import BuildContext
-from fedjax_sparse.core.evaluation import population_batch_stats
-from fedjax_sparse.core.local_training import LocalSGD
-from fedjax_sparse.core.messages import KnownMaskArray, message_bytes
-from fedjax_sparse.core.round import build_round, round_info
-from fedjax_sparse.core.unit_selection import keep_top_units, rolling_scores
+from fedjax_sparse.core.contract.algorithm import BuildContext
+from fedjax_sparse.core.evaluation.evaluators import population_batch_stats
+from fedjax_sparse.core.round.local_training import LocalSGD
+from fedjax_sparse.core.messages.pricing import KnownMaskArray, message_bytes
+from fedjax_sparse.core.round.step import build_round, round_info
+from fedjax_sparse.core.structure.unit_selection import keep_top_units, rolling_scores
 from fedjax_sparse.data.federated import federated_split, normalize
 from fedjax_sparse.models import get_model
 
@@ -606,7 +606,7 @@ def test_the_scaler_leaves_the_batch_statistics_forward_pass_of_batchnorm_models
     never on a shortcut: at beta = 1/16 the training forward pass of preresnet18 (whose projection
     shortcuts have no norm of their own) and cnn4 is exactly the unscaled one."""
     from fedjax_sparse.algorithms.submodels import training_unit_masks
-    from fedjax_sparse.core.unit_selection import random_scores
+    from fedjax_sparse.core.structure.unit_selection import random_scores
     model, variables = small_model(name)
 
     @jax.jit  # the variables as an argument: closed over, preresnet18's become an 89 MB program of constants
@@ -778,3 +778,14 @@ def test_fedrolex_bytes_and_entries_at_a_round_where_the_window_has_wrapped(make
     count = 64 * 128 + 128 + 128 * 128 + 128 + 128 * 10 + 10
     assert int(down_bytes) == 4 * count
     assert int(up_bytes) == 4 * count
+
+
+def test_fedgse_takes_the_labels_a_typical_client_mostly_holds_where_the_partition_gives_none():
+    """The fewest labels holding 80 % of each client's examples, by hand: [8, 1, 1, 0] -> 1 (8 of 10),
+    [5, 5, 0, 0] -> 2, [3, 3, 2, 2] -> 3 (8 of 10), [0, 0, 0, 0] (no examples) left out; the median is 2, and
+    with [1, 1, 1, 1] too (4 labels: 0.75 < 0.8 at 3) the median of 1, 2, 3, 4 rounds up to 3."""
+    from fedjax_sparse.algorithms.fedgse import typical_labels
+
+    counts = [[8, 1, 1, 0], [5, 5, 0, 0], [3, 3, 2, 2], [0, 0, 0, 0]]
+    assert typical_labels(counts) == 2
+    assert typical_labels([*counts, [1, 1, 1, 1]]) == 3

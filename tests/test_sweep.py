@@ -2,7 +2,9 @@
 here by hand from the runs' own summaries, the same table after the sweep was killed with SIGKILL and
 resumed, one-line refusals, a sweep from a config file, and an Optuna search whose study is stored."""
 
+import contextlib
 import csv
+import io
 import json
 import os
 import signal
@@ -39,11 +41,24 @@ def completed(run_dir: Path) -> bool:
         return False
 
 
+PRINTED = {}  # what the module's sweep printed
+
+
 @pytest.fixture(scope="module")
 def grid_sweep(tmp_path_factory):
     out = tmp_path_factory.mktemp("sweep") / "grid"
-    assert main(["sweep", *TINY, *GRID, "--parallel", "2", "--out", str(out)]) == 0
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        assert main(["sweep", *TINY, *GRID, "--parallel", "2", "--out", str(out)]) == 0
+    PRINTED["grid"] = printed.getvalue()
     return out
+
+
+def test_a_sweep_prints_its_table_at_the_end(grid_sweep):
+    """As an experiment does: the table of sweep.md, then the line naming where it is."""
+    table_text = (grid_sweep / "sweep.md").read_text().split("\n\n", 3)[-1]
+    assert table_text.startswith("| point | lr | seeds | failed | accuracy_of |")
+    assert PRINTED["grid"].endswith(table_text + f"done: 2 points x 2 seeds; table in {grid_sweep / 'sweep.md'}\n")
 
 
 def test_a_grid_times_seeds_writes_a_run_folder_per_run_and_their_means_and_stds(grid_sweep):
@@ -64,7 +79,7 @@ def test_a_grid_times_seeds_writes_a_run_folder_per_run_and_their_means_and_stds
             assert float(row[f"{column}_std"]) == pytest.approx(abs(a - b) / 2, rel=1e-12, abs=1e-15)
         assert "simulated_seconds_mean" not in row  # no clock: no column
     assert (grid_sweep / "sweep.png").stat().st_size > 0
-    assert "| lr=0.1 | 0.1 | 2 | 0 |" in (grid_sweep / "sweep.md").read_text()
+    assert "| lr=0.1 | 0.1 | 2 | 0 | global |" in (grid_sweep / "sweep.md").read_text()
 
 
 def test_a_sweep_killed_with_sigkill_and_resumed_writes_the_same_table(grid_sweep, tmp_path, capsys):

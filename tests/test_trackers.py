@@ -116,7 +116,7 @@ def reporting_fedavg(monkeypatch):
 
     from fedjax_sparse.algorithms import registry
     from fedjax_sparse.algorithms.fedavg import FedAvgOptions, fedavg
-    from fedjax_sparse.core.algorithm import AlgorithmSpec, ServerStep
+    from fedjax_sparse.core.contract.algorithm import AlgorithmSpec, ServerStep
 
     def build(context, options):
         base = fedavg(context.local)
@@ -337,3 +337,32 @@ def test_a_tracker_that_cannot_start_is_one_line_before_round_1_and_the_same_com
     assert len(err) == 1 and "--logger mlflow: cannot start its run: API request" in err[0], err
     assert not (run / "metrics.jsonl").exists() and not list(run.glob("events.out.tfevents.*"))
     claim_run_folder(run, overwrite=False)  # no run file: the same command is not refused
+
+
+def test_a_sweeps_runs_are_named_by_point_and_seed_and_grouped_by_the_sweep(tmp_path, monkeypatch, local_only):
+    """In MLflow (read back from its store) and W&B (what `wandb.init` is given), not `seed_0` for every run."""
+    import wandb
+    from mlflow.tracking import MlflowClient
+
+    from fedjax_sparse.run.trackers import SWEEP_ENV
+
+    monkeypatch.chdir(tmp_path)
+    for name in ("WANDB_DIR", "WANDB_CACHE_DIR", "WANDB_CONFIG_DIR", "WANDB_DATA_DIR"):
+        (tmp_path / name.lower()).mkdir()
+        monkeypatch.setenv(name, str(tmp_path / name.lower()))
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    given = []
+    init = wandb.init
+    monkeypatch.setattr(wandb, "init", lambda **kwargs: given.append(kwargs) or init(**kwargs))
+    monkeypatch.setenv(SWEEP_ENV, "lr_sweep")
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    out = tmp_path / "lr_sweep" / "lr=0.1" / "seed_2"
+    flags = [f"--{k.replace('_', '-')}={v}" for k, v in TINY.items()]
+    assert main(["run", *flags, "--rounds", "1", "--no-progress", "--logger", "mlflow,wandb", "--mlflow-tracking-uri",
+                 uri, "--out", str(out)]) == 0
+    (run,) = MlflowClient(tracking_uri=uri).search_runs(["0"])
+    assert run.info.run_name == "lr=0.1/seed_2"
+    assert {k: run.data.tags[k] for k in ("fedjax_sparse.sweep", "fedjax_sparse.point", "fedjax_sparse.seed")} == {
+        "fedjax_sparse.sweep": "lr_sweep", "fedjax_sparse.point": "lr=0.1", "fedjax_sparse.seed": "2"}
+    ((kwargs),) = given
+    assert (kwargs["name"], kwargs["group"], kwargs["job_type"]) == ("lr=0.1/seed_2", "lr_sweep", "lr=0.1")

@@ -121,7 +121,7 @@ def fixed_data_order():
     training (`epoch_permutations`, its shuffle) replaced by the identity, as their data loaders are
     replaced by ours. Patched where local training looks it up, for the jit traces made inside."""
     import jax.numpy as jnp
-    from fedjax_sparse.core import local_training
+    from fedjax_sparse.core.round import local_training
 
     original = local_training.epoch_permutations
 
@@ -163,7 +163,7 @@ def run_rounds(algorithm, server_state: Any, states: list, split, schedule, *, a
     import jax.numpy as jnp
 
     from benchmarks.parity.decisions import LibraryDecisions
-    from fedjax_sparse.core.round import round_info
+    from fedjax_sparse.core.round.step import round_info
 
     broadcast = broadcast or algorithm.broadcast
     out = {}

@@ -1,6 +1,6 @@
 """A Griffe extension for the reference pages: an options class shows its options as a table.
 
-An option is a dataclass field declared with `option(default, help, ...)` (`fedjax_sparse.core.options`).
+An option is a dataclass field declared with `option(default, help, ...)` (`fedjax_sparse.core.contract.options`).
 Such fields carry their help in metadata, not in a docstring, so mkdocstrings would show none of them.
 This extension appends to the docstring of every class that declares options (itself or through its bases)
 a table of each option: its flag, default, valid values and help, read from the imported class, so the page
@@ -44,7 +44,7 @@ def _shown(value) -> str:
 
 def _row(field: dataclasses.Field, annotation) -> str:
     # the flags' own reading of an annotation, so that the table says what `--help` says
-    from fedjax_sparse.core.options import _base_type, flag_name, spec_of
+    from fedjax_sparse.core.contract.options import _base_type, flag_name, spec_of
 
     spec = spec_of(field)
     element, optional, is_tuple = _base_type(annotation)
@@ -68,7 +68,7 @@ def _row(field: dataclasses.Field, annotation) -> str:
 
 def options_table(cls: type) -> str:
     """Markdown: the options `cls` declares, then those of each base class, as tables."""
-    from fedjax_sparse.core.options import option_fields
+    from fedjax_sparse.core.contract.options import option_fields
 
     hints = typing.get_type_hints(cls)
     fields = option_fields(cls)

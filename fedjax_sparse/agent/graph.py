@@ -22,7 +22,7 @@ Node features, in this order:
   static (per model): kind one-hot (conv, dense), log units, log fan-in,
     log output map size (each natural log / 10, to be O(1) like the ratios
     beside them), share of the encoder's dense forward FLOPs
-    (fan_in x units x output_hw, `core.flops`), share of its kernel weights;
+    (fan_in x units x output_hw, `core.structure.flops`), share of its kernel weights;
   dynamic: the current keep ratio, then the `NUM_NORM_STATS` unit-norm
     statistics of `unit_norm_statistics`.
 Globals: [FLOPs kept so far, FLOPs budget], both fractions of the dense
@@ -39,8 +39,8 @@ import jax
 import jax.numpy as jnp
 import jraph
 
-from fedjax_sparse.core.flops import layer_forward_flops
-from fedjax_sparse.core.unit_selection import kept_units
+from fedjax_sparse.core.structure.flops import layer_forward_flops
+from fedjax_sparse.core.structure.unit_selection import kept_units
 from fedjax_sparse.models.structure import ModelStructure
 
 NUM_STATIC_FEATURES = 7
@@ -146,7 +146,7 @@ def unit_norm_statistics(norms: dict[str, jax.Array], layer_names: tuple[str, ..
     weights). Mean and std are divided by the mean unit norm over all listed
     layers, so they say how salient a layer is relative to the rest of the
     encoder, whatever the weights' scale. The third column is the share of
-    the layer's total norm held by its `core.unit_selection.kept_units` units of
+    the layer's total norm held by its `core.structure.unit_selection.kept_units` units of
     largest norm at the current keep ratio (the count every selection uses): how much of the layer a norm-based selection
     (SPATL's code keeps filters by L2 norm) would retain. A layer whose
     norms are all zero gets share 0.

@@ -38,8 +38,8 @@ from fedjax_sparse.algorithms.registry import (ALGORITHMS, BUILT_IN, ENTRY_POINT
                                                UnknownAlgorithm, algorithm_names, flags_of, get_spec,
                                                load_entry_points, option_users, refused, register, registered,
                                                reserve)
-from fedjax_sparse.core.algorithm import AlgorithmSpec, BuildContext, FederatedAlgorithm
-from fedjax_sparse.core.options import from_mapping, validate
+from fedjax_sparse.core.contract.algorithm import AlgorithmSpec, BuildContext, FederatedAlgorithm
+from fedjax_sparse.core.contract.options import from_mapping, validate
 
 for _spec in (_fedavg.SPEC, _fedprox.SPEC, _scaffold.SPEC, _fednova.SPEC, _local.SPEC, *_spafl.SPECS,
               *_fedldf.SPECS, _fedadp.SPEC, *_submodels.SPECS, _fedgse.SPEC, _spatl.SPEC, _fedpm.SPEC, _fjord.SPEC,

@@ -22,7 +22,7 @@ The reading.
     prunable weights. A layer whose neurons moved more keeps more of them; the ratios of the
     layers are the outcome, their weighted mean is `upload_keep` (less at most one neuron).
   * Up: the kept neurons, each with its whole incoming weights, its bias and its normalization's
-    scale and shift, as unit-structured sparse leaves (`core.messages.unit_sparse` with
+    scale and shift, as unit-structured sparse leaves (`core.messages.pricing.unit_sparse` with
     `inputs=False`: a layer's kept-unit index paid once, then the values); and the BatchNorm
     running statistics of every unit, dense (2 float32s a unit: about 0.4 % of the upload on
     SpaFL's CNN at 0.2).
@@ -58,11 +58,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from fedjax_sparse.algorithms.fedavg import fedavg
-from fedjax_sparse.core.aggregation import mean_of_sent, weighted_mean
-from fedjax_sparse.core.algorithm import AlgorithmSpec, BuildContext, FederatedAlgorithm
-from fedjax_sparse.core.messages import unit_sparse
-from fedjax_sparse.core.options import option
-from fedjax_sparse.core.server_optimizer import ServerOptimizerOptions, from_options
+from fedjax_sparse.core.messages.aggregation import mean_of_sent, weighted_mean
+from fedjax_sparse.core.contract.algorithm import AlgorithmSpec, BuildContext, FederatedAlgorithm
+from fedjax_sparse.core.messages.pricing import unit_sparse
+from fedjax_sparse.core.contract.options import option
+from fedjax_sparse.building_blocks.server_optimizer import ServerOptimizerOptions, from_options
 from fedjax_sparse.models.structure import ModelStructure, get_path
 
 

@@ -5,7 +5,7 @@ BatchNorm, its running statistics, without which the aggregate cannot predict.
 The mean is weighted by the clients' numbers of examples (`data`, McMahan et
 al.) or uniform over the sampled clients that take part (`uniform`, as SpaFL's
 appendix A.1.1 runs its FedAvg baseline). The server steps toward it with its optimizer
-(`core.server_optimizer`; default sgd at lr 1: the mean replaces the global
+(`building_blocks.server_optimizer`; default sgd at lr 1: the mean replaces the global
 model, McMahan et al.'s rule; adam: FedAdam).
 """
 
@@ -15,11 +15,11 @@ import dataclasses
 
 import jax.numpy as jnp
 
-from fedjax_sparse.core.aggregation import weighted_mean
-from fedjax_sparse.core.algorithm import MODEL_UPLOAD, AlgorithmSpec, FederatedAlgorithm
-from fedjax_sparse.core.local_training import LocalSGD
-from fedjax_sparse.core.options import option
-from fedjax_sparse.core.server_optimizer import ServerOptimizer, ServerOptimizerOptions, from_options, server_optimizer
+from fedjax_sparse.core.messages.aggregation import weighted_mean
+from fedjax_sparse.core.contract.algorithm import MODEL_UPLOAD, AlgorithmSpec, FederatedAlgorithm
+from fedjax_sparse.core.round.local_training import LocalSGD
+from fedjax_sparse.core.contract.options import option
+from fedjax_sparse.building_blocks.server_optimizer import ServerOptimizer, ServerOptimizerOptions, from_options, server_optimizer
 
 
 @dataclasses.dataclass(frozen=True)

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 
 from fedjax_sparse.building_blocks import (AlgorithmSpec, BuildContext, FederatedAlgorithm, LocalObjective, option,
                                            present_sum, proximal_term, replicate, uniform_mean, weighted_mean)
-from fedjax_sparse.core.algorithm import MODEL_UPLOAD
+from fedjax_sparse.core.contract.algorithm import MODEL_UPLOAD
 
 tree_map = jax.tree_util.tree_map
 

@@ -21,8 +21,12 @@ stay in the clients' training data too). A client's similar data is a random
 batch of `similar_examples` (default 128) public examples whose labels are in
 the client's label set L, redrawn every round; with fewer such examples than
 that, all of them (the rest of the static batch is masked out of the loss).
-L has s labels, s = `significant_labels` (default: the partition's labels per
-client), known one of two ways:
+L has s labels, s = `significant_labels`. The paper's clients each hold s
+labels (a pathological label partition), so by default s is the partition's
+labels per client; under any other partition (Dirichlet, IID, a data set's own
+clients) it is the labels a typical client's data mostly consists of: the
+median over clients of the fewest labels that hold 80 % of a client's examples
+(`typical_labels`). L is known one of two ways:
   csl  the client sends its s most frequent labels (ties to the lower label);
        their bytes (one byte each up to 256 classes) count in its upload. The
        server needs them before it picks the sub-model; the simulation reads the
@@ -46,11 +50,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from fedjax_sparse.algorithms.submodels import ServerMemory, SubmodelOptions, submodel_algorithm
-from fedjax_sparse.core.algorithm import AlgorithmSpec, BuildContext, FederatedAlgorithm
-from fedjax_sparse.core.local_training import masked_cross_entropy
-from fedjax_sparse.core.messages import KnownMaskArray
-from fedjax_sparse.core.options import option
-from fedjax_sparse.core.streams import stream_seed
+from fedjax_sparse.core.contract.algorithm import AlgorithmSpec, BuildContext, FederatedAlgorithm
+from fedjax_sparse.core.round.local_training import masked_cross_entropy
+from fedjax_sparse.core.messages.pricing import KnownMaskArray
+from fedjax_sparse.core.contract.options import option
+from fedjax_sparse.core.round.streams import stream_seed
 from fedjax_sparse.data.federated import FederatedSplit, client_label_counts, normalize
 from fedjax_sparse.models.structure import Model
 
@@ -66,7 +70,9 @@ class FedGSEOptions(SubmodelOptions):
     public_fraction: float = option(0.01, "FedGSE: share of every client's training data in the server's "
                                           "public set", low=0.0, low_open=True, high=1.0)
     significant_labels: int | None = option(None, "FedGSE: s, the labels that describe a client (default: the "
-                                                  "labels partition's labels per client)", low=1)
+                                                  "labels partition's labels per client; under another partition "
+                                                  "the median over clients of the fewest labels holding 80 % of "
+                                                  "a client's examples)", low=1)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -125,19 +131,27 @@ def class_accuracy(model: Model, variables: dict, public: PublicSet, num_classes
     return per_class / jnp.maximum(counts, 1.0)
 
 
+def typical_labels(label_counts: np.ndarray, share: float = 0.8) -> int:
+    """The median over clients ([N, classes] counts) of the fewest labels holding `share` of a client's examples
+    (rounded up; clients without examples left out)."""
+    counts = np.asarray(label_counts, np.float64)
+    counts = counts[counts.sum(axis=1) > 0]
+    covered = np.cumsum(-np.sort(-counts, axis=1), axis=1) / counts.sum(axis=1, keepdims=True)
+    fewest = (covered < share - 1e-9).sum(axis=1) + 1
+    return int(np.ceil(np.median(fewest)))
+
+
 def fedgse(context: BuildContext, options: FedGSEOptions) -> FederatedAlgorithm:
     model = context.local.model
-    s = options.significant_labels or context.labels_per_client
-    if s is None:
-        raise ValueError("fedgse needs --significant-labels s (the labels that describe a client) when the "
-                         "partition is not 'labels' (whose --labels-per-client it uses by default)")
-    if not 1 <= s <= context.num_classes:
-        raise ValueError(f"--significant-labels must be in [1, {context.num_classes}] (the classes), got {s}")
+    num_classes = context.num_classes
     # (SPL's memory, [num_clients x classes] in the server state, would also be replicated on every process)
     train = context.device_train("fedgse", "draws its public set and its clients' label answers from every "
                                            "client's training data")
+    s = options.significant_labels or context.labels_per_client or typical_labels(jax.jit(jax.vmap(
+        lambda i: client_label_counts(train.client(i), num_classes)))(jnp.arange(context.num_clients)))
+    if not 1 <= s <= num_classes:
+        raise ValueError(f"--significant-labels must be in [1, {num_classes}] (the classes), got {s}")
     public = public_set(train, options.public_fraction, context.seed)
-    num_classes = context.num_classes
     dtype = label_dtype(num_classes)
     stats_shapes = jax.eval_shape(model.init, jax.random.key(0))["batch_stats"]
 

@@ -5,7 +5,7 @@ Per round (paper section II.A, Algorithm 1):
   2. the K sampled clients train locally exactly as in FedAvg (`LocalSGD.train`);
   3. each computes its divergence vector, one float32 per layer l:
      ||Theta_{k,l} - Theta_hat_l||_2 over all the layer's trainable parameters
-     (eq. 3; see `core.layer_groups` for the grouping and the norm), and sends
+     (eq. 3; see `core.structure.layer_groups` for the grouping and the norm), and sends
      it (L floats; counted in the uplink);
   4. the server (`select_uploads`) takes, per layer, the n clients with the
      largest divergence (eq. 4), and only they upload that layer: the up
@@ -37,7 +37,7 @@ Baselines of the paper's section III:
 n = K is FedAvg (every client uploads every layer; the mean is the same
 data-size-weighted mean, up to float rounding of a different summation).
 The server steps toward the per-layer means with its optimizer
-(`core.server_optimizer`; sgd at lr 1 by default: the means replace the layers).
+(`building_blocks.server_optimizer`; sgd at lr 1 by default: the means replace the layers).
 
 Where participation varies (`RoundInfo.participating`), every choice is made among the clients
 taking part: an absent client never uploads a layer, and a layer goes to min(n, present) clients.
@@ -46,7 +46,7 @@ baselines draw among the present too, each n-subset of them equally likely, as i
 their draw is over the round's K slots, so it is not the same draw as a round of the present alone
 (the same only where n >= the clients present, when every one of them uploads).
 
-Under client-level differential privacy (`--dp-clip C`, `algorithms.differential_privacy`), FedLDF
+Under client-level differential privacy (`--dp-clip C`, `privacy.mechanism`), FedLDF
 declares its sums (`PrivateSum`); the wrapper clips each client's layers, noises, and counts every
 client equally. What the server releases is, per layer l, s_l = the sum over its chosen set Sel_l of the
 clients' clipped changes of layer l, plus Gaussian noise, over the fixed n (not min(n, clients present):
@@ -78,14 +78,14 @@ import jax
 import jax.numpy as jnp
 
 from fedjax_sparse.algorithms.fedavg import fedavg
-from fedjax_sparse.core.aggregation import masked_mean
-from fedjax_sparse.core.algorithm import AlgorithmSpec, FederatedAlgorithm, PrivateSum
-from fedjax_sparse.core.layer_groups import LayerGroups, model_layer_groups
-from fedjax_sparse.core.local_training import LocalSGD
-from fedjax_sparse.core.messages import SparseArray
-from fedjax_sparse.core.options import option
-from fedjax_sparse.core.server_optimizer import ServerOptimizer, ServerOptimizerOptions, from_options, server_optimizer
-from fedjax_sparse.core.wrapping import flat_leaves
+from fedjax_sparse.core.messages.aggregation import masked_mean
+from fedjax_sparse.core.contract.algorithm import AlgorithmSpec, FederatedAlgorithm, PrivateSum
+from fedjax_sparse.core.structure.layer_groups import LayerGroups, model_layer_groups
+from fedjax_sparse.core.round.local_training import LocalSGD
+from fedjax_sparse.core.messages.pricing import SparseArray
+from fedjax_sparse.core.contract.options import option
+from fedjax_sparse.building_blocks.server_optimizer import ServerOptimizer, ServerOptimizerOptions, from_options, server_optimizer
+from fedjax_sparse.core.contract.wrapping import flat_leaves
 
 tree_map = jax.tree_util.tree_map
 

@@ -6,7 +6,7 @@ momentum). It sends the normalized update (x - y_i) / ||a_i||_1 and
 ||a_i||_1; the server steps x <- x - tau_eff * sum_i p_i (x - y_i) / ||a_i||_1
 with p_i the data-size weights and tau_eff = sum_i p_i ||a_i||_1. With equal
 tau_i this is exactly FedAvg. That step, -tau_eff sum_i p_i d_i, is the mean delta
-the server optimizer takes (`core.server_optimizer`; sgd at lr 1 by default: the
+the server optimizer takes (`building_blocks.server_optimizer`; sgd at lr 1 by default: the
 paper's rule).
 """
 
@@ -15,10 +15,10 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from fedjax_sparse.core.aggregation import normalized, weighted_mean
-from fedjax_sparse.core.algorithm import AlgorithmSpec, FederatedAlgorithm
-from fedjax_sparse.core.local_training import LocalSGD
-from fedjax_sparse.core.server_optimizer import (STATE_KEY, ServerOptimizer, ServerOptimizerOptions, from_options,
+from fedjax_sparse.core.messages.aggregation import normalized, weighted_mean
+from fedjax_sparse.core.contract.algorithm import AlgorithmSpec, FederatedAlgorithm
+from fedjax_sparse.core.round.local_training import LocalSGD
+from fedjax_sparse.building_blocks.server_optimizer import (STATE_KEY, ServerOptimizer, ServerOptimizerOptions, from_options,
                                                  server_optimizer)
 
 tree_map = jax.tree_util.tree_map

@@ -12,7 +12,7 @@ ordered dropout"). Where they disagree an option chooses; the defaults are the c
 Layers. The model's structure layers; the last (the classifier) never travels down (the code
 synchronizes only the non-final layers, `synchronize_with_server`, :322-333). The other
 L' = L - 1 layers are shared; a layer travels with its bias and its normalization, statistics
-included (`core.layer_groups`).
+included (`core.structure.layer_groups`).
 
 Assignment (OPU2, "uniformly selects two layers for clients from the entire network"). The
 official code gives client id the layers d1 = floor(id / 25) and d2 = (d1 + 1) mod 4, for its 100
@@ -26,7 +26,7 @@ sampled client holds keeps its value.
 Down (the global pruning). The global model's shared layers: a client's two assigned layers
 whole, every other shared layer pruned to `downlink_keep`, by `fedp3_downlink`:
   * `magnitude` (default, the code): each kernel keeps its ceil(p n) entries of largest
-    magnitude (`core.compression.top_k`, ties to the lower index), unstructured; the code's
+    magnitude (`core.messages.compression.top_k`, ties to the lower index), unstructured; the code's
     `sparsity` (distributed_training_utils.py:280-320) keeps torch.topk's int(p n), at most one
     entry fewer per kernel, at `global_prune` = 0.9 (utils/options.py:46), the default p. Biases
     travel whole, as in the code, and so do normalization scales, biases and statistics (the
@@ -88,17 +88,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fedjax_sparse.core.aggregation import mean_of_sent
-from fedjax_sparse.core.algorithm import AlgorithmSpec, BuildContext, FederatedAlgorithm, replicate
-from fedjax_sparse.core.compression import top_k
-from fedjax_sparse.core.flops import forward_flops, layer_forward_flops
-from fedjax_sparse.core.layer_groups import model_layer_groups
-from fedjax_sparse.core.local_training import LocalObjective
-from fedjax_sparse.core.messages import Known, KnownMaskArray, SparseArray
-from fedjax_sparse.core.options import option
-from fedjax_sparse.core.server_optimizer import ServerOptimizerOptions, from_options
-from fedjax_sparse.core.unit_masks import variable_masks
-from fedjax_sparse.core.unit_selection import keep_top_units, prefix_scores
+from fedjax_sparse.core.messages.aggregation import mean_of_sent
+from fedjax_sparse.core.contract.algorithm import AlgorithmSpec, BuildContext, FederatedAlgorithm, replicate
+from fedjax_sparse.core.messages.compression import top_k
+from fedjax_sparse.core.structure.flops import forward_flops, layer_forward_flops
+from fedjax_sparse.core.structure.layer_groups import model_layer_groups
+from fedjax_sparse.core.round.local_training import LocalObjective
+from fedjax_sparse.core.messages.pricing import Known, KnownMaskArray, SparseArray
+from fedjax_sparse.core.contract.options import option
+from fedjax_sparse.building_blocks.server_optimizer import ServerOptimizerOptions, from_options
+from fedjax_sparse.core.structure.unit_masks import variable_masks
+from fedjax_sparse.core.structure.unit_selection import keep_top_units, prefix_scores
 from fedjax_sparse.models.structure import ModelStructure, get_path, set_path
 
 tree_map = jax.tree_util.tree_map
@@ -140,7 +140,7 @@ def kernel_fraction(structure: ModelStructure, entries: dict) -> jax.Array:
 
 def magnitude_entries(structure: ModelStructure, variables: dict, keep: float) -> dict:
     """Bools shaped like `variables`: each prunable layer's kernel at its ceil(keep n) entries of largest
-    magnitude (`core.compression.top_k`), every other leaf whole."""
+    magnitude (`core.messages.compression.top_k`), every other leaf whole."""
     kernels = {l.name: get_path(variables["params"], l.kernel) for l in structure.layers}
     kept = tree_map(lambda leaf: leaf.mask, top_k(kernels, keep), is_leaf=lambda x: isinstance(x, SparseArray))
     entries = tree_map(lambda x: jnp.ones(jnp.shape(x), bool), variables)

@@ -23,7 +23,7 @@ the scores of the broadcast, s = logit(theta).
 
 Messages. Down: theta in float32 for every masked entry (as costly as FedAvg's model) and the
 BatchNorm statistics, if the model has any. Up: one mask sample m_k ~ Bernoulli(theta_k) of the
-client's trained probabilities, each leaf arithmetic-coded (`core.messages.CodedMask`: its count
+client's trained probabilities, each leaf arithmetic-coded (`core.messages.pricing.CodedMask`: its count
 of ones plus n H(k/n) + 2 bits; the code estimates n H(f) + log2 n bits with f over the whole
 model and codes nothing), and its BatchNorm statistics (dense).
 
@@ -57,13 +57,13 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from fedjax_sparse.core.aggregation import present_only, weighted_mean
-from fedjax_sparse.core.algorithm import AlgorithmSpec, BuildContext, FederatedAlgorithm, replicate
-from fedjax_sparse.core.flops import layer_forward_flops
-from fedjax_sparse.core.local_training import LocalObjective
-from fedjax_sparse.core.messages import CodedMask, Known
-from fedjax_sparse.core.options import option
-from fedjax_sparse.core.streams import stream_key
+from fedjax_sparse.core.messages.aggregation import present_only, weighted_mean
+from fedjax_sparse.core.contract.algorithm import AlgorithmSpec, BuildContext, FederatedAlgorithm, replicate
+from fedjax_sparse.core.structure.flops import layer_forward_flops
+from fedjax_sparse.core.round.local_training import LocalObjective
+from fedjax_sparse.core.messages.pricing import CodedMask, Known
+from fedjax_sparse.core.contract.options import option
+from fedjax_sparse.core.round.streams import stream_key
 from fedjax_sparse.models.structure import ModelStructure, get_path, set_path
 
 tree_map = jax.tree_util.tree_map

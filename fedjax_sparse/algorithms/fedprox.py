@@ -5,10 +5,10 @@ from __future__ import annotations
 import dataclasses
 
 from fedjax_sparse.algorithms.fedavg import fedavg
-from fedjax_sparse.core.algorithm import AlgorithmSpec, FederatedAlgorithm
-from fedjax_sparse.core.local_training import LocalObjective, LocalSGD, proximal_term
-from fedjax_sparse.core.options import option
-from fedjax_sparse.core.server_optimizer import ServerOptimizer, ServerOptimizerOptions, from_options
+from fedjax_sparse.core.contract.algorithm import AlgorithmSpec, FederatedAlgorithm
+from fedjax_sparse.core.round.local_training import LocalObjective, LocalSGD, proximal_term
+from fedjax_sparse.core.contract.options import option
+from fedjax_sparse.building_blocks.server_optimizer import ServerOptimizer, ServerOptimizerOptions, from_options
 
 
 @dataclasses.dataclass(frozen=True)

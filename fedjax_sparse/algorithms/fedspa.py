@@ -45,12 +45,12 @@ import math
 import jax
 import jax.numpy as jnp
 
-from fedjax_sparse.core.aggregation import mean_of_sent
-from fedjax_sparse.core.algorithm import AlgorithmSpec, BuildContext, FederatedAlgorithm
-from fedjax_sparse.core.local_training import LocalObjective, masked_cross_entropy
-from fedjax_sparse.core.messages import KnownMaskArray, SparseArray
-from fedjax_sparse.core.options import option
-from fedjax_sparse.core.server_optimizer import ServerOptimizerOptions, from_options
+from fedjax_sparse.core.messages.aggregation import mean_of_sent
+from fedjax_sparse.core.contract.algorithm import AlgorithmSpec, BuildContext, FederatedAlgorithm
+from fedjax_sparse.core.round.local_training import LocalObjective, masked_cross_entropy
+from fedjax_sparse.core.messages.pricing import KnownMaskArray, SparseArray
+from fedjax_sparse.core.contract.options import option
+from fedjax_sparse.building_blocks.server_optimizer import ServerOptimizerOptions, from_options
 from fedjax_sparse.data.federated import client_batch, epoch_permutations
 from fedjax_sparse.models.structure import ModelStructure, get_path, set_path
 

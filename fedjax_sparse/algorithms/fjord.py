@@ -2,7 +2,7 @@
 every hidden layer, on the sub-model round of `algorithms.submodels`.
 
 Ordered dropout. A width p keeps units [0, ceil(p N)) of every hidden layer (HeteroFL's prefix,
-`core.unit_selection.prefix_scores`; residual groups tied) and every unit of the output layer (the
+`core.structure.unit_selection.prefix_scores`; residual groups tied) and every unit of the output layer (the
 classifier is not ordered-dropped in FjORD's code: it takes the sliced input and keeps its
 outputs). Inputs follow the previous layer's kept units, never the image's channels.
 
@@ -59,7 +59,7 @@ Messages: the sub-model's values both ways (the server and the client both know 
 every sub-model method.
 
 Widths from the device (`--capacity-from device`, `algorithms.submodels`): each client's width is
-the largest its device fits in the round's deadline (`core.capacity`), and nothing is drawn.
+the largest its device fits in the round's deadline (`core.federation.capacity`), and nothing is drawn.
   client  the largest width in [width_low, width_high]: in a continuous range, the largest
           sub-model (a width p keeps ceil(p N) units of a layer of N, so the sub-model changes
           only where p crosses some j / N); the candidates are those widths j / N of every
@@ -84,13 +84,13 @@ import jax
 import jax.numpy as jnp
 
 from fedjax_sparse.algorithms.submodels import StepMasks, SubmodelOptions, submodel_algorithm, training_unit_masks
-from fedjax_sparse.core.algorithm import AlgorithmSpec, BuildContext, FederatedAlgorithm
-from fedjax_sparse.core.flops import forward_flops
-from fedjax_sparse.core.local_training import LocalObjective, label_masked_cross_entropy
-from fedjax_sparse.core.options import option
-from fedjax_sparse.core.streams import stream_key
-from fedjax_sparse.core.unit_masks import variable_masks
-from fedjax_sparse.core.unit_selection import keep_top_units, prefix_scores, selectable_groups
+from fedjax_sparse.core.contract.algorithm import AlgorithmSpec, BuildContext, FederatedAlgorithm
+from fedjax_sparse.core.structure.flops import forward_flops
+from fedjax_sparse.core.round.local_training import LocalObjective, label_masked_cross_entropy
+from fedjax_sparse.core.contract.options import option
+from fedjax_sparse.core.round.streams import stream_key
+from fedjax_sparse.core.structure.unit_masks import variable_masks
+from fedjax_sparse.core.structure.unit_selection import keep_top_units, prefix_scores, selectable_groups
 from fedjax_sparse.data.federated import Batch
 from fedjax_sparse.models.structure import Model, ModelStructure
 

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from fedjax_sparse.core.algorithm import AlgorithmSpec, FederatedAlgorithm, NoOptions, replicate
-from fedjax_sparse.core.local_training import LocalSGD
+from fedjax_sparse.core.contract.algorithm import AlgorithmSpec, FederatedAlgorithm, NoOptions, replicate
+from fedjax_sparse.core.round.local_training import LocalSGD
 
 
 def local_only(local: LocalSGD) -> FederatedAlgorithm:

@@ -26,11 +26,11 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from fedjax_sparse.core.algorithm import MODEL_UPLOAD, BuildContext, FederatedAlgorithm, replicate
-from fedjax_sparse.core.layer_groups import model_layer_groups
-from fedjax_sparse.core.model_parts import overlay, part_labels, take_part
-from fedjax_sparse.core.options import option
-from fedjax_sparse.core.wrapping import broadcast_shapes, flat_leaves, reading_inner_state, upload_shapes
+from fedjax_sparse.core.contract.algorithm import MODEL_UPLOAD, BuildContext, FederatedAlgorithm, replicate
+from fedjax_sparse.core.structure.layer_groups import model_layer_groups
+from fedjax_sparse.core.structure.model_parts import overlay, part_labels, take_part
+from fedjax_sparse.core.contract.options import option
+from fedjax_sparse.core.contract.wrapping import broadcast_shapes, flat_leaves, reading_inner_state, upload_shapes
 
 tree_map = jax.tree_util.tree_map
 PERSONAL = ("none", "predictor", "norm")
@@ -38,6 +38,8 @@ PERSONAL = ("none", "predictor", "norm")
 
 @dataclasses.dataclass(frozen=True)
 class PersonalizationOptions:
+    OPTION_GROUP = "compression"  # the command line's help group (`core.contract.options.option_group`)
+
     personal: str = option("none", "keep these layers on each client, never sent: predictor (FedPer) or norm "
                                    "(FedBN's normalization layers)", choices=PERSONAL)
 

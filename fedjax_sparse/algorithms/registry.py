@@ -20,7 +20,7 @@ An installed package is not the library's to vouch for: a plug-in that cannot be
 `AlgorithmSpec`, takes a built-in's name or another package's, or declares a flag another declaration owns
 is skipped with one line saying so (`REFUSED`, and a `PluginSkipped` warning), so that it breaks no other
 algorithm; asking for it by name gives that line as the error. Algorithms from outside the library have
-their contract checked on shapes before their first round (`core.contract`).
+their contract checked on shapes before their first round (`core.contract.check`).
 """
 
 from __future__ import annotations
@@ -29,8 +29,8 @@ import dataclasses
 import typing
 import warnings
 
-from fedjax_sparse.core.algorithm import AlgorithmSpec
-from fedjax_sparse.core.options import flag_name, option_fields
+from fedjax_sparse.core.contract.algorithm import AlgorithmSpec
+from fedjax_sparse.core.contract.options import flag_name, option_fields
 from fedjax_sparse.plugins import EntryPointGroup, brief, package_of
 
 ENTRY_POINT_GROUP = "fedjax_sparse.algorithms"
@@ -57,7 +57,7 @@ def _declarations(spec: AlgorithmSpec) -> dict:
 
 
 def flags_of(options: type) -> dict[str, str]:
-    """The flags an options dataclass puts on the command line, as `core.options.add_flags` makes them
+    """The flags an options dataclass puts on the command line, as `core.contract.options.add_flags` makes them
     (a bool option both --x and --no-x): flag -> option name."""
     hints = typing.get_type_hints(options)
     flags = {}
@@ -119,7 +119,7 @@ def register(spec: AlgorithmSpec, *, replace: bool = False) -> AlgorithmSpec:
     or a flag the run declares itself (`reserve`).
     """
     if not isinstance(spec, AlgorithmSpec):
-        raise TypeError(f"register takes an AlgorithmSpec (fedjax_sparse.core.algorithm), got {type(spec).__name__}")
+        raise TypeError(f"register takes an AlgorithmSpec (fedjax_sparse.core.contract.algorithm), got {type(spec).__name__}")
     _check(spec, f"module {spec.build.__module__}", replace)
     ALGORITHMS[spec.name] = spec
     REFUSED.pop(spec.name, None)

@@ -5,9 +5,9 @@ the paper's option II divides the displacement by K_i lr, the displacement of K_
 SGD steps per unit gradient. Under momentum rho the same K_i steps move the weights about
 1 / (1 - rho) times further, so here a_i is the optimizer's effective number of steps
 (`LocalSGD.effective_steps`, FedNova's ||a||_1; = K_i without momentum), which keeps
-c_i an estimate of the client's mean gradient whatever the momentum (`core.control_variates`).
+c_i an estimate of the client's mean gradient whatever the momentum (`building_blocks.control_variates`).
 The server moves x by lr_g times the mean model delta (its optimizer's step,
-`core.server_optimizer`: sgd at --server-lr lr_g by default) and c by (1/N) times the sum of
+`building_blocks.server_optimizer`: sgd at --server-lr lr_g by default) and c by (1/N) times the sum of
 control deltas, both over the round's clients that take part. Both directions carry a
 model-sized tensor twice (model and control variate), which is why its bytes per round are
 double FedAvg's. As in the paper, the sampled clients are averaged uniformly. Control
@@ -20,11 +20,11 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from fedjax_sparse.core.aggregation import uniform_mean
-from fedjax_sparse.core.algorithm import AlgorithmSpec, FederatedAlgorithm, PrivateSum, StaleUpload, replicate
-from fedjax_sparse.core.control_variates import control_update, corrected_gradients, server_control_update
-from fedjax_sparse.core.local_training import LocalObjective, LocalSGD
-from fedjax_sparse.core.server_optimizer import (STATE_KEY, ServerOptimizer, ServerOptimizerOptions, from_options,
+from fedjax_sparse.core.messages.aggregation import uniform_mean
+from fedjax_sparse.core.contract.algorithm import AlgorithmSpec, FederatedAlgorithm, PrivateSum, StaleUpload, replicate
+from fedjax_sparse.building_blocks.control_variates import control_update, corrected_gradients, server_control_update
+from fedjax_sparse.core.round.local_training import LocalObjective, LocalSGD
+from fedjax_sparse.building_blocks.server_optimizer import (STATE_KEY, ServerOptimizer, ServerOptimizerOptions, from_options,
                                                  server_optimizer, without_optimizer_state)
 
 tree_map = jax.tree_util.tree_map
@@ -39,8 +39,9 @@ def _rebase(increment, down):
 
 
 # asynchronous rounds: the model's and the control variate's deltas are increments already; the BatchNorm
-# statistics travel as values, taken as their change of what the client received
-STALE_UPLOAD = StaleUpload(_increment, _rebase)
+# statistics travel as values, taken as their change of what the client received. The control delta counts
+# whole at any staleness: the client keeps its whole new c_i, so c = mean(c_i) holds only so
+STALE_UPLOAD = StaleUpload(_increment, _rebase, unweighted=("control_delta",))
 
 
 def scaffold(local: LocalSGD, num_clients: int, server: ServerOptimizer | None = None) -> FederatedAlgorithm:

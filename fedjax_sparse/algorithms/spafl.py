@@ -9,7 +9,7 @@ layer's `fan_in`; in Flax the unit's kernel slice `kernel[..., i]`), is kept
 when the mean magnitude of those weights exceeds its threshold:
     mu_i = (1/n) sum_j |w_ij|,   m_i = S(mu_i - tau_i)   (S(x) = 1 if x > 0 else 0).
 The whole unit goes at once (structured sparsity). The mask multiplies the
-unit's output after its normalization (`core.unit_masks`, the library's one
+unit's output after its normalization (`core.structure.unit_masks`, the library's one
 masking mechanism), so a pruned unit outputs exactly zero.
 
 Straight-through estimator (eq. 9). S gets the identity gradient
@@ -80,7 +80,7 @@ Diagnostics (logged with each evaluation), over all clients' personal models:
   `mean_layer_density`: the unweighted mean of the layers' densities, mean over
     clients: the official code's `get_density`, which the paper's Table 2
     densities (0.3057 CIFAR-10, 0.3536 FMNIST) come from;
-  `train_flops`: cumulative training FLOPs by appendix A.5 (eq. 50, `core.flops`)
+  `train_flops`: cumulative training FLOPs by appendix A.5 (eq. 50, `core.structure.flops`)
     with the masks of every local step and 1.5 d per eq. 13 update, divided by
     the number of clients: the official code reports this per-client average,
     and it is the figure to set beside the paper's Table 2 (FedAvg's FMNIST
@@ -111,6 +111,10 @@ own thresholds, so the next round starts from the received ones unreset (here
 the round's start resets the received thresholds where the client's own last
 mask collapsed a layer; benchmarks/results/parity.md, `two_test_batches`). docs/methods/spafl.md tabulates every
 difference.
+
+Why one module past 400 lines: SpaFL's math is one algorithm (thresholds, the straight-through mask, eq. 13's
+update, the regularizer) with its options and the paper's readings written out beside each equation; the official
+code's variant is `spafl_code`.
 """
 
 from __future__ import annotations
@@ -123,12 +127,12 @@ import numpy as np
 import optax
 
 from fedjax_sparse.algorithms import spafl_code
-from fedjax_sparse.core.aggregation import uniform_mean
-from fedjax_sparse.core.algorithm import AlgorithmSpec, FederatedAlgorithm, replicate
-from fedjax_sparse.core.flops import training_flops
-from fedjax_sparse.core.local_training import LocalObjective, LocalSGD, clip_grad_norm
-from fedjax_sparse.core.options import option
-from fedjax_sparse.core.unit_masks import check_params, density, layer_mean_density
+from fedjax_sparse.core.messages.aggregation import uniform_mean
+from fedjax_sparse.core.contract.algorithm import AlgorithmSpec, FederatedAlgorithm, replicate
+from fedjax_sparse.core.structure.flops import training_flops
+from fedjax_sparse.core.round.local_training import LocalObjective, LocalSGD, clip_grad_norm
+from fedjax_sparse.core.contract.options import option
+from fedjax_sparse.core.structure.unit_masks import check_params, density, layer_mean_density
 from fedjax_sparse.models.structure import Layer, ModelStructure, get_path, set_path
 
 tree_map = jax.tree_util.tree_map
@@ -140,6 +144,8 @@ VARIANTS = ("paper", "code")
 
 @dataclasses.dataclass(frozen=True)
 class SpaFLLocalOptions:
+    OPTION_GROUP = "spafl"  # the command line's help group (`core.contract.options.option_group`)
+
     sparsity_coef: float = option(0.002, "SpaFL: alpha, the weight of sum(exp(-threshold)) in the loss", low=0.0)
     weight_bounds: bool = option(True, "SpaFL: clip weights to [-1, 1] and thresholds to [0, 1] after each step")
     spafl_variant: str = option("paper", "SpaFL: the paper's reading (paper) or the official CIFAR-10 code's "
@@ -148,7 +154,7 @@ class SpaFLLocalOptions:
                                 choices=VARIANTS)
 
     def ignored(self) -> dict[str, str]:
-        """Options the chosen variant does not read (`core.options.refuse_ignored`)."""
+        """Options the chosen variant does not read (`core.contract.options.refuse_ignored`)."""
         if self.spafl_variant == "code":
             return {"weight_bounds": "is not read by --spafl-variant code (the official code clips neither "
                                      "weights nor thresholds)"}

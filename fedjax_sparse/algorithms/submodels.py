@@ -12,19 +12,19 @@ setting), `fixed` draws it once per client. Either way a pure function of
 (seed, round, client id) in its own random stream. With `capacity_from=device`
 (an option of every sub-model method and Fjord) nothing is drawn: each client
 gets the largest level whose predicted round time on its device fits the round's
-deadline (`core.capacity`: the clock's formula over the sub-model's own messages
+deadline (`core.federation.capacity`: the clock's formula over the sub-model's own messages
 and FLOPs, priced below by the functions the round itself uses).
 
 Sub-model. beta keeps ceil(beta x N) units of every hidden layer (N its units;
 HeteroFL's count: only hidden widths scale) and every unit of the output
 layer; layers of one residual unit_group keep the same units
-(`core.unit_selection.keep_top_units`, ranked by the rule's scores):
+(`core.structure.unit_selection.keep_top_units`, ranked by the rule's scores):
   heterofl     units [0, ceil(beta N)) of each layer (score = -index);
   fedrolex     units {(j - r) mod N : j < ceil(beta N)}, r the round index;
   feddropout   a uniformly random ceil(beta N) units per layer, per client, per round;
   fedgse       the units of largest |dL/dh| on similar data (algorithms/fedgse.py).
 The client runs the full-shape model with these unit masks on its unit
-outputs (`core.unit_masks`), so clients of every capacity vmap together. Its
+outputs (`core.structure.unit_masks`), so clients of every capacity vmap together. Its
 update is masked to the sub-model's entries (`variable_masks`: kernel entries
 whose output and input units are kept, and the kept units' biases, norm
 parameters and statistics): every other entry, momentum and weight decay
@@ -75,7 +75,7 @@ HeteroFL's two model devices, each an option:
   static_bn  ("sBN") clients train with batch statistics and send no running
              statistics; before each evaluation the server recomputes the global
              model's BatchNorm statistics over all training data
-             (`core.evaluation.population_batch_stats`). Without it, running
+             (`core.evaluation.evaluators.population_batch_stats`). Without it, running
              statistics travel and are aggregated like the weights.
 Label split (`label_mask`, HeteroFL's and FedRolex's masked cross-entropy): the
 logits of classes the client holds no example of are replaced before the
@@ -99,13 +99,16 @@ count + (k - 1). Three holders of an entry counted 1 weigh 1, 2 and 3, not
 equally. `fedrolex_counts` reproduces that weighting (the counts kept in the
 server state, raised by every holder after the round; tests/test_submodels.py
 checks it against a replica of their loop); `heterofl` is the paper's mean.
-The server steps toward that mean with its optimizer (`core.server_optimizer`;
+The server steps toward that mean with its optimizer (`building_blocks.server_optimizer`;
 sgd at lr 1 by default: the mean replaces the held entries), per entry over the
 clients holding it: an entry no client held this round keeps its value and its
 optimizer state (no momentum step, no decay of its moments), as with sgd.
 
 The server keeps only the global model, plus whatever a rule needs to remember
 (`memory`, FedGSE-SPL's per-client class accuracies).
+
+Why one module past 400 lines: it is the one round the four sub-model rules share (capacities, masks, pricing,
+aggregation), each rule a short function beside it; the rules' own files (FedGSE, Fjord) build on it.
 """
 
 from __future__ import annotations
@@ -116,19 +119,19 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 
-from fedjax_sparse.core.aggregation import masked_mean, present_only
-from fedjax_sparse.core.algorithm import AlgorithmSpec, BuildContext, FederatedAlgorithm, RoundInfo
-from fedjax_sparse.core.capacity import Price, device_capacity
-from fedjax_sparse.core.compilation import jit
-from fedjax_sparse.core.evaluation import population_batch_stats
-from fedjax_sparse.core.flops import forward_flops
-from fedjax_sparse.core.local_training import LocalObjective
-from fedjax_sparse.core.messages import Known, KnownMaskArray, message_bytes
-from fedjax_sparse.core.options import option
-from fedjax_sparse.core.server_optimizer import ServerOptimizerOptions, from_options
-from fedjax_sparse.core.streams import stream_key
-from fedjax_sparse.core.unit_masks import variable_masks
-from fedjax_sparse.core.unit_selection import keep_top_units, prefix_scores, random_scores, rolling_scores
+from fedjax_sparse.core.messages.aggregation import masked_mean, present_only
+from fedjax_sparse.core.contract.algorithm import AlgorithmSpec, BuildContext, FederatedAlgorithm, RoundInfo
+from fedjax_sparse.core.federation.capacity import Price, device_capacity
+from fedjax_sparse.core.round.compilation import jit
+from fedjax_sparse.core.evaluation.evaluators import population_batch_stats
+from fedjax_sparse.core.structure.flops import forward_flops
+from fedjax_sparse.core.round.local_training import LocalObjective
+from fedjax_sparse.core.messages.pricing import Known, KnownMaskArray, message_bytes
+from fedjax_sparse.core.contract.options import option
+from fedjax_sparse.building_blocks.server_optimizer import ServerOptimizerOptions, from_options
+from fedjax_sparse.core.round.streams import stream_key
+from fedjax_sparse.core.structure.unit_masks import variable_masks
+from fedjax_sparse.core.structure.unit_selection import keep_top_units, prefix_scores, random_scores, rolling_scores
 from fedjax_sparse.data.federated import ClientData, client_label_counts
 from fedjax_sparse.models.structure import ModelStructure, get_path, set_path
 
@@ -143,6 +146,8 @@ ScoreRule = Callable[[Any, jax.Array, RoundInfo, jax.Array], dict]
 
 @dataclasses.dataclass(frozen=True)
 class SubmodelOptions(ServerOptimizerOptions):
+    OPTION_GROUP = "sub-models"  # the command line's help group (`core.contract.options.option_group`)
+
     capacities: tuple[float, ...] = option(FIVE_LEVELS, "client capacity levels beta (fraction of every hidden "
                                                         "layer's units a sub-model keeps)", low=0.0,
                                            low_open=True, high=1.0)
@@ -182,7 +187,7 @@ class SubmodelOptions(ServerOptimizerOptions):
                                  f"{','.join(map(str, self.capacity_proportions))}")
 
     def ignored(self) -> dict[str, str]:
-        """Options these values make the round ignore (`core.options.refuse_ignored`)."""
+        """Options these values make the round ignore (`core.contract.options.refuse_ignored`)."""
         out = super().ignored()
         if not self.label_mask:
             out["label_mask_fill"] = "is read only with --label-mask"
@@ -252,7 +257,7 @@ def submodel_algorithm(name: str, context: BuildContext, options: SubmodelOption
     memory: per-client server memory updated from the uploads (FedGSE-SPL).
     capacity: a client's capacity in a round (default: `client_capacity` from the options).
     levels: the capacities `capacity_from=device` chooses among (default `options.capacities`;
-      `capacity` is then not used): the largest a client's device fits (`core.capacity`), each
+      `capacity` is then not used): the largest a client's device fits (`core.federation.capacity`), each
       priced as the prefix sub-model of that capacity. A rule's sub-model of one capacity costs
       the same whichever units it keeps, as it keeps the same number of each layer's (residual
       groups tied), which tests/test_capacity_rule.py checks over the model zoo.
@@ -267,7 +272,7 @@ def submodel_algorithm(name: str, context: BuildContext, options: SubmodelOption
       from the round's (Fjord's distillation and per-width statistics: a `step_loss`).
 
     Every client reports `train_flops`: 3 x the forward multiply-adds of its sub-model over
-    the examples it trained on (`core.flops`, with the inputs its dropped units no longer
+    the examples it trained on (`core.structure.flops`, with the inputs its dropped units no longer
     feed: the computation of the physically smaller model).
     """
     local = context.local

@@ -9,7 +9,7 @@ client's change of it, upload - broadcast, and rebuilt by the server as broadcas
 change (it knows what it sent); any other leaf (SCAFFOLD's delta and control delta, FedNova's
 normalized update) is already a delta and is compressed as it is.
 
-Compressors (`core.compression`), each priced by its message leaves: `topk` keeps the ceil(r n)
+Compressors (`core.messages.compression`), each priced by its message leaves: `topk` keeps the ceil(r n)
 largest-magnitude entries of each leaf (values + index); `randk` k = ceil(r n) entries drawn from the
 client's round key (values only: the server draws the same entries), sent times n / k so that the
 server's mean is unbiased (E = the change itself, as random-k is defined in the literature; unscaled,
@@ -36,7 +36,7 @@ states (evaluation's `client_variables`, `client_diagnostics`, `evaluation_clien
 algorithm's own part (`reading_inner_state`), so the wrapper composes with `--personal` and with
 SpaFL, whose thresholds are a dense upload.
 
-Under client-level differential privacy (`--dp-clip`, `algorithms.differential_privacy`) the privacy
+Under client-level differential privacy (`--dp-clip`, `privacy.mechanism`) the privacy
 wrapper sits outside this one (`run.experiment` composes them so): it clips the message the client
 sends, after compression, so a top-k message keeps its k entries (and its sparse price) and its values
 are scaled to norm C with the dense leaves' changes. Where the algorithm reads its uploads through their
@@ -64,12 +64,12 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from fedjax_sparse.core.algorithm import BuildContext, FederatedAlgorithm, PrivateSum, replicate
-from fedjax_sparse.core.compression import (COMPRESSORS, decompressed, error_feedback, random_k,
+from fedjax_sparse.core.contract.algorithm import BuildContext, FederatedAlgorithm, PrivateSum, replicate
+from fedjax_sparse.core.messages.compression import (COMPRESSORS, decompressed, error_feedback, random_k,
                                             stochastic_quantization, top_k)
-from fedjax_sparse.core.messages import PRICED_LEAVES
-from fedjax_sparse.core.options import option
-from fedjax_sparse.core.wrapping import (broadcast_shapes, flat_leaves, reading_inner_state, upload_changes,
+from fedjax_sparse.core.messages.pricing import PRICED_LEAVES
+from fedjax_sparse.core.contract.options import option
+from fedjax_sparse.core.contract.wrapping import (broadcast_shapes, flat_leaves, reading_inner_state, upload_changes,
                                          upload_shapes)
 
 RANDOM_K_STREAM = 0x72616E64  # the client's round key folded with this draws its random-k entries
@@ -77,6 +77,8 @@ RANDOM_K_STREAM = 0x72616E64  # the client's round key folded with this draws it
 
 @dataclasses.dataclass(frozen=True)
 class UplinkCompressionOptions:
+    OPTION_GROUP = "compression"  # the command line's help group (`core.contract.options.option_group`)
+
     uplink_compression: str = option("none", "compress every client's upload (a model or a delta): top-k, random-k "
                                              "or QSGD (none: as the algorithm sends it)", choices=COMPRESSORS)
     compression_ratio: float = option(0.01, "topk, randk: the share of each leaf's entries sent", low=0.0,

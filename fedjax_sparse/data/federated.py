@@ -60,7 +60,7 @@ class ClientData:
     augment (static): whether training batches are pad-cropped and flipped (`data.augment`);
     positions ([max_count] int32, optional) makes it a view of some of the window's
       examples, in any order: its example i is the window's example positions[i], i < count
-      (e.g. the share a client holds out of training, `algorithms.spatl.split_holdout`).
+      (e.g. the share a client holds out of training, `algorithms.spatl_selection.split_holdout`).
     """
 
     x: jax.Array

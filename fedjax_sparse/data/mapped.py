@@ -8,6 +8,9 @@ The folder holds what a `Dataset` holds, split by split, in the source's own exa
   {train,test}_y.npy     int32 labels
   {train,test}_clients.npy  each example's own client (LEAF's user), where the source has clients
 The manifest is written last, so a folder whose conversion was cut short has none and is refused.
+A conversion writes only into an empty or new folder, or one a conversion cut short left (it marks
+the folder first, `WRITING`): a folder holding anything else (the user's own files, which it would
+overwrite) is refused in one line naming them.
 
 Keeping the source's order (rather than one client after another) lets every `--partition` split the
 folder exactly as it splits the source in memory, from the labels alone: a run on `mmap:FOLDER` is the
@@ -147,9 +150,31 @@ class ChunkedSource:
     client_names: tuple | None = None
 
 
-def _refuse_written(folder: Path) -> None:
+WRITING = ".fedjax_sparse_converting"  # in a folder while `write_source` writes it: the files there are its own
+
+
+def _written_files(split: str) -> tuple[str, ...]:
+    return tuple(f"{split}_{part}.npy" for part in ("x", "y", "clients"))
+
+
+def refuse_written(folder: Path) -> None:
+    """Refuses a folder holding anything a conversion did not write (the user's files, which it would
+    overwrite or mix with its own), or a finished data set; an empty or new folder, or one a conversion cut
+    short left (its mark and its files), is written."""
     if (folder / MANIFEST).exists():
         raise ValueError(f"{folder} already holds a data set ({MANIFEST}); choose an empty folder")
+    try:
+        present = sorted(p.name for p in folder.iterdir())
+    except FileNotFoundError:
+        return
+    except NotADirectoryError:
+        raise ValueError(f"{folder} is a file, not a folder; choose an empty or new folder") from None
+    ours = {WRITING, *(name for split in SPLITS for name in _written_files(split))}
+    foreign = [name for name in present if name not in ours or WRITING not in present]
+    if foreign:
+        shown = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
+        raise ValueError(f"{folder} is not empty ({shown}) and fedjax-sparse convert did not write it: a conversion "
+                         f"would overwrite or mix with those files; choose an empty or new folder")
 
 
 def _in_memory(x: np.ndarray, y: np.ndarray, clients: np.ndarray | None) -> SplitSource:
@@ -161,7 +186,9 @@ def write_source(source: ChunkedSource, folder: str | os.PathLike) -> Path:
     """Writes `source` as a memory-mapped folder (module docstring), `_CHUNK_BYTES` of examples a chunk;
     returns the folder."""
     folder = Path(folder)
-    _refuse_written(folder)
+    refuse_written(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / WRITING).touch()  # before any file of its own: a conversion cut short may be run again
     splits, histograms = {}, None
     for split in SPLITS:
         part = getattr(source, split)
@@ -178,6 +205,7 @@ def write_source(source: ChunkedSource, folder: str | os.PathLike) -> Path:
     mean, std = (source.mean, source.std) if histograms is None else histogram_stats(histograms)
     write_manifest(folder, name=source.name, num_classes=source.num_classes, class_names=source.class_names,
                    mean=mean, std=std, augment=source.augment, splits=splits, client_names=source.client_names)
+    (folder / WRITING).unlink()
     return folder
 
 
@@ -195,28 +223,6 @@ def save_mapped(dataset: Dataset, folder: str | os.PathLike) -> Path:
     return write_source(ChunkedSource(name=dataset.name, num_classes=dataset.num_classes,
                                       class_names=dataset.class_names, augment=dataset.augment, mean=dataset.mean,
                                       std=dataset.std, client_names=dataset.client_names, **splits), folder)
-
-
-def convert(spec: str, folder: str | os.PathLike, *, data_dir: str | os.PathLike | None = None,
-            download: bool = True, progress: bool = True, **load_options) -> Path:
-    """Writes the `--dataset` `spec` to `folder` for `--dataset mmap:FOLDER`: streamed where its loader reads
-    it in chunks (`data.sources.stream_dataset`), else loaded whole by `data.sources.load_dataset`
-    (`load_options`, e.g. digits' `seed` or LEAF's `cache_dir`, go to it) and written (module docstring).
-    `data_dir` and `download`: where a TFDS data set is and whether to prepare it; `progress`: bars."""
-    from fedjax_sparse.data.sources import DataError, load_dataset, stream_dataset  # sources reads this module
-
-    if spec.startswith(PREFIX) or spec.startswith("synthetic:"):
-        raise ValueError(f"cannot convert {spec!r}: it is read without loading it whole already; convert "
-                         f"imagefolder:PATH, leaf:PATH, femnist, shakespeare, digits or a TFDS name")
-    _refuse_written(Path(folder))  # before a TFDS set is prepared or an image folder's headers are read
-    options = dict(data_dir=data_dir, download=download, progress=progress)
-    source = stream_dataset(spec, **options)
-    if source is None:
-        return save_mapped(load_dataset(spec, **options, **load_options), folder)
-    try:
-        return write_source(source, folder)
-    except (ValueError, OSError, RuntimeError) as err:  # a bad image met while decoding: one line, as loading says
-        raise DataError(f"cannot convert data set {spec!r}: {' '.join(str(err).split())}") from err
 
 
 def read_manifest(folder: str | os.PathLike) -> dict:

@@ -2,7 +2,7 @@
 
 It lives in the data layer because the data are laid out by it (each process holds only its
 own clients' examples, `data.windows`, and generates only its own clients, `data.synthetic`);
-`core.distributed` re-exports it for everything above.
+`core.round.distributed` re-exports it for everything above.
 """
 
 from __future__ import annotations

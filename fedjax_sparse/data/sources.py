@@ -328,7 +328,7 @@ def load_dataset(
 
 def stream_dataset(spec: str, *, data_dir: str | os.PathLike | None = None, download: bool = True,
                    progress: bool = True) -> mapped.ChunkedSource | None:
-    """The data set `spec` as chunks to write (`data.mapped.convert`) where its loader reads it in pieces: an
+    """The data set `spec` as chunks to write (`data.convert.convert`) where its loader reads it in pieces: an
     image folder (`stream_image_folder`) or a TFDS data set (`stream_tfds`); None for a source that is
     loaded whole (`digits`, tiny; LEAF, whose example order needs every file first, `data.leaf`; a
     Hugging Face copy, held as prepared arrays). `data_dir`, `download`, `progress` as for `load_dataset`."""

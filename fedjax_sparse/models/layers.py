@@ -117,7 +117,7 @@ def unit_output(module: nn.Module, x: jax.Array, unit_masks: dict | None, layer:
     happen there, for every method at once:
       * a unit mask (`unit_masks[layer]`, one value per output unit) multiplies
         the output, so a dropped unit outputs exactly zero and the mask, being a
-        factor of the forward pass, receives a gradient (see core.unit_masks);
+        factor of the forward pass, receives a gradient (see core.structure.unit_masks);
       * a Flax perturbation named `<module>_out` (the layer's module name) marks
         the point, so `Model.unit_output_gradients` can read dL/dh there.
     Without masks and perturbations it is `activation(x)`.

@@ -17,7 +17,7 @@ gate columns [:, :, u] of its kernel [4, consumed units + units, units] (kind 'l
 input axis holds the consumed units, then the layer's own units fed back through h_{t-1})
 and its bias [4, u]. Its unit mask multiplies h_t inside the recurrence, so a dropped unit
 outputs exactly zero at every step, to the next layer and to its own layer's next step, and
-its weights, the gate columns and the rows reading it, take no part (`core.unit_masks`; the
+its weights, the gate columns and the rows reading it, take no part (`core.structure.unit_masks`; the
 masked output is also marked for dL/dh, `<layer>_out`, including its recurrent paths). Every
 method of the library applies: sub-models and SPATL's salient units select hidden units,
 SpaFL thresholds them, FedLDF moves the four layers. Forward FLOPs count each step's kernel

@@ -159,7 +159,7 @@ class Model:
     `mask` ([B] bool) keeps padded examples out of the batch statistics.
     `variables` may also hold `'unit_masks'` ({layer: [units]}): the sub-model
     the forward pass runs, each mask multiplying its layer's unit outputs
-    (`layers.unit_output`, `core.unit_masks`).
+    (`layers.unit_output`, `core.structure.unit_masks`).
 
     `compute_dtype` is the dtype the forward and backward passes compute in ('float32' or
     'bfloat16', `--compute-dtype`): mixed precision, as Micikevicius et al. (2018) and JAX's own

@@ -6,7 +6,7 @@ the run's byte counters. Randomness needs no saving: clients, batches and
 augmentation are drawn from keys derived from (seed, round, client), so a
 resumed run draws exactly what the uninterrupted run would have.
 
-The client states are their store's snapshot (`core.client_store`), an item of
+The client states are their store's snapshot (`core.client_state.store`), an item of
 the checkpoint that every process writes for the clients it holds
 (`client_states/client_states.{p}-of-{P}`) before orbax commits the checkpoint;
 the disk store's snapshot is its slot map, its rows staying in the store's file
@@ -29,19 +29,37 @@ would leave a run believing it had saved.
 
 Every byte a checkpoint covers is checksummed (CRC-32) when it is written and
 checked before it is read: the client-state snapshots and the disk store's rows
-by the store (`core.store_snapshots`), orbax's files by `checksums.json`, which
+by the store (`core.client_state.snapshots`), orbax's files by `checksums.json`, which
 process 0 writes into the checkpoint's folder once orbax has committed it. A
 changed byte is refused in one line naming the file and the checkpoint, before
 orbax reads it: orbax restores a flipped byte of an array's data silently, and
 its reads failing on a damaged index spill tracebacks from their threads. A
-checkpoint without `checksums.json` (written before it, or killed in the moment
-between orbax's commit and the file) restores unchecked.
+checkpoint without `checksums.json` is refused the same way, naming it: its files
+cannot be checked. Its meta says whether it was written with checksums (`CHECKSUMMED`,
+read from orbax's file as it is); one written by a version before them restores
+unchecked, as it always did.
 
-A save that fails (a full disk, a file-size limit) is one `CheckpointError`; its
-unfinished files are deleted, so that the run's summary may still fit on a full
-disk; and what orbax's threads print as they fail after it (tensorstore's
-writes completing into orbax's closed event loop) is dropped for the rest of
-the process, as after a failed read (`_orbax_io`).
+A save is complete once its checksums are written. Process 0 marks the save in the
+checkpoints folder (`.saving-R`) before it starts and removes the mark after the
+checksums: a checkpoint still marked has no checksums because its save was cut
+short (a kill, a lost process, between orbax's commit and the checksums), not
+because they were removed. Reads pass over it as if it were not there, and a
+resumed run deletes it before anything else (`discard_cut_short`), so it is never
+taken for a complete one.
+
+A save that fails (a full disk, a file-size limit, a process lost) is one
+`CheckpointError`; what it left is deleted (orbax's unfinished files, the folder
+of a checkpoint committed without its checksums), so that the run's summary may
+still fit on a full disk and nothing looks complete that is not; and what orbax's
+threads print as they fail after it (tensorstore's writes completing into orbax's
+closed event loop) is dropped for the rest of the process, as after a failed read
+(`_orbax_io`). Where a process of several stopped answering during the save (the
+others wait for it at orbax's barriers, which time out after the processes'
+meeting time, `core.round.distributed.meeting_timeout`), the error is a `SaveLostAProcess`.
+
+Why one module past 400 lines: saving, verifying and restoring are one protocol (the checksums written at a save are
+what a restore checks, the marks a save leaves are what a resume discards), and splitting it would put the two
+halves of each rule in different files.
 """
 
 from __future__ import annotations
@@ -61,9 +79,12 @@ from typing import Any
 import jax
 import orbax.checkpoint as ocp
 
-from fedjax_sparse.core.client_store import ClientStore, DeviceStore, DiskStore
-from fedjax_sparse.core.quiet_logs import quieted
-from fedjax_sparse.core.store_snapshots import SnapshotError, damaged, file_crc32, replace_rows
+from fedjax_sparse.core.client_state.row_store import DiskStore
+
+from fedjax_sparse.core.client_state.store import ClientStore, DeviceStore
+from fedjax_sparse.core.round.distributed import meeting_timeout
+from fedjax_sparse.console import quieted
+from fedjax_sparse.core.client_state.snapshots import SnapshotError, damaged, file_crc32, replace_rows
 from fedjax_sparse.run.faults import fault_point
 from fedjax_sparse.run.outputs import replace_atomically
 
@@ -72,12 +93,16 @@ from fedjax_sparse.run.outputs import replace_atomically
 # store (the run refuses the others, and `auto` picks disk then). Sharding the clients over the
 # devices changes the order of the sum over them, hence the results' last bits: it may not change. Which
 # device trains which client (`device_split`) may: every device reduces the uploads in client order.
-RESUMABLE_CHANGES = ("rounds", "out", "checkpoint_every", "compilation_cache", "data_dir", "download", "tensorboard",
-                     "client_store", "cpu_devices", "device_split", "logger", "mlflow_tracking_uri", "wandb_project")
-ASYNC_TIMEOUT_S = 60  # orbax's waits on its background save (its default: 20 minutes)
+RESUMABLE_CHANGES = ("rounds", "out", "checkpoint_every", "checkpoint_minutes", "compilation_cache", "data_dir",
+                     "download", "tensorboard", "client_store", "cpu_devices", "device_split", "logger",
+                     "mlflow_tracking_uri", "wandb_project")
+ASYNC_TIMEOUT_S = 60  # orbax's waits on its background save (its default: 20 minutes); with several processes,
+# the time they have to meet (`core.round.distributed.meeting_timeout`, below JAX's heartbeat)
 KEEP = 2  # checkpoints kept; the disk client store never overwrites the rows they refer to
 CLIENT_STATES = "client_states"  # the checkpoint's item holding the client-state snapshots
 CHECKSUMS = "checksums.json"  # in a checkpoint's folder: the CRC-32 of each of orbax's files there
+CHECKSUMMED = "checksummed"  # in a checkpoint's meta: written with its checksums.json
+SAVING = ".saving-"  # + the round: in the checkpoints folder while that round's checkpoint is saved (process 0's)
 ROWS_FOLDER = "client_store"  # in the run folder: the disk client stores' rows files (`run.experiment`)
 
 
@@ -119,11 +144,63 @@ class CheckpointError(RuntimeError):
     """A checkpoint could not be written or read; the message names it and what to do."""
 
 
+class SaveLostAProcess(CheckpointError):
+    """Another process of the run stopped answering while a checkpoint was saved (a kill, a lost node)."""
+
+
+# what orbax's barriers raise when a process does not reach them (gone: a kill, a lost node)
+_BARRIER_FAILURES = ("Barrier timed out", "Barrier failed", "DEADLINE_EXCEEDED", "UNAVAILABLE", "unhealthy")
+
+
+def _first_sentence(err: BaseException) -> str:
+    """The first sentence of `err`, at most 160 characters, cut between words (never mid-token)."""
+    text = " ".join(str(err).split()).split(". ", 1)[0]
+    if len(text) <= 160:
+        return text
+    cut = text.rfind(" ", 0, 157)
+    return text[:cut if cut > 0 else 157] + " ..."
+
+
+def _written_with_checksums(step: Path) -> bool:
+    """Whether the checkpoint in `step` was saved with its checksums, as its meta (orbax's JSON file, read as
+    it is) says; True where the meta cannot be read (nothing vouches that it was written without them)."""
+    try:
+        meta = json.loads((step / "meta" / "metadata").read_text())
+    except (OSError, ValueError):
+        return True
+    return not (isinstance(meta, dict) and "config" in meta and CHECKSUMMED not in meta)
+
+
+def _cut_short(directory: Path, rounds_done: int) -> bool:
+    """Whether the checkpoint of `rounds_done` under `directory` is one whose save was cut short (still marked,
+    without its checksums)."""
+    return (directory / f"{SAVING}{rounds_done}").exists() and not (directory / str(rounds_done) / CHECKSUMS).exists()
+
+
+def discard_cut_short(run_dir: str | Path) -> list[int]:
+    """Deletes what saves cut short left in `run_dir`'s checkpoints (module docstring): the rounds whose
+    checkpoint was deleted (process 0 only, before any process reads the checkpoints)."""
+    directory = Path(run_dir) / "checkpoints"
+    if not directory.is_dir():
+        return []
+    discarded = []
+    for mark in sorted(directory.glob(f"{SAVING}*")):
+        rounds_done = mark.name[len(SAVING):]
+        if not rounds_done.isdigit():
+            continue
+        if _cut_short(directory, int(rounds_done)):
+            for unfinished in [directory / rounds_done, *directory.glob(f"{rounds_done}{ocp.utils.TMP_DIR_SUFFIX}*")]:
+                if unfinished.exists():
+                    discarded.append(int(rounds_done))
+                shutil.rmtree(unfinished, ignore_errors=True)
+        mark.unlink(missing_ok=True)
+    return sorted(set(discarded))
+
+
 def config_mismatches(saved: dict, current: dict) -> list[str]:
-    """'name: checkpoint has X, this run has Y' for every field that would change the results."""
+    """The names of the fields that differ and would change the results."""
     names = sorted((set(saved) | set(current)) - set(RESUMABLE_CHANGES))
-    return [f"{name}: checkpoint has {saved.get(name)!r}, this run has {current.get(name)!r}"
-            for name in names if saved.get(name) != current.get(name)]
+    return [name for name in names if saved.get(name) != current.get(name)]
 
 
 def has_checkpoints(run_dir: str | Path) -> bool:
@@ -211,8 +288,9 @@ class RunCheckpointer:
     def __init__(self, run_dir: str | Path, max_to_keep: int = KEEP):
         self.run_dir = Path(run_dir)
         self.directory = self.run_dir.resolve() / "checkpoints"
+        wait = ASYNC_TIMEOUT_S if jax.process_count() == 1 else meeting_timeout()
         options = ocp.CheckpointManagerOptions(max_to_keep=max_to_keep,
-                                               async_options=ocp.AsyncOptions(timeout_secs=ASYNC_TIMEOUT_S))
+                                               async_options=ocp.AsyncOptions(timeout_secs=wait))
         with _quiet_orbax():
             self._manager = ocp.CheckpointManager(self.directory, options=options)
         self._verified: set[int] = set()  # checkpoints whose files matched their checksums
@@ -234,6 +312,12 @@ class RunCheckpointer:
     def _unsaved(self, rounds_done: int, err: BaseException) -> CheckpointError:
         latest = self.latest_round()
         kept = f"the checkpoint of round {latest} is intact" if latest is not None else "no earlier checkpoint"
+        if jax.process_count() > 1 and any(words in str(err) for words in _BARRIER_FAILURES):
+            return SaveLostAProcess(
+                f"cannot save the checkpoint of round {rounds_done} in {self.directory}: a process of the "
+                f"{jax.process_count()} stopped answering while it was saved ({_first_sentence(err)}); {kept}; "
+                f"every process stops: resume with the processes you have, --resume {self.run_dir} (a checkpoint "
+                f"resumes on any number of processes)")
         return CheckpointError(f"cannot save the checkpoint of round {rounds_done} in {self.directory}: "
                                f"{io_reason(err)}; {kept}; free the disk or fix the folder, then --resume "
                                f"{self.run_dir}")
@@ -242,8 +326,13 @@ class RunCheckpointer:
         """Writes the checkpoint of `rounds_done` rounds, waits for it and reads its meta back."""
         latest = self.latest_round()
         self._probe(rounds_done)
+        meta = {**meta, CHECKSUMMED: True}
+        lead = jax.process_index() == 0
+        mark = self.directory / f"{SAVING}{rounds_done}"
         waited = False  # for orbax's background save: it has ended (or hangs) once its wait raised
         try:
+            if lead:
+                mark.touch()
             with _orbax_io():
                 saved = self._manager.save(rounds_done, args=ocp.args.Composite(
                     state=ocp.args.StandardSave({"server_state": server_state}), meta=ocp.args.JsonSave(meta),
@@ -252,16 +341,19 @@ class RunCheckpointer:
                     fault_point("checkpoint_write")
                     waited = True
                     self._manager.wait_until_finished()
+            path = self.directory / str(rounds_done)
+            if saved and lead:
+                self._write_checksums(path)
+                mark.unlink()
         except Exception as err:  # noqa: BLE001 - orbax raises many kinds from its threads
             self._discard_unfinished(rounds_done, wait=not waited)
             raise self._unsaved(rounds_done, err) from err
         if not saved:
+            if lead:
+                mark.unlink(missing_ok=True)
             raise CheckpointError(f"cannot save the checkpoint of round {rounds_done} in {self.directory}: it "
                                   f"already holds one of round {latest}, from another run or an earlier "
                                   f"attempt; start again with --overwrite or choose a new --out")
-        path = self.directory / str(rounds_done)
-        if jax.process_index() == 0:
-            self._write_checksums(path)
         self._verified.add(rounds_done)  # its checksums were just taken from its files
         with _quiet_orbax():  # it logs a damaged _CHECKPOINT_METADATA (timestamps only) of any checkpoint kept
             self._manager.reload()
@@ -272,14 +364,17 @@ class RunCheckpointer:
         return path
 
     def _discard_unfinished(self, rounds_done: int, wait: bool) -> None:
-        """Deletes what a failed save of `rounds_done` left (orbax's temporary folder, never committed): on a
-        full disk, the space the run's summary needs. `wait`: for orbax's background save to end first (the
+        """Deletes what a failed save of `rounds_done` left (orbax's temporary folder, never committed; the
+        checkpoint itself where orbax committed it but its checksums were not written): on a full disk, the
+        space the run's summary needs; and nothing is left that looks complete. Process 0's (it marks the
+        save, commits it and writes the checksums); another process's failure leaves the mark, which a
+        resumed run reads (`discard_cut_short`). `wait`: for orbax's background save to end first (the
         failure came before its wait; deleting under it would make it fail with tracebacks of its own)."""
         if wait:
             with contextlib.suppress(Exception), _quiet_orbax():
                 self._manager.wait_until_finished()
-        for unfinished in self.directory.glob(f"{rounds_done}{ocp.utils.TMP_DIR_SUFFIX}*"):
-            shutil.rmtree(unfinished, ignore_errors=True)
+        if jax.process_index() == 0:
+            discard_cut_short(self.run_dir)  # (orbax's reload would wait for the other processes: not here)
 
     def _write_checksums(self, step: Path) -> None:
         text = json.dumps({str(f.relative_to(step)): file_crc32(f) for f in _orbax_files(step)}, indent=0)
@@ -296,8 +391,14 @@ class RunCheckpointer:
         """Refuses the checkpoint of `rounds_done` if a file orbax wrote differs from its checksum."""
         step = self.directory / str(rounds_done)
         checksums = step / CHECKSUMS
-        if rounds_done in self._verified or not checksums.exists():
+        if rounds_done in self._verified:
             return
+        if not checksums.exists():
+            if not _written_with_checksums(step):
+                return  # a version before checksums wrote it: restored unchecked, as then
+            raise CheckpointError(f"the checkpoint {step} has no checksums ({checksums} is missing), so its files "
+                                  f"cannot be checked; delete {step} to resume from the checkpoint before, or start "
+                                  f"again with --overwrite")
         try:
             recorded = json.loads(checksums.read_text())
             if not isinstance(recorded, dict) or not all(isinstance(c, int) for c in recorded.values()):
@@ -315,7 +416,11 @@ class RunCheckpointer:
         self._verified.add(rounds_done)
 
     def latest_round(self) -> int | None:
-        return self._manager.latest_step()
+        """The latest checkpoint's rounds, passing over any whose save was cut short (module docstring) or
+        that a failed save deleted."""
+        steps = [step for step in self._manager.all_steps() if (self.directory / str(step)).is_dir()
+                 and (step in self._verified or not _cut_short(self.directory, step))]
+        return max(steps, default=None)
 
     def client_states_dir(self) -> Path | None:
         """The folder of the latest checkpoint's client-state snapshots (None: no checkpoint, or one

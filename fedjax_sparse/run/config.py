@@ -8,20 +8,21 @@ from typing import Any
 
 from fedjax_sparse.algorithms import (ENTRY_POINT_GROUP, UnknownAlgorithm, flags_of, get_spec, make_options,
                                      option_users, options_dict, refused, registered, reserve)
-from fedjax_sparse.algorithms.differential_privacy import DifferentialPrivacyOptions
+from fedjax_sparse.privacy.mechanism import DifferentialPrivacyOptions
 from fedjax_sparse.algorithms.personalization import PersonalizationOptions
 from fedjax_sparse.algorithms.uplink_compression import UplinkCompressionOptions
-from fedjax_sparse.core.client_store import BACKENDS
-from fedjax_sparse.core.device_split import SPLITS
-from fedjax_sparse.core.numerics import MATMUL_PRECISIONS, PRECISION_ALIASES, Numerics
-from fedjax_sparse.core.options import (check_value, coerce, option, option_fields, refuse_unread_values, spec_of,
+from fedjax_sparse.core.client_state.choice import BACKENDS
+from fedjax_sparse.core.round.device_split import SPLITS
+from fedjax_sparse.core.round.numerics import MATMUL_PRECISIONS, PRECISION_ALIASES, Numerics
+from fedjax_sparse.core.contract.options import (check_value, coerce, option, option_fields, refuse_unread_values, spec_of,
                                         validate)
 from fedjax_sparse.data.partition import METHODS, NATURAL
 from fedjax_sparse.data.sources import has_own_clients
 from fedjax_sparse.models import MODEL_ALIASES, MODEL_NAMES, REFUSED, model_names
 from fedjax_sparse.models.structure import COMPUTE_DTYPES
+from fedjax_sparse.run.client_metrics import check_stats
 from fedjax_sparse.run.federation import FederationOptions
-from fedjax_sparse.run.trackers import TrackerOptions, check_trackers
+from fedjax_sparse.run.tracker_options import TrackerOptions, check_trackers
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,7 +33,7 @@ class RunConfig(TrackerOptions, FederationOptions, DifferentialPrivacyOptions, U
     Two patterns apply to any algorithm they fit, from the run's options: uplink compression
     (`algorithms.uplink_compression`) and personal layers (`algorithms.personalization`). The
     federation's options (sampler, devices, stragglers) are `run.federation.FederationOptions`, the
-    trackers' (`--logger`) `run.trackers.TrackerOptions`.
+    trackers' (`--logger`) `run.tracker_options.TrackerOptions`.
 
     The shared options are the fields below; each algorithm declares its own
     beside its math (e.g. `algorithms.fedprox.FedProxOptions`). `options` holds
@@ -41,6 +42,19 @@ class RunConfig(TrackerOptions, FederationOptions, DifferentialPrivacyOptions, U
     `RunConfig.create(**flat)` / `config.replace(**flat)`, which route every
     name to its place; `to_dict()` is the flat saved form.
     """
+
+    # the command line's help groups of the run's own options (`core.contract.options.option_group`); the
+    # patterns' and the federation's are their classes'
+    OPTION_GROUPS = {
+        **dict.fromkeys(("algorithm", "dataset", "data_dir", "download", "model", "num_clients", "clients_per_round",
+                         "rounds", "local_epochs", "batch_size", "lr", "lr_decay", "momentum", "weight_decay",
+                         "grad_clip_norm", "partition", "alpha", "labels_per_client", "min_examples",
+                         "local_test_ratio", "seed", "eval_every", "max_train_examples", "max_test_examples"), "data"),
+        **dict.fromkeys(("out", "checkpoint_every", "checkpoint_minutes", "tensorboard", "client_metric_stats",
+                         "compilation_cache"), "output"),
+        **dict.fromkeys(("client_store", "shard_clients", "client_chunk", "cpu_devices", "device_split",
+                         "matmul_precision", "compute_dtype", "deterministic"), "scale"),
+    }
 
     algorithm: str = option("fedavg", "the federated algorithm: a registered one (the library's, a script's, an "
                                       "installed package's)")
@@ -102,6 +116,10 @@ class RunConfig(TrackerOptions, FederationOptions, DifferentialPrivacyOptions, U
     max_test_examples: int | None = option(None, "use a random subset of this many test examples", low=1)
     checkpoint_every: int | None = option(None, "save the whole run state every R rounds and at the end (an "
                                                 "interrupted run saves anyway)", low=1)
+    checkpoint_minutes: float = option(5.0, "save the whole run state once M minutes of wall time have passed since "
+                                            "its last save (or its start), at the end of the next round, and at the "
+                                            "end, so that a killed run resumes (--resume); 0: only --checkpoint-every "
+                                            "saves", low=0.0)
     tensorboard: bool = option(True, "also write every per-round figure as TensorBoard event files into the run "
                                      "folder (on by default; view with tensorboard --logdir runs)")
     matmul_precision: str = option("float32", "how float32 matrix products and convolutions are computed: float32 "
@@ -117,6 +135,11 @@ class RunConfig(TrackerOptions, FederationOptions, DifferentialPrivacyOptions, U
                                            "are priced as sent)", choices=COMPUTE_DTYPES)
     deterministic: bool = option(False, "on a GPU, compile with XLA's deterministic ops (the same figures every "
                                         "time, at some speed); a CPU and a TPU are deterministic already")
+    client_metric_stats: tuple[str, ...] = option(("mean",), "what each round logs of a metric the clients report "
+                                                           "(an agent's reward, a sub-model's capacity) over the "
+                                                           "clients that trained, besides its mean: min, max, std, "
+                                                           "pN (a percentile, 0 <= N <= 100), e.g. "
+                                                           "mean,min,max,p10,p90")
     compilation_cache: bool = option(True, "keep compiled rounds in JAX's persistent cache "
                                            "($FEDJAX_SPARSE_CACHE or ~/.cache/fedjax_sparse/jax)")
     out: str = option("runs/default", "directory for config, metrics, summary and plot")
@@ -189,6 +212,7 @@ class RunConfig(TrackerOptions, FederationOptions, DifferentialPrivacyOptions, U
             given = "--round-deadline" if self.round_deadline is not None else "--over-selection"
             raise ValueError(f"{given} needs a clock: give --device-profile (phone, iot, edge or a profile file)")
         check_trackers(self)
+        check_stats(self.client_metric_stats)
         if self.client_chunk and self.shard_clients:
             raise ValueError(f"--client-chunk {self.client_chunk} and --shard-clients do not combine: "
                              f"sharding splits the vmap of all sampled clients over the devices")
@@ -206,7 +230,7 @@ class RunConfig(TrackerOptions, FederationOptions, DifferentialPrivacyOptions, U
 
     @property
     def numerics(self) -> Numerics:
-        """The run's matrix-product precision and determinism (`core.numerics`)."""
+        """The run's matrix-product precision and determinism (`core.round.numerics`)."""
         return Numerics(self.matmul_precision, self.deterministic)
 
     @property

@@ -23,7 +23,7 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
-from fedjax_sparse.core.options import check_value, coerce, flag_name, quoted
+from fedjax_sparse.core.contract.options import check_value, coerce, flag_name, quoted
 
 FORMATS = {".json": "JSON", ".yaml": "YAML", ".yml": "YAML", ".toml": "TOML"}
 MAX_VALUES = 10_000  # a run's options hold a few dozen values; a value near this is no option's

@@ -8,54 +8,55 @@ import os
 import re
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import jax
 import numpy as np
 
 from fedjax_sparse.algorithms import BUILT_IN, make_algorithm
-from fedjax_sparse.algorithms.differential_privacy import keeps_client_state, privatize
+from fedjax_sparse.privacy.mechanism import keeps_client_state, privatize
 from fedjax_sparse.algorithms.personalization import personalize
 from fedjax_sparse.algorithms.uplink_compression import compress_uplink
-from fedjax_sparse.core.algorithm import BuildContext, NeedsDeviceData
-from fedjax_sparse.core.contract import check_contract
-from fedjax_sparse.core.cpu_evaluation import CpuEvaluator, evaluation_devices
-from fedjax_sparse.core.cpu_round import keep_freed_memory, round_devices
-from fedjax_sparse.core.client_rows import RowLayout
-from fedjax_sparse.core.client_store import (available_host_memory, choose_store, client_state_shapes, free_device_memory,
-                                             initial_server_state, make_store)
-from fedjax_sparse.core.distributed import ProcessLayout, current_process, process_mesh
-from fedjax_sparse.core.device_split import BalancedSplit
-from fedjax_sparse.core.evaluation import AUTO, default_evaluation_chunk, global_evaluator, split_evaluator
-from fedjax_sparse.core.flops import forward_flops
-from fedjax_sparse.core.local_training import LocalSGD
-from fedjax_sparse.core.privacy_accounting import PrivacyLedger
-from fedjax_sparse.core.round import clients_mesh, default_client_chunk
-from fedjax_sparse.core.round_driver import ONE_DEVICE, round_driver
-from fedjax_sparse.core.secure_aggregation import summed_entries
-from fedjax_sparse.core.streams import stream_key, stream_seed
-from fedjax_sparse.core.wrapping import upload_shapes
+from fedjax_sparse.core.contract.algorithm import BuildContext, NeedsDeviceData
+from fedjax_sparse.core.contract.check import check_contract
+from fedjax_sparse.core.evaluation.cpu import CpuEvaluator, evaluation_devices
+from fedjax_sparse.core.round.cpu import keep_freed_memory, round_devices
+from fedjax_sparse.core.client_state.rows import RowLayout
+from fedjax_sparse.core.client_state.choice import available_host_memory, choose_store, free_device_memory, make_store
+from fedjax_sparse.core.client_state.store import client_state_shapes, initial_server_state
+from fedjax_sparse.core.round.distributed import ProcessLayout, current_process, process_mesh
+from fedjax_sparse.core.round.device_split import BalancedSplit
+from fedjax_sparse.core.evaluation.evaluators import AUTO, default_evaluation_chunk, global_evaluator, split_evaluator
+from fedjax_sparse.core.structure.flops import forward_flops
+from fedjax_sparse.core.round.local_training import LocalSGD
+from fedjax_sparse.privacy.accounting import PrivacyLedger
+from fedjax_sparse.core.round.step import clients_mesh, default_client_chunk
+from fedjax_sparse.core.round.driver import ONE_DEVICE, round_driver
+from fedjax_sparse.core.messages.secure_aggregation import summed_entries
+from fedjax_sparse.core.round.streams import stream_key, stream_seed
+from fedjax_sparse.core.contract.wrapping import upload_shapes
 from fedjax_sparse.data import load_dataset
 from fedjax_sparse.data.clients import federate
 from fedjax_sparse.data.mapped import PREFIX as MAPPED
 from fedjax_sparse.models import get_model
+from fedjax_sparse.run.client_metrics import check_stats
 from fedjax_sparse.run.checkpoints import KEEP
 from fedjax_sparse.run.config import RunConfig
 from fedjax_sparse.run.federation import buffering, round_conditions
 from fedjax_sparse.run.fingerprint import data_fingerprint
-from fedjax_sparse.run.outputs import say
-from fedjax_sparse.run.privacy import privacy_ledger
+from fedjax_sparse.console import say
+from fedjax_sparse.privacy.ledger import privacy_ledger
 
 
 @dataclasses.dataclass
 class Experiment:
     """Everything a run builds before its first round (also what tests poke at).
 
-    store: where the client states live (`core.client_store`); train, local_test: the
+    store: where the client states live (`core.client_state.store`); train, local_test: the
     clients' data, on the device (`FederatedSplit`) with the device store, else this
-    process's clients' (`data.windows.HostData`); round_fn: `core.round_driver.RoundDriver`,
+    process's clients' (`data.windows.HostData`); round_fn: `core.round.driver.RoundDriver`,
     `round_fn(server_state, r) -> (server_state, RoundOutput)`; evaluate_personalized:
-    `core.evaluation.split_evaluator`, given local_test with the device store (every client),
+    `core.evaluation.evaluators.split_evaluator`, given local_test with the device store (every client),
     a chunk of the clients' test windows otherwise.
     """
 
@@ -77,7 +78,7 @@ class Experiment:
     process: ProcessLayout
     federation: Any = None  # data.clients: the clients' data, whichever the source
     data_fingerprint: dict = dataclasses.field(default_factory=dict)
-    privacy: PrivacyLedger | None = None  # differential privacy's accounting (run.privacy)
+    privacy: PrivacyLedger | None = None  # differential privacy's accounting (privacy.ledger)
 
     def close(self) -> None:
         self.round_fn.close()
@@ -91,11 +92,13 @@ def load_run_dataset(config: RunConfig, progress: bool = True):
 
 
 def build_experiment(config: RunConfig, progress: bool = True, *, process: ProcessLayout | None = None,
-                     snapshot: str | None = None, dataset: Any = None) -> Experiment:
+                     snapshot: str | None = None, dataset: Any = None,
+                     before_store: Callable[[str], None] | None = None) -> Experiment:
     """The run's data, model, algorithm, client store and round, for this process (default: the
     one `jax.distributed` says it is). `snapshot`: the backend of the client-state snapshot a
     resumed run restores (a disk store's restores only into the disk store); `dataset`: the
-    loaded data set (default: loaded here)."""
+    loaded data set (default: loaded here); `before_store(backend)`: called before the store is
+    made (the run records a disk store's folder before it exists)."""
     config.validate()
     process = process or current_process()
     if process.count > 1 and config.cpu_devices is not None:
@@ -150,12 +153,16 @@ def build_experiment(config: RunConfig, progress: bool = True, *, process: Proce
         algorithm, privacy = with_privacy(with_patterns(make_algorithm(config.algorithm, context,
                                                                        config.algorithm_options), context, config),
                                           context, config)
+    for metric, stats in algorithm.client_metric_stats:
+        check_stats(stats, f"{algorithm.name}'s client_metric_stats for {metric!r}")
     if conditions.secure is not None:  # what the protocol sums: refused in one line where the sum would not do
         conditions = dataclasses.replace(conditions, upload_entries=summed_entries(algorithm,
                                                                                    upload_shapes(algorithm, context)))
     if config.algorithm not in BUILT_IN:  # an algorithm from outside the library: its contract, on shapes, first
         check_contract(algorithm, jax.eval_shape(model.init, stream_key(config.seed, "model_init")), config.num_clients,
                        slots, federation.first_client(), config.seed, varies=conditions.varies)
+    if before_store is not None:
+        before_store(backend)
     store = make_store(backend, algorithm, key, variables, config.num_clients,
                        directory=Path(config.out) / "client_store", process=process, keep=KEEP)
     mesh = None
@@ -261,7 +268,7 @@ def usable_cpu_devices(config: RunConfig, backend: str, mesh) -> list:
 
 
 def round_cpu_devices(config: RunConfig, backend: str, mesh, chunk: int | None, slots: int) -> list:
-    """The CPU devices that share a round's clients (`core.cpu_round`): the usable ones where they pay
+    """The CPU devices that share a round's clients (`core.round.cpu`): the usable ones where they pay
     (`round_devices`), all of them with `--cpu-devices`."""
     devices = usable_cpu_devices(config, backend, mesh)
     if not devices:
@@ -271,7 +278,7 @@ def round_cpu_devices(config: RunConfig, backend: str, mesh, chunk: int | None, 
 
 
 def evaluation_cpu_devices(config: RunConfig, backend: str, mesh, local_test) -> list:
-    """The CPU devices that share the personalized evaluation of every client (`core.cpu_evaluation`):
+    """The CPU devices that share the personalized evaluation of every client (`core.evaluation.cpu`):
     the usable ones where they pay (`evaluation_devices`), all of them with `--cpu-devices`."""
     devices = usable_cpu_devices(config, backend, mesh)
     chunk = evaluation_chunk(config)
@@ -300,7 +307,10 @@ def evaluation_chunk(config: RunConfig) -> int | None | str:
 
 
 def compilation_cache_dir() -> Path:
-    """Where compiled rounds are kept between runs: $FEDJAX_SPARSE_CACHE, else the user's cache folder."""
+    """Where compiled rounds are kept between runs: $FEDJAX_SPARSE_JAX_CACHE (the compiled programs alone, apart
+    from the decoded data sets), else $FEDJAX_SPARSE_CACHE, else the user's cache folder."""
+    if os.environ.get("FEDJAX_SPARSE_JAX_CACHE"):
+        return Path(os.environ["FEDJAX_SPARSE_JAX_CACHE"])
     if os.environ.get("FEDJAX_SPARSE_CACHE"):
         return Path(os.environ["FEDJAX_SPARSE_CACHE"])
     base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")

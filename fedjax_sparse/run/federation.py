@@ -12,17 +12,19 @@ import math
 import jax
 import numpy as np
 
-from fedjax_sparse.core.buffered_round import Buffering
-from fedjax_sparse.core.clock import Stragglers, device_profile
-from fedjax_sparse.core.options import option
-from fedjax_sparse.core.participation import SamplerContext, build_sampler
-from fedjax_sparse.core.round import RoundConditions
-from fedjax_sparse.core.secure_aggregation import PROTOCOLS, SecureAggregation
+from fedjax_sparse.core.round.buffered import Buffering
+from fedjax_sparse.core.federation.clock import Stragglers, device_profile
+from fedjax_sparse.core.contract.options import option
+from fedjax_sparse.core.federation.participation import SamplerContext, build_sampler
+from fedjax_sparse.core.round.step import RoundConditions
+from fedjax_sparse.core.messages.secure_aggregation import PROTOCOLS, SecureAggregation
 
 
 @dataclasses.dataclass(frozen=True)
 class FederationOptions:
     """The run's federation (docs/federation.md)."""
+
+    OPTION_GROUP = "federation"  # the command line's help group (`core.contract.options.option_group`)
 
     sampler: str = option("uniform", "who takes part each round: uniform (K of N, the default), poisson (each client "
                                      "with probability K/N), data_size (K of N in proportion to their examples), "
@@ -42,8 +44,13 @@ class FederationOptions:
                                                 "--device-profile)", low=0.0, low_open=True)
     over_selection: float = option(0.0, "dispatch ceil((1 + f) K) clients and aggregate the first K to return "
                                         "(needs --device-profile)", low=0.0)
-    dropout: float = option(0.0, "the probability that a dispatched client fails before returning", low=0.0,
-                            high=1.0, high_open=True)
+    dropout: float = option(0.0, "the probability that a dispatched client fails before returning (under "
+                                 "--dp-clip the mean's fixed denominator K counts the failed too, so the update "
+                                 "shrinks by (1 - p) on average; without it the mean is over those that returned)",
+                            low=0.0, high=1.0, high_open=True)
+    min_reports: int | None = option(None, "abandon a round in which fewer clients return (Bonawitz et al. 2019): "
+                                           "the server keeps its model and the round's updates are lost (default: "
+                                           "a round aggregates whoever returned)", low=1)
     async_buffer: int | None = option(None, "asynchronous rounds (FedBuff): --clients-per-round clients train at "
                                             "once, each from the model current when it was sent, and the server "
                                             "steps each time this many updates have arrived by the simulated clock "
@@ -52,8 +59,9 @@ class FederationOptions:
     secure_aggregation: str = option("none", "the server sees only the sum of the round's uploads: secagg "
                                              "(Bonawitz et al. 2017) or secagg+ (Bell et al. 2020), their bytes "
                                              "counted in every client's (none: it sees each upload)",
-                                     choices=("none", *PROTOCOLS))
-    secagg_bits: int = option(32, "secure aggregation: the bits of an entry's fixed-point encoding", low=1, high=32)
+                                     choices=("none", *PROTOCOLS), group="privacy")
+    secagg_bits: int = option(32, "secure aggregation: the bits of an entry's fixed-point encoding", low=1, high=32,
+                              group="privacy")
     staleness_exponent: float = option(0.5, "asynchronous rounds: an update s server steps old is weighted by "
                                             "(1 + s)^-a (0.5: FedBuff's 1/sqrt(1 + s); 0: not down-weighted)",
                                        low=0.0)
@@ -108,7 +116,7 @@ def round_conditions(config, counts: np.ndarray, dense_flops_per_example: float)
     profile = device_profile(config.device_profile, config.num_clients) if config.device_profile else None
     stragglers = Stragglers(deadline=config.round_deadline,
                             target=config.clients_per_round if config.over_selection else None,
-                            dropout=config.dropout)
+                            dropout=config.dropout, min_reports=config.min_reports)
     secure = (SecureAggregation(config.secure_aggregation, config.secagg_bits)
               if config.secure_aggregation != "none" else None)
     return RoundConditions(sampler, profile, stragglers, dense_flops_per_example, secure)
@@ -120,7 +128,8 @@ def federation_record(out, conditions: RoundConditions, counters) -> dict:
 
     clients_dispatched: slots whose client was sent the model; clients_returned: those aggregated;
     updates_late / updates_failed / updates_surplus: lost to the deadline, to dropout, and discarded by
-    over-selection; simulated_seconds: the round's length (`core.clock`), cumulative beside it."""
+    over-selection; with --min-reports, round_abandoned and updates_abandoned (returned, lost with the round);
+    simulated_seconds: the round's length (`core.federation.clock`), cumulative beside it."""
     if not conditions.varies and not conditions.timed:
         return {}
     dispatched = np.asarray(out.dispatched, bool)
@@ -133,6 +142,13 @@ def federation_record(out, conditions: RoundConditions, counters) -> dict:
                        "updates_failed": int(returns["failed"].sum()),
                        "updates_surplus": int(returns["surplus"].sum())})
         counters.updates_lost_total += record["updates_late"] + record["updates_failed"]
+        if out.returns.abandoned is not None:
+            abandoned = int(np.asarray(out.returns.abandoned, bool).sum())
+            record.update({"round_abandoned": bool(record["clients_returned"] + abandoned
+                                                   < conditions.stragglers.min_reports),
+                           "updates_abandoned": abandoned})
+            counters.updates_lost_total += abandoned
+            counters.rounds_abandoned_total += int(record["round_abandoned"])
     if conditions.profile is not None:
         seconds = float(np.asarray(out.returns.seconds))
         counters.simulated_seconds_total += seconds
@@ -148,5 +164,7 @@ def federation_totals(conditions: RoundConditions, counters) -> dict:
     dispatched = counters.clients_dispatched_total
     return {"clients_dispatched_total": dispatched, "updates_lost_total": counters.updates_lost_total,
             "updates_lost_share": counters.updates_lost_total / dispatched if dispatched else None,
+            **({"rounds_abandoned_total": counters.rounds_abandoned_total}
+               if conditions.stragglers.min_reports is not None else {}),
             **({"simulated_seconds_total": counters.simulated_seconds_total}
                if conditions.profile is not None else {})}

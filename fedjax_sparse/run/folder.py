@@ -1,9 +1,12 @@
 """A run folder belongs to one run: its lock, the files that make it a run's, and what a killed run left.
 
 * `hold_run_folder` takes an advisory lock (flock on the run folder itself) for the whole run, so a
-  second process into the same folder fails at once, naming the holder's pid (kept in RUN_DIR/.lock).
-  The kernel drops the lock when its process dies, kill -9 included, so a crashed run never leaves a
-  stale lock; and since the lock is the folder's, deleting .lock by hand cannot let a second run in.
+  second process into the same folder fails at once, naming the holder's pid. The pid is kept in
+  `LOCK_FILE`, a name of the library's own, written only once the run has taken the folder (never in a
+  folder it refuses: `HeldFolder.announce`) and removed when the run ends. The kernel drops the lock
+  when its process dies, kill -9 included, so a crashed run never leaves a stale lock (its pid file, if
+  any, names no holder: the next run replaces it); and since the lock is the folder's, deleting the pid
+  file by hand cannot let a second run in.
 * `RunManifest` records, in RUN_DIR/fedjax_sparse_files.json, the name of every file the run writes
   there, before it is first written: what this library provably wrote (a kill between the record and
   the write leaves a name recorded and no file, never a file unrecorded).
@@ -24,13 +27,17 @@ import fcntl
 import json
 import os
 import shutil
+import uuid
 from pathlib import Path
 from typing import Callable, Iterator
 
+from fedjax_sparse.core.round.distributed import agree, broadcast_text, gather_texts
+from fedjax_sparse.run.checkpoints import io_reason
 from fedjax_sparse.run.outputs import dumps, replace_atomically
+from fedjax_sparse.run.signals import undo_at_once
 
-LOCK_FILE = ".lock"
-# "client_store": the disk client store's rows (`core.client_store.DiskStore`), part of the run's state;
+LOCK_FILE = ".fedjax_sparse.lock"  # hidden, and no user's: a user's own .lock in --out is left alone
+# "client_store": the disk client store's rows (`core.client_state.store.DiskStore`), part of the run's state;
 # "trackers.json": the MLflow and W&B runs a resume goes on logging into (`run.trackers`)
 RUN_FILES = ("config.json", "metrics.jsonl", "partition.json", "summary.json", "accuracy.png", "checkpoints",
              "client_store", "trackers.json")
@@ -44,9 +51,35 @@ class RunFolderError(ValueError):
     """The run folder cannot be used as asked; the message names it and the choices."""
 
 
+class HeldFolder:
+    """A run folder whose lock this process holds (`hold_run_folder`)."""
+
+    def __init__(self, path: Path):
+        self.path, self._announced = path, False
+
+    def announce(self) -> None:
+        """Writes this process's pid into `LOCK_FILE`, for a second run's refusal to name: called once the
+        run has taken the folder, so that a folder the run refuses never gets the file."""
+        try:
+            (self.path / LOCK_FILE).write_text(f"{os.getpid()}\n")
+        except OSError:
+            return  # a folder we cannot write says so at the run's first write, naming the file
+        self._announced = True
+        undo_at_once.append(self.withdraw)  # a signal in start-up ends the process at once
+
+    def withdraw(self) -> None:
+        if self._announced:
+            with contextlib.suppress(OSError):
+                (self.path / LOCK_FILE).unlink()
+            self._announced = False
+            with contextlib.suppress(ValueError):
+                undo_at_once.remove(self.withdraw)
+
+
 @contextlib.contextmanager
-def hold_run_folder(out: str | Path) -> Iterator[Path]:
-    """Creates `out` if needed and holds its lock until the block ends."""
+def hold_run_folder(out: str | Path) -> Iterator[HeldFolder]:
+    """Creates `out` if needed and holds its lock until the block ends (removing its pid file, where
+    `HeldFolder.announce` wrote one)."""
     out = Path(out)
     try:
         out.mkdir(parents=True, exist_ok=True)
@@ -54,6 +87,7 @@ def hold_run_folder(out: str | Path) -> Iterator[Path]:
     except OSError as err:
         raise RunFolderError(f"--out {out} cannot be used as a run folder ({err.strerror}: {err.filename}); "
                              f"choose another --out") from None
+    held = HeldFolder(out)
     try:
         try:
             fcntl.flock(folder, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -64,12 +98,9 @@ def hold_run_folder(out: str | Path) -> Iterator[Path]:
                 holder = "unknown"
             raise RunFolderError(f"--out {out} is in use by another run (pid {holder}); wait for it to end, "
                                  f"or choose another --out") from None
-        try:  # who holds it, for the message above (the lock itself is the folder's)
-            (out / LOCK_FILE).write_text(f"{os.getpid()}\n")
-        except OSError:
-            pass  # a folder we cannot write says so at the run's first write, naming the file
-        yield out
+        yield held
     finally:
+        held.withdraw()  # before the lock goes: the next holder's pid file is never removed
         os.close(folder)  # releases the lock
 
 
@@ -248,3 +279,29 @@ def shared_folder_problem(out: Path, lead: bool, token: str) -> str | None:
     except OSError as err:
         return f"{out / SHARED_CHECK} cannot be read ({err.strerror})"
     return None if seen == token else f"{out / SHARED_CHECK} holds another run's mark"
+
+
+def check_shared_folder(out: Path, process) -> None:
+    """Checkpoints of several processes need one folder they all reach under one path (each writes
+    its part, process 0 commits them): refused in one line, in every process, where some process
+    sees another folder there (a TPU pod slice's workers, each with its own disk)."""
+    lead = process.index == 0
+    token = broadcast_text(uuid.uuid4().hex if lead else "")
+    failure = None
+    if lead:
+        try:
+            (out / SHARED_CHECK).write_text(token)
+        except OSError as err:
+            failure = RunFolderError(f"cannot write {out / SHARED_CHECK}: {io_reason(err)}")
+    agree(failure, "writing the run folder's mark")
+    problem = shared_folder_problem(out, lead, token)
+    problems = gather_texts(problem or "")
+    if lead:
+        (out / SHARED_CHECK).unlink(missing_ok=True)
+    lost = [f"process {p}: {text}" for p, text in enumerate(problems) if text]
+    if lost:
+        raise RunFolderError(
+            f"--out {out} is not one folder for all {process.count} processes ({'; '.join(lost)}): checkpoints "
+            f"and --resume need a file system every process reaches under the same path (NFS; on a TPU pod "
+            f"slice a bucket mounted with gcsfuse, or Filestore); without checkpoints (--checkpoint-minutes 0, no "
+            f"--checkpoint-every) process 0 alone writes the run's files and each process's own disk is enough")

@@ -7,130 +7,41 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import logging
 import math
-import os
 import signal
 import time
-import uuid
 from pathlib import Path
 
 import jax
 import numpy as np
 
-from fedjax_sparse.core.client_store import DeviceStore
-from fedjax_sparse.core.compilation import release_compiler_memory
-from fedjax_sparse.core.numerics import numerics
-from fedjax_sparse.core.device_split import balanced_padded_step_fraction, device_groups
-from fedjax_sparse.core.distributed import (agree, broadcast_text, current_process, gather_texts, max_over_processes,
-                                           process_local)
-from fedjax_sparse.core.evaluation import all_finite, client_accuracy_figures, population_diagnostics
-from fedjax_sparse.core.flops import forward_flops
-from fedjax_sparse.core.participation import check_drawn
-from fedjax_sparse.core.store_evaluation import evaluate_store
+from fedjax_sparse.core.round.compilation import release_compiler_memory
+from fedjax_sparse.core.round.numerics import numerics
+from fedjax_sparse.run.client_metrics import client_metrics
+from fedjax_sparse.run.compiling import Compiling
+from fedjax_sparse.core.round.device_split import balanced_padded_step_fraction, device_groups
+from fedjax_sparse.core.round.distributed import agree, current_process, max_over_processes, process_local
+from fedjax_sparse.core.evaluation.evaluators import all_finite
+from fedjax_sparse.core.structure.flops import forward_flops
+from fedjax_sparse.core.federation.participation import check_drawn
 from fedjax_sparse.data.federated import padded_step_fraction
-from fedjax_sparse.run.checkpoints import CheckpointError, RunCheckpointer, io_reason
+from fedjax_sparse.run.checkpoints import (ROWS_FOLDER, CheckpointError, RunCheckpointer, SaveLostAProcess,
+                                           discard_cut_short)
 from fedjax_sparse.run.config import RunConfig
 from fedjax_sparse.run.experiment import Experiment, build_experiment, load_run_dataset, use_compilation_cache
+from fedjax_sparse.run.failures import (STATUSES, DivergenceError, FailedResume, Interrupted, ProcessLost, RunFailed,
+                                        likely_culprit, peer_lost, write_failure)
 from fedjax_sparse.run.faults import fault_point
 from fedjax_sparse.run.federation import federation_record, federation_totals
-from fedjax_sparse.run.folder import (SHARED_CHECK, RunFolderError, RunManifest, claim_run_folder, hold_run_folder,
-                                      recorded_files, shared_folder_problem)
-from fedjax_sparse.run.outputs import RunWriteError, RunWriter, device_description, progress_bar
-from fedjax_sparse.run.privacy import privacy_record, privacy_totals
-from fedjax_sparse.run.resume import check_resume, restore
+from fedjax_sparse.run.folder import RunManifest, check_shared_folder, claim_run_folder, hold_run_folder
+from fedjax_sparse.console import say
+from fedjax_sparse.run.outputs import RunWriteError, RunWriter, progress_bar
+from fedjax_sparse.run.records import Counters, evaluate, run_summary, run_totals
+from fedjax_sparse.privacy.ledger import privacy_record, privacy_totals, released_record, released_summary
+from fedjax_sparse.run.resume import NoCheckpoint, check_resume, restore
 from fedjax_sparse.run.signals import StopAfterRound
 from fedjax_sparse.run.trackers import Trackers
-
-
-class DivergenceError(RuntimeError):
-    """Training produced a non-finite loss or model; the run stops instead of going on with NaNs."""
-
-
-class Interrupted(RuntimeError):
-    """SIGINT, SIGTERM or SIGHUP stopped the run after a round, whose checkpoint was saved and verified."""
-
-    def __init__(self, message: str, signum: int):
-        super().__init__(message)
-        self.signum = signum
-
-
-@dataclasses.dataclass
-class Counters:
-    """What a run accumulates across rounds; saved in checkpoints beside the states."""
-
-    rounds_done: int = 0
-    cumulative_bytes: int = 0
-    total_uplink_bytes: int = 0
-    total_downlink_bytes: int = 0
-    dense_train_flops_total: int = 0
-    train_flops_total: float = 0.0  # the clients' reported `train_flops` over all rounds (the dense count where none)
-    padded_step_fractions: list = dataclasses.field(default_factory=list)
-    clients_dispatched_total: int = 0  # the federation's (`run.federation`), where it is not today's
-    updates_lost_total: int = 0
-    simulated_seconds_total: float = 0.0
-
-
-def evaluate(exp: Experiment, server_state) -> tuple[dict, bool]:
-    """The figures of an evaluation, and whether every client's state is finite. With a host or
-    disk store the clients are evaluated a round's worth at a time through the store, each process
-    its own (every process must call this)."""
-    on_device = isinstance(exp.store, DeviceStore)
-    if not on_device:
-        server_state = process_local(server_state)  # each process evaluates on its own device
-    if exp.algorithm.evaluation_state is not None:
-        server_state = exp.algorithm.evaluation_state(server_state)
-    out = {"test_accuracy": None, "test_loss": None}
-    if exp.evaluate_global is not None:
-        scores = exp.evaluate_global(exp.algorithm.global_variables(server_state))
-        out = {"test_accuracy": float(scores["accuracy"]), "test_loss": float(scores["loss"])}
-        variants = exp.algorithm.global_variants(server_state) if exp.algorithm.global_variants else {}
-        for name, variables in variants.items():
-            scores = exp.evaluate_global(variables)
-            out.update({f"test_accuracy_{name}": float(scores["accuracy"]), f"test_loss_{name}": float(scores["loss"])})
-    if on_device:
-        client_states = exp.store.states
-        finite = bool(all_finite(client_states))
-        evaluated = client_states
-        if exp.algorithm.evaluation_clients is not None:
-            evaluated = exp.algorithm.evaluation_clients(server_state, client_states)
-        accuracies = np.asarray(exp.evaluate_personalized(server_state, evaluated, exp.local_test))
-        diagnostics = None if exp.algorithm.diagnostics is None else population_diagnostics(
-            exp.algorithm, server_state, client_states)
-    else:
-        population = evaluate_store(exp.algorithm, exp.store, exp.local_test, server_state,
-                                    exp.evaluate_personalized, exp.config.clients_per_round)
-        accuracies, finite = population.accuracies, population.finite
-        diagnostics = None if exp.algorithm.diagnostics is None else exp.algorithm.diagnostics(
-            server_state, population.diagnostics)
-    out["personalized_accuracy"] = float(accuracies.mean())
-    out.update(client_accuracy_figures(accuracies))
-    if diagnostics is not None:
-        out.update(jax.tree_util.tree_map(_to_python, diagnostics))
-    return out, finite
-
-
-def client_metrics(metrics: dict, dispatched: np.ndarray) -> dict:
-    """The round's per-client figures beyond loss and steps (an agent's reward, a sub-model's
-    capacity, ...), each as `client_<name>`: the mean over the dispatched clients."""
-    return {f"client_{name}": float(np.mean(np.asarray(value, np.float64)[dispatched])) if dispatched.any() else None
-            for name, value in metrics.items() if name not in ("loss", "num_steps")}
-
-
-def _to_python(x):
-    x = np.asarray(x)
-    return x.item() if x.ndim == 0 else x.tolist()
-
-
-def likely_culprit(config: RunConfig) -> str:
-    """The flag most likely to blame for a diverged run, as advice."""
-    options = config.options
-    if options.get("server_lr", 1.0) > 1.0:
-        return f"try a smaller --server-lr than {options['server_lr']}"
-    if config.momentum >= 0.95:
-        return f"try a smaller --momentum than {config.momentum} or a smaller --lr than {config.lr}"
-    return f"try a smaller --lr than {config.lr}"
 
 
 def run_experiment(config: RunConfig, *, progress: bool = True, resume: bool = False,
@@ -142,21 +53,23 @@ def run_experiment(config: RunConfig, *, progress: bool = True, resume: bool = F
     earlier run's files unless `overwrite` (which deletes them first, only those recorded), and files
     of a run's names that no record vouches for in any case (`run.folder.claim_run_folder`); `resume=True`
     continues the run in `config.out` from its latest checkpoint, refusing one made with a config
-    that would change the results, or `config.rounds` below the rounds done. With
-    `config.checkpoint_every` the whole run state is saved every so many rounds and at the end, with
-    every record so far and a fingerprint of the data (`run.resume`: a resume rewrites what the
-    checkpoint covers and refuses other data unless `allow_data_change`).
-    SIGINT, SIGTERM or SIGHUP during the rounds finishes the current round, saves it and raises
+    that would change the results, or `config.rounds` below the rounds done (a run that has no
+    checkpoint yet is run again from its first round, as a new run with `overwrite`). The whole run
+    state is saved every `config.checkpoint_minutes` of wall time (at the end of the round after),
+    every `config.checkpoint_every` rounds and at the end, with every record so far and a fingerprint
+    of the data (`run.resume`: a resume rewrites what the checkpoint covers and refuses other data
+    unless `allow_data_change`).
+    A signal (`run.signals.SIGNALS`) during the rounds finishes the current round, saves it and raises
     `Interrupted` after writing summary.json with status "interrupted". A non-finite loss or model
     stops the run with `DivergenceError` after writing what was measured so far. A file or checkpoint
     that cannot be written stops it with `RunFailed` (one line: the path and the OS's reason) after
     writing summary.json with status "failed" where it still can (the metrics file, the TensorBoard
     events and the summary are written apart, so either's failure still reaches the summary); earlier
-    checkpoints stay intact. A refusal, or data that cannot be loaded, leave a new run's folder holding
-    its lock alone (no summary), so the same command may simply be run again; a resumed run's summary
-    says "failed" then, keeping what the run had measured (`FailedResume`).
+    checkpoints stay intact. A refusal, or data that cannot be loaded, leave a new run's folder as it
+    was (no summary), so the same command may simply be run again; a resumed run's summary says
+    "failed" then, keeping what the run had measured (`FailedResume`).
 
-    Several processes (`core.distributed.initialize` first): every process calls this with the
+    Several processes (`core.round.distributed.initialize` first): every process calls this with the
     same config. Process 0 alone holds the lock, claims the folder and writes the run's files;
     every process loads the data, holds its own clients, and takes part in every round,
     evaluation and checkpoint. Where a step fails in some process, all stop (`agree`).
@@ -169,38 +82,62 @@ def run_experiment(config: RunConfig, *, progress: bool = True, resume: bool = F
     use_compilation_cache(config.compilation_cache)
     process = current_process()
     lead = process.index == 0
-    with (numerics(config.numerics), hold_run_folder(out) if lead else contextlib.nullcontext(out),
-          FailedResume(out, resume and lead) as refused):
-        failure, snapshot, dataset, counters, manifest = None, None, None, Counters(), None
-        try:  # the folder made this run's (by process 0) before any process writes into it
+    folder = hold_run_folder(out) if lead else contextlib.nullcontext()
+    with numerics(config.numerics), folder as held, FailedResume(out, resume and lead) as refused:
+        failure, snapshot, dataset, counters, manifest, restart = None, None, None, Counters(), None, False
+        try:  # by process 0, before any process reads or writes the folder
+            if lead and resume:
+                for rounds_done in discard_cut_short(out):
+                    say(f"the checkpoint of round {rounds_done} in {out / 'checkpoints'} was cut short while it was "
+                        f"saved (a kill, a lost process); deleted it")
             if lead and not resume:
                 claim_run_folder(out, overwrite)
-            fault_point("start_up")
+        except Exception as e:  # noqa: BLE001 - raised below, in every process
+            failure = e
+        agree(failure, "taking the run folder")
+        try:
             if resume:
                 snapshot = check_resume(config, out, process)
+        except NoCheckpoint:  # killed before its first checkpoint: its rounds are run again, as a new run's
+            restart = True
+        except Exception as e:  # noqa: BLE001
+            failure = e
+        agree(failure, "checking the run to resume")
+        try:
+            if lead and restart:
+                claim_run_folder(out, overwrite=True)  # only what the attempt before wrote, as --overwrite
+                say(f"--resume {out}: no checkpoint there yet (the run stopped before its first); running it from "
+                    f"round 1 again")
+            if lead:
+                held.announce()
+            fault_point("start_up")
             if lead:  # first, so that a data set prepared on first use is prepared once
                 with _logged_only_if_it_works("absl"):
                     dataset = load_run_dataset(config, progress)
-                # A new run stopped before here has written nothing but the lock (the same command may simply
-                # be run again). From here on each run file is recorded before any process may write it: the
-                # client stores are built next, the checkpoints come with any signal.
+                # A new run stopped before here has written nothing (the same command may simply be run again).
+                # From here on each run file is recorded before any process may write it: the disk client
+                # store's rows before the store is built, the checkpoints before the first save.
                 manifest = RunManifest(out)
-                manifest.record("checkpoints", *(["client_store"] if config.client_store in ("disk", "auto") else []))
-        except Exception as e:  # noqa: BLE001 - raised below, in every process
+        except Exception as e:  # noqa: BLE001
             failure = e
         agree(failure, "preparing the run folder")
-        if process.count > 1 and (config.checkpoint_every or resume):
+        if process.count > 1 and (checkpoints_on(config) or resume):
             check_shared_folder(out, process)
+
+        def before_store(backend: str) -> None:
+            if lead and backend == "disk":
+                manifest.record(ROWS_FOLDER)
+
         exp, failure = None, None
         try:
             exp = build_experiment(config, progress=progress and lead, process=process, snapshot=snapshot,
-                                   dataset=dataset)
+                                   dataset=dataset, before_store=before_store)
         except Exception as e:  # noqa: BLE001
             failure = e
         agree(failure, "during start-up")
         try:
             server_state, records = exp.server_state, []
-            if resume:
+            if resume and not restart:
                 server_state, meta, records = restore(exp, out, lead, allow_data_change)
                 counters = Counters(**meta["counters"])
             with StopAfterRound(first_round=counters.rounds_done + 1, last_round=config.rounds) as stop:
@@ -211,90 +148,9 @@ def run_experiment(config: RunConfig, *, progress: bool = True, resume: bool = F
             exp.close()
 
 
-class FailedResume:
-    """Where a resume stops before its rounds (refused: a flag that would change the results, a damaged
-    checkpoint; or failing to start: data that cannot be loaded), makes the run's summary.json say so,
-    "status": "failed" with the one line, instead of the status of the attempt before ("completed", ...),
-    which a reader (a script polling the folder) would take for this attempt's.
-
-    Nothing the summary held is lost: the run's rounds are still done and its figures still true (a
-    refused resume changes none of the run's files), so the summary keeps them, and keeps the status
-    of the run's last attempt that ran as `status_before_resume`. Only a summary this library provably
-    wrote is replaced (the folder's manifest records it, `run.folder.RunManifest`), or one added where a
-    run's folder has none (a run killed before it); a summary that cannot be written leaves the one line.
-    `recording` (set False once the rounds begin, which write the summary themselves) turns it off."""
-
-    def __init__(self, out: Path, recording: bool):
-        self.out, self.recording = out, recording
-
-    def __enter__(self) -> "FailedResume":
-        return self
-
-    def __exit__(self, kind, err, traceback) -> None:
-        if self.recording and isinstance(err, Exception):
-            self._record(err)
-
-    def _record(self, err: Exception) -> None:
-        path = self.out / "summary.json"
-        recorded, _ = recorded_files(self.out)
-        if not recorded or (os.path.lexists(path) and path.name not in recorded):
-            return  # not provably the run's summary: the user's, or a run's from before the manifest
-        try:
-            before = json.loads(path.read_text()) if path.exists() else {}
-        except (OSError, ValueError):  # json.JSONDecodeError and UnicodeDecodeError are ValueErrors
-            before = {}
-        before = before if isinstance(before, dict) else {}
-        status = before.get("status_before_resume", before.get("status"))
-        line = io_reason(err) if isinstance(err, OSError) and err.errno else " ".join(str(err).split())
-        with contextlib.suppress(RunWriteError, OSError):
-            RunWriter(self.out, RunManifest(self.out)).write_summary(
-                {**before, "status": "failed", "error": line, **({"status_before_resume": status} if status else {})})
-
-
-def check_shared_folder(out: Path, process) -> None:
-    """Checkpoints of several processes need one folder they all reach under one path (each writes
-    its part, process 0 commits them): refused in one line, in every process, where some process
-    sees another folder there (a TPU pod slice's workers, each with its own disk)."""
-    lead = process.index == 0
-    token = broadcast_text(uuid.uuid4().hex if lead else "")
-    failure = None
-    if lead:
-        try:
-            (out / SHARED_CHECK).write_text(token)
-        except OSError as err:
-            failure = RunFailed(f"cannot write {out / SHARED_CHECK}: {io_reason(err)}")
-    agree(failure, "writing the run folder's mark")
-    problem = shared_folder_problem(out, lead, token)
-    problems = gather_texts(problem or "")
-    if lead:
-        (out / SHARED_CHECK).unlink(missing_ok=True)
-    lost = [f"process {p}: {text}" for p, text in enumerate(problems) if text]
-    if lost:
-        raise RunFolderError(
-            f"--out {out} is not one folder for all {process.count} processes ({'; '.join(lost)}): checkpoints "
-            f"and --resume need a file system every process reaches under the same path (NFS; on a TPU pod "
-            f"slice a bucket mounted with gcsfuse, or Filestore); without --checkpoint-every process 0 alone "
-            f"writes the run's files and each process's own disk is enough")
-
-
-class RunFailed(RuntimeError):
-    """A run's file or checkpoint could not be written; the message names it and the OS's reason."""
-
-
-def _peer_lost(err: Exception) -> bool:
-    """Whether a collective failed for want of another process (`multihost_utils` raises ValueError)."""
-    return isinstance(err, jax.errors.JaxRuntimeError) or any(
-        word in str(err) for word in ("Gloo", "UNAVAILABLE", "Connection reset", "Connection closed"))
-
-
-class ProcessLost(RunFailed):
-    """Another process of a several-process run died (a kill, a lost node); the rest cannot go on."""
-
-
-def _one_line(err: BaseException) -> str:
-    if isinstance(err, (CheckpointError, RunWriteError)):
-        return " ".join(str(err).split())
-    return f"cannot write the run's files in the run folder: {io_reason(err)}"
+def checkpoints_on(config: RunConfig) -> bool:
+    """Whether the run saves checkpoints of its own accord (an interrupted run saves in any case)."""
+    return bool(config.checkpoint_every or config.checkpoint_minutes)
 
 
 @contextlib.contextmanager
@@ -344,29 +200,41 @@ def _run_rounds(exp: Experiment, config: RunConfig, out: Path, counters: Counter
     bar = progress_bar(config.rounds, f"{config.algorithm} on {config.dataset}", enabled=progress,
                        initial=counters.rounds_done)
 
+    last_save = time.monotonic()  # for `config.checkpoint_minutes`
+
     def save() -> Path:
-        nonlocal checkpointer
-        checkpointer = checkpointer or RunCheckpointer(out)
+        nonlocal checkpointer, last_save
+        if checkpointer is None:  # the folder recorded before any process writes there (`RunManifest`)
+            failure = None
+            try:
+                if lead:
+                    manifest.record("checkpoints")
+            except Exception as e:  # noqa: BLE001 - raised below, in every process
+                failure = e
+            agree(failure, "recording the checkpoints folder")
+            checkpointer = RunCheckpointer(out)
         before, stop.waiting_for = stop.waiting_for, f"the checkpoint of round {counters.rounds_done} to be saved"
         meta = {"config": config.to_dict(), "counters": dataclasses.asdict(counters), "processes": exp.process.count,
                 "history": history, "data": exp.data_fingerprint, **exp.round_fn.saved_meta(),
                 **({"sharded_devices": jax.device_count()} if config.shard_clients else {})}
         saved[counters.rounds_done] = checkpointer.save(counters.rounds_done, exp.round_fn.saved_state(server_state),
                                                         exp.store, meta)
-        stop.waiting_for = before
+        stop.waiting_for, last_save = before, time.monotonic()
         return saved[counters.rounds_done]
 
     def finish(status: str, **extra) -> dict:
+        assert status in STATUSES, status
         bar.close()
         if trackers is not None:
             trackers.close_event_files(status)
         stopped = {"last_checkpoint": max(saved)} if saved and status != "completed" else {}  # where to resume
         first_round_seconds = round_seconds[0] if round_seconds else None
-        totals = {**_totals(counters), **federation_totals(exp.round_fn.conditions, counters),
+        totals = {**run_totals(counters), **federation_totals(exp.round_fn.conditions, counters),
                   **privacy_totals(exp.privacy, counters.rounds_done)}
-        summary = {**_summary(exp, history, totals, first_round_seconds, time.perf_counter() - start),
-                   "median_round_seconds": float(np.median(round_seconds[1:])) if len(round_seconds) > 1 else None,
-                   "status": status, **stopped, **extra}
+        summary = released_summary(exp.privacy, config, {
+            **run_summary(exp, history, totals, first_round_seconds, time.perf_counter() - start),
+            "median_round_seconds": float(np.median(round_seconds[1:])) if len(round_seconds) > 1 else None,
+            "status": status, **stopped, **extra})
         if lead and writer is not None:
             writer.write_summary(summary)
             plot = writer.plot(history, title=title)
@@ -406,9 +274,11 @@ def _run_rounds(exp: Experiment, config: RunConfig, out: Path, counters: Counter
         split, slots = exp.round_fn.conditions.split, exp.round_fn.conditions.sampler.slots
         groups = (None if split is None else device_groups(slots, mesh_size=mesh.size) if mesh is not None
                   else device_groups(slots, client_chunk=exp.client_chunk, num_devices=len(exp.round_fn.cpu_devices)))
+        late = False  # the checkpoint interval has passed: the next round's end saves
         for r in range(counters.rounds_done, config.rounds):
             stop.round, stop.waiting_for = r + 1, f"round {r + 1} to finish"
             t0 = time.perf_counter()
+            compiling = Compiling(bar) if r == start_round else None  # until the first figures arrive
             try:
                 server_state, round_out = exp.round_fn(server_state, r, prefetch_next=r + 1 < config.rounds)
             except OSError as err:
@@ -456,26 +326,35 @@ def _run_rounds(exp: Experiment, config: RunConfig, out: Path, counters: Counter
                           "padded_step_fraction": counters.padded_step_fractions[-1],
                           "train_flops": counters.train_flops_total / config.num_clients,
                           **federation, **privacy_record(exp.privacy, counters.rounds_done),
-                          **client_metrics(round_out.metrics, dispatched),
+                          **client_metrics(round_out.metrics, dispatched, config.client_metric_stats,
+                                           exp.algorithm.client_metric_stats),
                           **{f"server_{name}": float(np.asarray(value))
                              for name, value in (round_out.server_metrics or {}).items()}, **figures}
-                history.append(record)
+                released = released_record(exp.privacy, config, record)  # a private run's: what it releases
+                history.append(released)
                 if lead:
-                    writer.append_metrics(record)
+                    writer.append_metrics(released)
                 if trackers is not None:
-                    trackers.log_metrics(record)
+                    trackers.log_metrics(released)
                 if record["test_loss"] is not None and not math.isfinite(record["test_loss"]):
                     raise diverged(f"round {r + 1}: the test loss is {record['test_loss']}; the run diverged "
                                    f"({likely_culprit(config)})")
+                if compiling is not None:
+                    compiling.stop()
                 bar.set_postfix(acc=_fmt(record["test_accuracy"]), pacc=_fmt(record["personalized_accuracy"]),
                                 loss=_fmt(train_loss), MB=f"{counters.cumulative_bytes / 1e6:.1f}")
+            if compiling is not None:
+                compiling.stop()
             bar.update(1)
             if r == start_round:
                 release_compiler_memory()  # the round (and, evaluating every round, the evaluators) compiled
-            if config.checkpoint_every and ((r + 1) % config.checkpoint_every == 0 or r + 1 == config.rounds):
+            every = config.checkpoint_every
+            if late or (every and (r + 1) % every == 0) or (r + 1 == config.rounds and checkpoints_on(config)):
                 save()
             fault_point("round_end")
-            signum = max_over_processes(stop.signum or 0)  # a signal to one process stops them all
+            # a signal to one process stops them all; the interval that passed on one saves after the next round
+            signum, late = max_over_processes(stop.signum or 0, int(
+                config.checkpoint_minutes > 0 and time.monotonic() - last_save >= 60 * config.checkpoint_minutes))
             if signum and r + 1 < config.rounds:
                 path = saved.get(r + 1) or save()
                 name = signal.Signals(signum).name
@@ -484,62 +363,25 @@ def _run_rounds(exp: Experiment, config: RunConfig, out: Path, counters: Counter
                 raise Interrupted(f"{name}: stopped after round {r + 1} of {config.rounds}; checkpoint saved in "
                                   f"{path}; continue with --resume {out}", signum)
         return finish("completed")
+    except SaveLostAProcess as err:
+        raise failed(ProcessLost(write_failure(err))) from None
     except (CheckpointError, RunWriteError, OSError) as err:
-        raise failed(RunFailed(_one_line(err))) from None
+        raise failed(RunFailed(write_failure(err))) from None
     except (jax.errors.JaxRuntimeError, ValueError) as err:
-        if exp.process.count == 1 or not _peer_lost(err):
+        if exp.process.count == 1 or not peer_lost(err):
             raise
         # a collective whose peer has gone (gloo reports it at once): this process cannot go on alone
         first = next((line for line in str(err).splitlines() if line.strip()), type(err).__name__)
         message = (f"another process stopped while {stop.waiting_for} ({first[:200]}); every process stops; "
                    + (f"resume from round {max(saved)} with --resume {out}" if saved else
-                      "no checkpoint was saved: start again with --overwrite (and --checkpoint-every)"))
+                      f"no checkpoint was saved yet: --resume {out} runs it again from round 1"))
         raise failed(ProcessLost(message)) from None
     finally:  # the trackers elsewhere end their runs whatever ended this one (a no-op where `finish` did)
         if trackers is not None:
             trackers.finish("failed", [])
 
 
-def _totals(counters: Counters) -> dict:
-    fractions = counters.padded_step_fractions
-    return {"rounds_done": counters.rounds_done,
-            "total_uplink_bytes": counters.total_uplink_bytes,
-            "total_downlink_bytes": counters.total_downlink_bytes,
-            "cumulative_bytes": counters.cumulative_bytes,
-            "dense_train_flops_total": counters.dense_train_flops_total,
-            "train_flops_total": counters.train_flops_total,
-            "mean_padded_step_fraction": float(np.mean(fractions)) if fractions else None}
-
-
 def _fmt(x):
     return "-" if x is None else f"{x:.3f}"
 
 
-def _summary(exp: Experiment, history: list, totals: dict, first_round_seconds: float | None, wall: float) -> dict:
-    final = history[-1] if history else {}
-    test = [h["test_accuracy"] for h in history if h.get("test_accuracy") is not None]
-    personal = [h["personalized_accuracy"] for h in history if h.get("personalized_accuracy") is not None]
-    return {
-        "algorithm": exp.config.algorithm, "model": exp.config.model, "dataset": exp.config.dataset,
-        "rounds": exp.config.rounds,
-        "has_global_model": exp.algorithm.global_variables is not None,
-        "final_test_accuracy": final.get("test_accuracy"),
-        "best_test_accuracy": max(test) if test else None,
-        "final_personalized_accuracy": final.get("personalized_accuracy"),
-        "best_personalized_accuracy": max(personal) if personal else None,
-        "final_train_loss": final.get("train_loss"),
-        **totals,
-        "num_params": exp.num_params,
-        # the weights of the prunable layers (SpaFL's d: kernels only), in structure order
-        "prunable_layer_weights": {l.name: l.num_weights for l in exp.model.structure.layers},
-        "client_chunk": exp.client_chunk,
-        "cpu_devices": len(exp.round_fn.cpu_devices) or None,  # several CPU devices shared the clients
-        "evaluation_cpu_devices": len(getattr(exp.evaluate_personalized, "devices", ())) or None,
-        "client_store": exp.store.backend,
-        **exp.config.numerics.describe(), "compute_dtype": exp.model.compute_dtype,
-        "processes": exp.process.count,
-        "num_train_examples": int(exp.train_counts.sum()),
-        "first_round_seconds": first_round_seconds,
-        "wall_seconds": wall,
-        "device": device_description(),
-    }

@@ -7,16 +7,18 @@ import json
 import math
 import os
 import platform
-import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from typing import Any, Callable, Protocol, Sequence
 
 import jax
 
 from fedjax_sparse.run.faults import fault_point
 
-if TYPE_CHECKING:
-    from fedjax_sparse.run.folder import RunManifest
+
+class Manifest(Protocol):
+    """What the writer needs of a run folder's record of its files (`run.folder.RunManifest`)."""
+
+    def record(self, *names: str) -> None: ...
 
 
 def device_description() -> str:
@@ -45,12 +47,6 @@ def progress_bar(total: int, description: str, enabled: bool = True, initial: in
     from tqdm.auto import tqdm
     return tqdm(total=total, desc=description, unit="round", disable=not enabled, dynamic_ncols=True,
                 initial=initial)
-
-
-def say(message: str) -> None:
-    """One line to the user on stderr, clear of any progress bar."""
-    from tqdm.auto import tqdm
-    tqdm.write(f"fedjax-sparse: {message}", file=sys.stderr)
 
 
 class RunWriteError(RuntimeError):
@@ -93,7 +89,7 @@ class RunWriter:
     the file is first written. A failed write is one `RunWriteError` naming the file.
     """
 
-    def __init__(self, out: Path, manifest: "RunManifest"):
+    def __init__(self, out: Path, manifest: Manifest):
         self.out, self.manifest = Path(out), manifest
         self.metrics_path = self.out / "metrics.jsonl"
 
@@ -152,14 +148,15 @@ def plot_accuracy(histories: dict[str, list[dict]], path: Path, title: str,
     for i, (name, history) in enumerate(histories.items()):
         color = f"C{i % 10}"  # one color per run in every panel, also when a run skips one
         for key, style in zip(metrics, ("-", "--", ":")):
-            points = [(h["round"], h["cumulative_bytes"], h.get("cumulative_simulated_seconds"), h[key])
+            points = [(h["round"], h.get("cumulative_bytes"), h.get("cumulative_simulated_seconds"), h[key])
                       for h in history if h.get(key) is not None]
             if not points:
                 continue
             rounds, nbytes, seconds, acc = zip(*points)
             label = f"{name} {key.replace('_accuracy', '')}" if len(metrics) > 1 else name
             by_round.plot(rounds, acc, style, color=color, label=label)
-            if max(nbytes) > 0:  # a run that sends nothing has no place on the bytes axis
+            # a run that sends nothing, or records no bytes (a private run's), has no place on the bytes axis
+            if None not in nbytes and max(nbytes) > 0:
                 by_bytes.plot([b / 1e6 for b in nbytes], acc, style, color=color, label=label)
                 sent += [b for b in nbytes if b > 0]
             if all(t is not None for t in seconds):

@@ -1,10 +1,12 @@
 """Continuing a run from its latest checkpoint: what is refused, and what is restored.
 
-Refused, each in one line naming what to do: a resume without a checkpoint, with a config that would
-change the results, with fewer rounds than done, on other data (the checkpoint keeps a fingerprint of
-the data: `run.fingerprint`; `--allow-data-change` accepts it), or with `--shard-clients` over another
-number of devices (the sum over the sampled clients takes another order, and the results differ in
-their last bits).
+A run without a checkpoint yet (it stopped before its first) is run again from its first round
+(`NoCheckpoint`: `run.loop.run_experiment`). Refused, each in one line naming what to do: a resume
+with a config that would change the results (naming config.json where it was edited since the
+checkpoint, the flags otherwise), with fewer rounds than done, on other data (the checkpoint keeps a
+fingerprint of the data: `run.fingerprint`; `--allow-data-change` accepts it), or with
+`--shard-clients` over another number of devices (the sum over the sampled clients takes another
+order, and the results differ in their last bits).
 
 Another number of processes is an elastic resume (the survivors of a lost node, or more machines):
 each process takes its clients' rows from every process's snapshot in the checkpoint
@@ -21,19 +23,24 @@ records were kept in it restores from the file alone, and a round missing there 
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any, Callable
 
 import jax
 
-from fedjax_sparse.core.store_snapshots import SnapshotError, snapshot_backend, written_snapshots
-from fedjax_sparse.core.distributed import ProcessLayout, agree, replicated
+from fedjax_sparse.core.client_state.snapshots import SnapshotError, snapshot_backend, written_snapshots
+from fedjax_sparse.core.round.distributed import ProcessLayout, agree, replicated
 from fedjax_sparse.run.checkpoints import ROWS_FOLDER, RunCheckpointer, config_mismatches, has_checkpoints
 from fedjax_sparse.run.config import RunConfig
 from fedjax_sparse.run.experiment import Experiment
 from fedjax_sparse.run.fingerprint import data_changes
 from fedjax_sparse.run.folder import RunFolderError, check_run_files, recover_metrics
-from fedjax_sparse.run.outputs import say
+from fedjax_sparse.console import say
+
+
+class NoCheckpoint(RunFolderError):
+    """The run to resume has no checkpoint yet: it stopped before its first (`run_experiment` runs it again)."""
 
 
 def check_resume(config: RunConfig, out: Path, process: ProcessLayout) -> str | None:
@@ -44,14 +51,10 @@ def check_resume(config: RunConfig, out: Path, process: ProcessLayout) -> str | 
     checkpointer = RunCheckpointer(out) if has_checkpoints(out) else None
     saved_meta = checkpointer.read_meta() if checkpointer is not None else None
     if saved_meta is None:
-        raise RunFolderError(f"--resume {out}: no checkpoint in {out / 'checkpoints'} (the run stopped "
-                             f"before its first); start it again with --overwrite")
+        raise NoCheckpoint(f"--resume {out}: no checkpoint in {out / 'checkpoints'} (the run stopped before its "
+                           f"first)")
     # normalized first: a config saved by an older version lacks newer options (at their defaults)
-    mismatches = config_mismatches(RunConfig.from_dict(saved_meta["config"]).to_dict(), config.to_dict())
-    if mismatches:
-        raise ValueError(f"--resume {out}: the checkpoint was made with another configuration ("
-                         + "; ".join(mismatches) + "); drop those flags, or start a new run with "
-                         "another --out")
+    refuse_changes(RunConfig.from_dict(saved_meta["config"]).to_dict(), config.to_dict(), out)
     done = saved_meta["counters"]["rounds_done"]
     if config.rounds < done:
         raise ValueError(f"--rounds {config.rounds} is below the {done} rounds the run in {out} has "
@@ -76,6 +79,36 @@ def check_resume(config: RunConfig, out: Path, process: ProcessLayout) -> str | 
         raise ValueError(f"--resume {out} on {process.count} process{'es' if process.count > 1 else ''}: {err}") \
             from None
     return "host"
+
+
+def _saved_file_config(out: Path) -> dict:
+    """The run's config.json as a config, {} where it is not one (the run then took the checkpoint's)."""
+    try:
+        return RunConfig.from_dict(json.loads((out / "config.json").read_text())).to_dict()
+    except Exception:  # noqa: BLE001 - whatever makes it unusable, `run.folder.read_saved_config` said it
+        return {}
+
+
+def refuse_changes(saved: dict, current: dict, out: Path) -> None:
+    """One line where `current` (config.json, and the flags over it) differs from the checkpoint's `saved`
+    config in a way that would change the results: naming config.json for a value it holds (edited after
+    the checkpoint), the flags for the rest."""
+    mismatches = config_mismatches(saved, current)
+    if not mismatches:
+        return
+    on_file = _saved_file_config(out)
+    edited = [name for name in mismatches if name in on_file and on_file[name] == current.get(name)]
+    parts = []
+    if edited:
+        parts.append(f"{out / 'config.json'} was edited after the checkpoint was saved (" + "; ".join(
+            f"{name}: the checkpoint has {saved.get(name)!r}, config.json has {on_file[name]!r}" for name in edited)
+            + "): put the checkpoint's values back in it (or delete it, and the checkpoint's config is used)")
+    flagged = [name for name in mismatches if name not in edited]
+    if flagged:
+        parts.append("the checkpoint was made with another configuration (" + "; ".join(
+            f"{name}: checkpoint has {saved.get(name)!r}, this run has {current.get(name)!r}" for name in flagged)
+            + "): drop those flags")
+    raise ValueError(f"--resume {out}: {'; and '.join(parts)}; or start a new run with another --out")
 
 
 def reconcile_records(path: Path, history: list | None, rounds_done: int, logged: Callable[[int], bool],

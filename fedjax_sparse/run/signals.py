@@ -1,9 +1,10 @@
-"""How a run answers SIGINT (Ctrl-C), SIGTERM (what a cluster scheduler sends before it kills a job) and
-SIGHUP (a closed terminal, a dropped ssh session), all alike.
+"""How a run answers SIGINT (Ctrl-C), SIGTERM (what a cluster scheduler sends before it kills a job), SIGHUP
+(a closed terminal, a dropped ssh session), SIGUSR1 and SIGUSR2 (what many SLURM setups send ahead of a job's
+time limit, `--signal=USR1@90`), all alike.
 
 * During start-up (imports, loading data, building; `stop_start_up_at_once`) a signal ends the
-  process where it stands, with one line: nothing was run, and only the folder's lock file (and a
-  complete image-folder cache, whose writes are atomic) can have been written.
+  process where it stands, with one line: nothing was run, and nothing but a complete image-folder
+  cache (whose writes are atomic) can have been written (the folder's pid file is removed first).
 * During the rounds (`StopAfterRound`) the first signal asks the run to stop after the current
   round; the run then saves its checkpoint and writes its summary. A further signal only says
   what the run is waiting for: nothing, a checkpoint save above all, is ever cut short by it.
@@ -23,13 +24,16 @@ import os
 import signal
 import sys
 import threading
-from typing import Iterator
+from typing import Callable, Iterator
 
-# SIGHUP: a closed terminal or a dropped ssh session ends a run the way a scheduler's SIGTERM does
-SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+# SIGHUP: a closed terminal or a dropped ssh session ends a run the way a scheduler's SIGTERM does; SIGUSR1
+# and SIGUSR2: a scheduler's warning before the time limit (Python's default for them ends the process at once)
+SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
 
 
 _rounds_began = False
+# what ending the process at once during start-up undoes first (a run folder's pid file: `run.folder.HeldFolder`)
+undo_at_once: list[Callable[[], None]] = []
 
 
 def _stop_start_up(signum, frame):
@@ -39,6 +43,9 @@ def _stop_start_up(signum, frame):
             "during start-up, before the first round: nothing was run")
     sys.stderr.write(f"fedjax-sparse: {signal.Signals(signum).name} {when}\n")
     sys.stderr.flush()
+    for undo in list(undo_at_once):
+        with contextlib.suppress(Exception):
+            undo()
     workers = sys.modules.get("multiprocessing")  # image-decoding workers; none if it was never imported
     for child in workers.active_children() if workers is not None else ():
         child.kill()
@@ -59,7 +66,7 @@ def _restore(previous: dict) -> None:
 
 @contextlib.contextmanager
 def stop_start_up_at_once() -> Iterator[None]:
-    """In this block (until `StopAfterRound` takes over) SIGINT, SIGTERM and SIGHUP end the process at once,
+    """In this block (until `StopAfterRound` takes over) each of `SIGNALS` ends the process at once,
     with one line and exit code 128 + the signal. Only the command line uses it: a library
     caller keeps Python's own handling."""
     global _rounds_began
@@ -90,7 +97,7 @@ class StopAfterRound:
         return self
 
     def _handle(self, signum, frame):
-        from fedjax_sparse.run.outputs import say
+        from fedjax_sparse.console import say
         name = signal.Signals(signum).name
         if self.signum is None:
             self.signum = signum

@@ -39,6 +39,9 @@ def point_row(name: str, values: dict[str, Any], summaries: Sequence[dict], runs
     """The row of one point: its option values, how many of its `runs` completed, and for each figure
     that every completed run has, its mean and standard deviation over them."""
     row: dict[str, Any] = {"point": name, **values, "seeds": len(summaries), "failed": runs - len(summaries)}
+    kinds = {"global" if s.get("has_global_model", True) else "personalized" for s in summaries}
+    if kinds:
+        row["accuracy_of"] = " and ".join(sorted(kinds))
     per_run = [run_figures(s) for s in summaries]
     for column in FIGURES:
         figures = [f[column] for f in per_run]
@@ -65,10 +68,13 @@ def write_table(rows: list[dict], out: Path, title: str, command: str) -> None:
         writer.writerows(rows)
     shown = [c for c in columns if not c.endswith(("_mean", "_std"))]
     figures = [c for c in FIGURES if any(f"{c}_mean" in row for row in rows)]
-    header = shown + [f"{c} (mean ± std)" for c in figures]
+    # one point's global accuracy beside another's personalized one: the accuracy columns say so themselves
+    mixed = len({row.get("accuracy_of") for row in rows if row.get("accuracy_of")}) > 1
+    header = shown + [f"{c} (mean ± std{'; global or personalized: accuracy_of' if mixed and 'accuracy' in c else ''})"
+                      for c in figures]
     lines = [f"# {title}", "", f"Command: `{command}`", "",
              "Mean and population standard deviation over the completed seeds of each point; accuracy is the "
-             "global model's test accuracy (personalized accuracy for algorithms without one).", "",
+             "global model's test accuracy (personalized accuracy for algorithms without one: accuracy_of).", "",
              "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for row in rows:
         cells = [table_cell(row.get(c)) for c in shown]

@@ -1,6 +1,6 @@
 """Trackers: where a run's figures go besides its own files (TensorBoard, MLflow, Weights & Biases).
 
-`--logger tensorboard,mlflow,wandb` names them (`TrackerOptions`); the default is TensorBoard alone, what
+`--logger tensorboard,mlflow,wandb` names them (`run.tracker_options.TrackerOptions`); the default is TensorBoard alone, what
 every run wrote before trackers were chosen, and `--no-tensorboard` still turns it off. Each is one
 implementation of `Tracker`: `start(config)`, `log_metrics(round, figures)`, `log_artifacts(paths)` and
 `finish(status)`. What each receives:
@@ -32,8 +32,6 @@ change once logged: a config value that a resume changed (`--rounds`) is set as 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-import importlib.util
 import json
 import os
 import shutil
@@ -41,49 +39,18 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol, Sequence
 
-from fedjax_sparse.core.options import option
-from fedjax_sparse.run.outputs import RunWriteError, replace_atomically, say
+from fedjax_sparse.console import say
+from fedjax_sparse.run.outputs import RunWriteError, replace_atomically
 from fedjax_sparse.run.tensorboard import TensorBoardWriter, scalars
+from fedjax_sparse.run.tracker_options import TrackerError, chosen_trackers, install_hint
 
 if TYPE_CHECKING:
     from fedjax_sparse.run.config import RunConfig
     from fedjax_sparse.run.folder import RunManifest
 
-LOGGERS = ("tensorboard", "mlflow", "wandb")
-DEFAULT_LOGGERS = ("tensorboard",)
-# tracker -> (the module it imports, its name in words); the extra of the tracker's name installs it
-LIBRARIES = {"mlflow": ("mlflow", "MLflow"), "wandb": ("wandb", "W&B")}
 STATE_FILE = "trackers.json"  # in the run folder: the runs the trackers log into, to continue them on resume
 SLOW_CALL_SECONDS = 5.0
 ENDING = "ending its run"
-
-
-@dataclasses.dataclass(frozen=True)
-class TrackerOptions:
-    """Where a run's figures, config and plots go besides its folder (docs/tracking.md)."""
-
-    logger: tuple[str, ...] = option(DEFAULT_LOGGERS, "where every per-round figure, the config and the plots go "
-                                                      "besides the run folder's own files: tensorboard (event files "
-                                                      "in the run folder), mlflow, wandb; naming them replaces the "
-                                                      "default", choices=LOGGERS)
-    mlflow_tracking_uri: str | None = option(None, "mlflow: the tracking store or server (default: the one a resumed "
-                                                   "run's trackers.json records, else $MLFLOW_TRACKING_URI, else "
-                                                   "MLflow's own default)")
-    wandb_project: str | None = option(None, "wandb: the project (default: the one a resumed run's trackers.json "
-                                             "records, else $WANDB_PROJECT, else W&B's own); WANDB_MODE=offline "
-                                             "logs without a network")
-
-    def ignored(self) -> dict[str, str]:
-        out = {}
-        if "mlflow" not in self.logger:
-            out["mlflow_tracking_uri"] = "is read only with --logger naming mlflow"
-        if "wandb" not in self.logger:
-            out["wandb_project"] = "is read only with --logger naming wandb"
-        return out
-
-
-class TrackerError(ValueError):
-    """A tracker cannot start (not installed, its store or service refused it): one line, before round 1."""
 
 
 class Tracker(Protocol):
@@ -101,39 +68,6 @@ class Tracker(Protocol):
     def finish(self, status: str) -> None: ...
 
 
-def chosen_trackers(config: "RunConfig") -> tuple[str, ...]:
-    """The trackers a run logs to: `--logger`'s, without TensorBoard under `--no-tensorboard`."""
-    return tuple(name for name in config.logger if name != "tensorboard" or config.tensorboard)
-
-
-def _installed(module: str) -> bool:
-    try:
-        return importlib.util.find_spec(module) is not None
-    except (ImportError, ValueError):  # ValueError: a module set to None in sys.modules (blocked)
-        return False
-
-
-def _install_hint(name: str) -> str:
-    return f'pip install "fedjax_sparse[{name}]"'
-
-
-def check_trackers(config: "RunConfig") -> None:
-    """One line for a logger list that cannot be what was meant, or a tracker that is not installed,
-    before the run touches its folder."""
-    names = config.logger
-    twice = sorted({name for name in names if names.count(name) > 1})
-    if twice:
-        raise ValueError(f"--logger names {', '.join(twice)} more than once, got {','.join(names)}; give each "
-                         f"tracker once")
-    if not config.tensorboard and "tensorboard" in names and names != DEFAULT_LOGGERS:
-        raise ValueError(f"--no-tensorboard and --logger {','.join(names)} (naming tensorboard) contradict each "
-                         f"other; drop tensorboard from --logger or drop --no-tensorboard")
-    for name in names:
-        if name in LIBRARIES and not _installed(LIBRARIES[name][0]):
-            raise ValueError(f"--logger {name} needs {LIBRARIES[name][1]}, which is not installed: "
-                             f"{_install_hint(name)}")
-
-
 def _one_line(err: BaseException) -> str:
     text = " ".join(str(err).split()) or type(err).__name__
     return text if len(text) <= 300 else text[:297] + "..."
@@ -148,7 +82,8 @@ class MlflowTracker:
     """An MLflow run, through MLflow's client (`MlflowClient`): one `log_batch` a round, params once.
 
     The experiment is $MLFLOW_EXPERIMENT_ID, else $MLFLOW_EXPERIMENT_NAME (made where missing), else
-    MLflow's default one, as `mlflow.start_run` picks it; the run is named after the run folder.
+    MLflow's default one, as `mlflow.start_run` picks it; the run is named after the run folder (a sweep's
+    by its point and seed, tagged with the sweep: `run_identity`).
     Status: completed -> FINISHED, interrupted -> KILLED, diverged and failed -> FAILED."""
 
     name = "mlflow"
@@ -161,7 +96,7 @@ class MlflowTracker:
             from mlflow.tracking import MlflowClient
         except ImportError as err:
             raise TrackerError(f"--logger mlflow: MLflow cannot be imported ({_one_line(err)}): "
-                               f"{_install_hint('mlflow')}") from None
+                               f"{install_hint('mlflow')}") from None
         self._metric, self._param, self._tag = Metric, Param, RunTag
         self.uri = tracking_uri or recorded.get("tracking_uri") or mlflow.get_tracking_uri()
         self._recorded = recorded if recorded.get("tracking_uri") == self.uri else {}
@@ -177,8 +112,9 @@ class MlflowTracker:
         run = self._recorded_run()
         self.resumed = run is not None
         if run is None:
-            run = self._client.create_run(self._experiment_id(), run_name=self._folder.name,
-                                          tags={"fedjax_sparse.run_folder": str(self._folder.resolve())})
+            name, _, tags = run_identity(self._folder)
+            run = self._client.create_run(self._experiment_id(), run_name=name,
+                                          tags={"fedjax_sparse.run_folder": str(self._folder.resolve()), **tags})
             self.run_id = run.info.run_id
             self._client.log_batch(self.run_id, params=[self._param(k, _text(v)) for k, v in config.items()])
             return
@@ -234,8 +170,23 @@ class MlflowTracker:
         self._client.set_terminated(self.run_id, self.STATUS.get(status, "FAILED"))
 
 
+SWEEP_ENV = "FEDJAX_SPARSE_SWEEP"  # set for a run a sweep started: the sweep's name (its folder's)
+
+
+def run_identity(folder: Path) -> tuple[str, str | None, dict]:
+    """(name, group, tags) of a run in the trackers: its folder's name, or in a sweep (`SWEEP_ENV`) its point and
+    seed (`lr=0.1/seed_0`, not `seed_0` for every run), grouped by the sweep."""
+    sweep = os.environ.get(SWEEP_ENV)
+    if not sweep:
+        return folder.name, None, {}
+    point, seed = folder.parent.name, folder.name
+    return f"{point}/{seed}", sweep, {"fedjax_sparse.sweep": sweep, "fedjax_sparse.point": point,
+                                      "fedjax_sparse.seed": seed.removeprefix("seed_")}
+
+
 class WandbTracker:
-    """A Weights & Biases run (`wandb.init`), named after the run folder; online or offline as
+    """A Weights & Biases run (`wandb.init`), named after the run folder (a sweep's by its point and seed, in the
+    sweep's group: `run_identity`); online or offline as
     WANDB_MODE says, its local files where WANDB_DIR says (W&B's own defaults otherwise). `wandb.log`
     gets each round at step = the round. The run's console stays its own (W&B copies none of it), and
     a W&B run the calling program has open is left open (`reinit="create_new"`). The run ends with
@@ -249,7 +200,7 @@ class WandbTracker:
             import wandb
         except ImportError as err:
             raise TrackerError(f"--logger wandb: W&B cannot be imported ({_one_line(err)}): "
-                               f"{_install_hint('wandb')}") from None
+                               f"{install_hint('wandb')}") from None
         self._wandb = wandb
         same = recorded.get("run_id") is not None and project in (None, recorded.get("project"))
         self._recorded = recorded if same else {}
@@ -260,9 +211,11 @@ class WandbTracker:
 
     def start(self, config: dict) -> None:
         wandb, recorded = self._wandb, self._recorded
+        name, group, tags = run_identity(self._folder)
         self._run = wandb.init(project=self.project, entity=recorded.get("entity"), id=recorded.get("run_id"),
-                               resume="allow" if recorded else None, name=self._folder.name,
-                               reinit="create_new", settings=wandb.Settings(console="off", quiet=True))
+                               resume="allow" if recorded else None, name=name, group=group,
+                               job_type=tags.get("fedjax_sparse.point"), reinit="create_new",
+                               settings=wandb.Settings(console="off", quiet=True))
         self.resumed = bool(recorded)
         self._run.config.update(config, allow_val_change=True)
 

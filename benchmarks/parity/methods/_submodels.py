@@ -42,9 +42,9 @@ def library_rounds(algorithm: str, model_name: str, setup: dict, mapping, rates,
 
     from benchmarks.parity import jax_side as J
     from fedjax_sparse.algorithms import make_algorithm, make_options
-    from fedjax_sparse.core.algorithm import BuildContext
-    from fedjax_sparse.core.local_training import LocalSGD
-    from fedjax_sparse.core.messages import KnownMaskArray
+    from fedjax_sparse.core.contract.algorithm import BuildContext
+    from fedjax_sparse.core.round.local_training import LocalSGD
+    from fedjax_sparse.core.messages.pricing import KnownMaskArray
     from fedjax_sparse.models import get_model
 
     x = setup["data/x"]

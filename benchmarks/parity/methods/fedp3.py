@@ -271,9 +271,9 @@ def library_rounds(setup: dict, equal_weights: bool) -> dict[str, np.ndarray]:
 
     from benchmarks.parity import jax_side as J
     from fedjax_sparse.algorithms import make_algorithm, make_options
-    from fedjax_sparse.core.algorithm import BuildContext
-    from fedjax_sparse.core.local_training import LocalSGD
-    from fedjax_sparse.core.messages import KnownMaskArray, SparseArray
+    from fedjax_sparse.core.contract.algorithm import BuildContext
+    from fedjax_sparse.core.round.local_training import LocalSGD
+    from fedjax_sparse.core.messages.pricing import KnownMaskArray, SparseArray
 
     model = _model()
     maps = mapping()

@@ -230,8 +230,8 @@ def library_rounds(setup: dict, mapped_bits: bool) -> dict[str, np.ndarray]:
     from benchmarks.parity import jax_side as J
     from fedjax_sparse.algorithms import fedpm as fedpm_module
     from fedjax_sparse.algorithms import make_algorithm, make_options
-    from fedjax_sparse.core.algorithm import BuildContext
-    from fedjax_sparse.core.local_training import LocalSGD
+    from fedjax_sparse.core.contract.algorithm import BuildContext
+    from fedjax_sparse.core.round.local_training import LocalSGD
 
     model = _model()
     maps = mapping()

@@ -333,16 +333,6 @@ def _their_names(tree: dict) -> dict[str, np.ndarray]:
     return {names[k]: np.asarray(v) for k, v in tree.items()}
 
 
-def _thresholds(arrays: dict, prefix: str, suffix: str = "") -> dict:
-    import jax.numpy as jnp
-    return {LAYERS[name]: jnp.asarray(arrays[f"{prefix}{name}{suffix}"]) for name in LAYERS}
-
-
-def _their_names(tree: dict) -> dict[str, np.ndarray]:
-    names = {v: k for k, v in LAYERS.items()}
-    return {names[k]: np.asarray(v) for k, v in tree.items()}
-
-
 def library(setup: dict, cases) -> dict[str, np.ndarray]:
     del cases  # every case compares with the same run
     import jax
@@ -351,8 +341,8 @@ def library(setup: dict, cases) -> dict[str, np.ndarray]:
     from benchmarks.parity import jax_side as J
     from fedjax_sparse.algorithms import make_algorithm, make_options, spafl_code
     from fedjax_sparse.algorithms.spafl import global_threshold_update, threshold_masks
-    from fedjax_sparse.core.algorithm import BuildContext
-    from fedjax_sparse.core.local_training import LocalSGD
+    from fedjax_sparse.core.contract.algorithm import BuildContext
+    from fedjax_sparse.core.round.local_training import LocalSGD
     from fedjax_sparse.models import get_model
     from fedjax_sparse.models.structure import get_path
 

@@ -220,9 +220,9 @@ def library_rounds(setup: dict, controls: str, variant: str) -> dict[str, np.nda
 
     from benchmarks.parity import jax_side as J
     from fedjax_sparse.algorithms import make_algorithm, make_options
-    from fedjax_sparse.core.algorithm import BuildContext
-    from fedjax_sparse.core.local_training import LocalSGD
-    from fedjax_sparse.core.model_parts import part_labels, take_part
+    from fedjax_sparse.core.contract.algorithm import BuildContext
+    from fedjax_sparse.core.round.local_training import LocalSGD
+    from fedjax_sparse.core.structure.model_parts import part_labels, take_part
     from fedjax_sparse.models import get_model
 
     model = get_model("vgg11", (SIDE, SIDE, 3), CLASSES)
