@@ -15,6 +15,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # `benchmarks` is a top-level folder of the repository, not installed
     sys.path.insert(0, str(ROOT))
 
+from benchmarks.parity import arrays as A  # noqa: E402
 from benchmarks.parity import decisions as D  # noqa: E402
 from benchmarks.parity import verdicts as V  # noqa: E402
 from benchmarks.parity.__main__ import markdown, same  # noqa: E402
@@ -70,17 +71,27 @@ def test_exact_margin_and_aligned_rows():
     assert failing == ["published: gap (NEAR A TIE)"]
 
 
-def test_tolerances_come_from_the_measured_floor_of_the_terminal_cases():
-    specs = {"published": V.Case("p"), "no_scaler": V.Case("s", ("scaler",)), "neither": V.Case("n", ("scaler", "clip")),
-             "no_clip": V.Case("c", ("clip",))}
-    assert V.terminal(specs) == ["neither"]
-    judged = cases(published=[numeric("a", 3e-5), numeric("b", 3e-5)], neither=[numeric("a", 3e-5), numeric("b", 0)])
-    floor = 4e-5 / V.FLOOR_FACTOR
-    V.tolerances(judged, {"a": floor, "b": 1e-7})  # a's floor allows 4e-5, b's stays at ROUND_OFF
-    V.judge(judged, CAUSES)
-    a, b = judged["published"]["rows"]
-    assert a["tolerance"] == pytest.approx(4e-5) and b["tolerance"] == V.ROUND_OFF
-    assert (a["verdict"], b["verdict"]) == (V.ROUND, V.EXPLAINED)
+def test_entries_are_judged_against_their_measured_round_off_floor():
+    """An entry round-off moves far (here 1e-3 under the floor's noise) may differ by FLOOR_FACTOR times that;
+    every other entry only by FLOOR_FACTOR times its tensor's typical floor (1e-7), at least ROUND_OFF."""
+    theirs = np.random.default_rng(0).uniform(1.0, 2.0, 10_000)
+    noisy = theirs + 1e-7
+    noisy[5] += 1e-3
+    with A.Floor({"w": theirs}, {"w": noisy}):
+        sensitive = theirs.copy()
+        sensitive[5] += 5e-3
+        assert A.difference("w", sensitive, theirs, key="w")["beyond"] == 0
+        ordinary = theirs.copy()
+        ordinary[7] += 1e-4  # beyond max(1e-5 x 2, 100 x 1e-7)
+        row = A.group("w", [A.difference("w", ordinary, theirs, key="w")])
+    assert row["beyond"] == 1 and not V.within(row)
+    assert "beyond" not in A.difference("w", ordinary, theirs, key="w")  # no floor in force: max rel alone
+    specs = {"published": V.Case("p"), "code": V.Case("c", ("control",)),
+             "distinct": V.Case("d", floor="distinct_code"), "distinct_code": V.Case("dc", ("control",))}
+    assert V.terminal(specs) == ["code", "distinct_code"]
+    assert V.floor_case(specs, "distinct") == "distinct_code"
+    with pytest.raises(ValueError, match="name one as its floor"):
+        V.floor_case(specs, "published")
 
 
 def test_judge_refuses_unknown_causes_and_shared_row_names():

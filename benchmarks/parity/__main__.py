@@ -82,28 +82,26 @@ def run_draw(method, name: str, checkout: Path, torch_python: str, work: Path, s
     library = method.library(setup, [method.CASES[c].official or c for c in chosen])
     seconds["library"] = time.perf_counter() - start
     A.save(work / "library.npz", library)
-    cases = {}
     specs = {case: method.CASES[case] for case in chosen}
     for case, spec in specs.items():
-        run = spec.official or case
-        if run != case and run not in cases:
-            raise ValueError(f"{name}: case {case} reuses the official run of {run}, which must come before it")
-        if run == case:
+        if spec.official is None:
             start = time.perf_counter()
-            torch_phase(torch_python, "official", name, checkout, work, seed, run)
-            seconds[f"official {run}"] = time.perf_counter() - start
-        rows = method.compare(setup, library, A.load(work / f"official_{run}.npz"), case)
-        cases[case] = {"description": spec.description, "aligns": list(spec.aligns), "rows": rows}
+            torch_phase(torch_python, "official", name, checkout, work, seed, case)
+            seconds[f"official {case}"] = time.perf_counter() - start
+        elif spec.official not in specs:
+            raise ValueError(f"{name}: case {case} reuses the official run of {spec.official}, which is not run")
     floors = {}
     for case in V.terminal(specs):  # the round-off floor (verdicts.py)
         run = specs[case].official or case
         start = time.perf_counter()
         torch_phase(torch_python, "official", name, checkout, work, seed, run, floor=True)
         seconds[f"floor {run}"] = time.perf_counter() - start
-        official, noisy = A.load(work / f"official_{run}.npz"), A.load(work / f"official_{run}_floor.npz")
-        floors.update({row["compared"]: A.floor(official, noisy, row) for row in cases[case]["rows"]
-                       if row.get("kind", "numeric") == "numeric"})
-    V.tolerances(cases, floors)
+        floors[case] = A.Floor(A.load(work / f"official_{run}.npz"), A.load(work / f"official_{run}_floor.npz"))
+    cases = {}
+    for case, spec in specs.items():
+        with floors[V.floor_case(specs, case)]:
+            rows = method.compare(setup, library, A.load(work / f"official_{spec.official or case}.npz"), case)
+        cases[case] = {"description": spec.description, "aligns": list(spec.aligns), "rows": rows}
     return cases, seconds
 
 
@@ -159,9 +157,10 @@ def verdict_text(row: dict) -> str:
 def figures(row: dict) -> str:
     kind = row.get("kind", "numeric")
     if kind == "numeric":
+        beyond = f"{row['beyond']:,} of {row['entries']:,}" if "beyond" in row else ""
         return (f"{row['tensors']} | {fmt(row['max_abs'])} | {fmt(row['max_rel'])} | "
-                f"{fmt(row.get('tolerance', V.ROUND_OFF))} | `{row['worst']}`")
-    return f"{row['tensors'] or ''} | {V.figure(row)} | | |"
+                f"{fmt(row.get('tolerance', V.ROUND_OFF))} | {beyond} | `{row['worst']}`")
+    return f"{row['tensors'] or ''} | {V.figure(row)} | | | |"
 
 
 def markdown(results: dict) -> str:
@@ -170,9 +169,11 @@ def markdown(results: dict) -> str:
              "Each method's rounds run in the official PyTorch code (unchanged, fed by `benchmarks/parity`) and in "
              "this library from the same initial weights, data and random draws, and every updated tensor is "
              "compared: max rel = max |library - official| / max |official| of a tensor (the worst of a row's "
-             f"tensors), float32 round-off within the row's tolerance: {V.ROUND_OFF:g}, or {V.FLOOR_FACTOR:g} times "
-             "the row's measured round-off floor where that is larger (the official run against itself with one "
-             "ulp of random noise in every parameter after every optimizer step). A method's first case is its code as published; each other case aligns named "
+             f"tensors). A row is at float32 round-off when no entry is beyond its tolerance: {V.FLOOR_FACTOR:g} "
+             "times its measured round-off floor (how far the official run moves under one ulp of random noise in "
+             "every parameter after every optimizer step: the larger of the entry's and its tensor's typical, the "
+             f"0.999 quantile), at least {V.ROUND_OFF:g} of its tensor's largest magnitude; the tolerance column "
+             "gives the worst tensor's typical one. A method's first case is its code as published; each other case aligns named "
              "causes (the causes list says how). A row above round-off is **explained** only where a case aligning "
              "more causes brings the same row to round-off (the verdict names the causes and that case), else it "
              "is **UNEXPLAINED**, which fails the run (`python -m benchmarks.parity run` exits non-zero); so the "
@@ -199,6 +200,8 @@ def markdown(results: dict) -> str:
                   f"Official code: {method['repository']} at {pinned}"
                   + ("" if commit == pinned else f" (checkout reports {commit})") + f". Model: {method['model']}.",
                   "", f"Setup: {method['setup']} Inputs drawn with seed {method['seed']}.{redrawn}", "",
+                  *([f"Run: `{method['command']}` on {method['host']} ({method['date']}).", ""]
+                    if "command" in method else []),
                   "Library options: " + ", ".join(f"`{k}={v}`" for k, v in method["library_options"].items()) + ".",
                   "", "Causes (what differs, and how a case aligns it):", ""]
         lines += [f"- `{cause}`: {text}" for cause, text in method["causes"].items()]
@@ -206,8 +209,8 @@ def markdown(results: dict) -> str:
         for case, body in method["cases"].items():
             aligns = ", ".join(f"`{c}`" for c in body["aligns"]) or "nothing"
             lines += [f"<a id=\"{name}-{case}\"></a>**{case}** (aligns {aligns}): {body['description']}.", "",
-                      "| compared | tensors | max abs | max rel | tolerance | worst tensor | verdict | note |",
-                      "|---|---|---|---|---|---|---|---|"]
+                      "| compared | tensors | max abs | max rel | tolerance | entries beyond | worst tensor | verdict "
+                      "| note |", "|---|---|---|---|---|---|---|---|---|"]
             for row in body["rows"]:
                 lines.append(f"| {row['compared']} | {figures(row)} | {verdict_text(row)} | {row.get('note', '')} |")
             lines.append("")
@@ -240,6 +243,10 @@ def same(first: Path, second: Path) -> int:
     print("\n".join(differences) if differences else "the same methods, cases, rows and verdicts")
     print(f"largest change of a row's max rel: {fmt(largest[0])}" + (f" ({largest[1]})" if largest[1] else ""))
     return 1 if differences else 0
+
+
+def now() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
 
 
 def host() -> str:
@@ -303,19 +310,20 @@ def main(argv=None) -> int:
     jax_side.self_check()
     out_json = args.out / f"{args.name}.json"
     results = json.loads(out_json.read_text()) if out_json.exists() else {"methods": {}}
+    command = " ".join(["python -m benchmarks.parity", *(argv if argv is not None else sys.argv[1:])])
     with tempfile.TemporaryDirectory(prefix="parity_") as scratch:  # SPATL's arrays alone take ~0.7 GB
         workdir = args.workdir or Path(scratch)
         for name in args.method:
             print(f"{name} ...", flush=True)
-            results["methods"][name] = run_method(name, folders[name], args.torch_python, workdir, args.case)
+            # a method run alone keeps its own command and host: the others' sections may come from other runs
+            results["methods"][name] = {**run_method(name, folders[name], args.torch_python, workdir, args.case),
+                                        "command": command, "host": host(), "date": now()}
     results["methods"] = {m: results["methods"][m] for m in METHODS if m in results["methods"]}
     torch_versions = sorted({m["torch"]["torch"] for m in results["methods"].values()})
     results["environment"] = {
         "jax": jax.__version__, "flax": flax.__version__, "optax": optax.__version__,
         "torch": ", ".join(torch_versions), "host": host(), "library": str(Path(fedjax_sparse.__file__).parent),
-        "python": sys.version.split()[0], "layout_self_check": "passed",
-        "command": " ".join(["python -m benchmarks.parity", *(argv if argv is not None else sys.argv[1:])]),
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+        "python": sys.version.split()[0], "layout_self_check": "passed", "command": command, "date": now()}
     args.out.mkdir(parents=True, exist_ok=True)
     out_json.write_text(json.dumps(results, indent=1) + "\n")
     (args.out / f"{args.name}.md").write_text(markdown(results))

@@ -50,6 +50,7 @@ SEED = 0
 COUNTS, BATCH, EPOCHS, ROUNDS, CLASSES, SIDE = (150, 70, 31), 128, 3, 3, 10, 28
 CLIENTS = len(COUNTS)
 LR = 0.1
+ADAM_EPSILON = 1e-3  # the `adam_epsilon` alignment; Adam's own is 1e-8 on both sides
 LAYERS = ("conv1", "conv2", "conv3", "conv4", "dense1", "dense2", "dense3")
 SETUP = (f"{ROUNDS} rounds, each client's Adam state carried, the prior reset every round; clients holding "
          f"{', '.join(map(str, COUNTS))} examples; their parameter files' {EPOCHS} local epochs of batches of "
@@ -60,12 +61,19 @@ CAUSES = {"estimator": "their Bern.backward scales each score's gradient by thet
                        "estimator does not; aligned by their Bern.backward replaced by the identity",
           "bit_values": "their clients map the sampled bits to 0.01/0.99 before the server counts them (theta = "
                         "0.01 + 0.98 f), the library clips f to [0.01, 0.99]; aligned by handing the library's "
-                        "posterior the bits mapped to 0.01/0.99"}
+                        "posterior the bits mapped to 0.01/0.99",
+          "adam_epsilon": "not a departure: both sides' Adam (epsilon 1e-8) turns float32 round-off in a gradient "
+                          "within round-off of zero into a full step either way (lr g / (|g| + eps)); aligned by "
+                          f"epsilon {ADAM_EPSILON:g} on both sides (the harness's wraps of optax.adam in the library's "
+                          "fedpm module and of torch.optim.Adam)"}
 CASES = {"published": Case("their code as published (Bern's gradient theta dL/dm, bits mapped to 0.01/0.99)"),
          "straight_through": Case("their Bern.backward replaced by the identity", ("estimator",)),
          "mapped_bits": Case("the library's posterior counting bits mapped to 0.01/0.99", ("bit_values",)),
-         "both": Case("both", ("estimator", "bit_values"))}
-RUNS = {"published": "clipped", "straight_through": "clipped", "mapped_bits": "mapped", "both": "mapped"}
+         "both": Case("both", ("estimator", "bit_values")),
+         "both_epsilon": Case(f"both, and Adam's epsilon at {ADAM_EPSILON:g} on both sides",
+                              ("estimator", "bit_values", "adam_epsilon"))}
+RUNS = {"published": "clipped", "straight_through": "clipped", "mapped_bits": "mapped", "both": "mapped",
+        "both_epsilon": "mapped_epsilon"}
 
 
 def params() -> dict:
@@ -119,8 +127,16 @@ def torch_official(checkout: Path, setup: dict, library: dict, case: str) -> dic
     library = A.under(library, RUNS[case])
     T.deterministic(SEED)
     decisions = D.OfficialDecisions(library, relu_owners=((masked_layers.activation_dict, "relu"),))
-    if case in ("straight_through", "both"):
+    if "estimator" in CASES[case].aligns:
         random.Bern.backward = staticmethod(lambda ctx, grad_output: grad_output)
+    if "adam_epsilon" in CASES[case].aligns:
+        adam = torch.optim.Adam
+
+        class Adam(adam):  # their get_model's torch.optim.Adam(params, lr=0.1), at the aligned epsilon
+            def __init__(self, params, *args, **kwargs):
+                super().__init__(params, *args, **{**kwargs, "eps": ADAM_EPSILON})
+
+        torch.optim.Adam = Adam
     draws: list = []  # (their score key, the library's mask) in the order their forward draws them
 
     def bernoulli(p):
@@ -220,12 +236,14 @@ def library(setup: dict, cases) -> dict[str, np.ndarray]:
     """The library's rounds, for the variants `cases` compare with: as it is, and with its posterior
     counting the bits mapped to 0.01/0.99 (the `bit_values` alignment)."""
     return {k: v for run in dict.fromkeys(RUNS[c] for c in cases)
-            for k, v in A.prefixed(run, library_rounds(setup, mapped_bits=run == "mapped")).items()}
+            for k, v in A.prefixed(run, library_rounds(setup, mapped_bits=run.startswith("mapped"),
+                                                       epsilon=run.endswith("epsilon"))).items()}
 
 
-def library_rounds(setup: dict, mapped_bits: bool) -> dict[str, np.ndarray]:
+def library_rounds(setup: dict, mapped_bits: bool, epsilon: bool) -> dict[str, np.ndarray]:
     import jax
     import jax.numpy as jnp
+    import optax
 
     from benchmarks.parity import jax_side as J
     from fedjax_sparse.algorithms import fedpm as fedpm_module
@@ -280,15 +298,25 @@ def library_rounds(setup: dict, mapped_bits: bool) -> dict[str, np.ndarray]:
         out.update(A.prefixed(f"round{i}/client{c}/upload", torch_names({k: b.bits for k, b in up["mask"].items()})))
         return out
 
+    class Optax:  # the fedpm module's optax, its Adam at the aligned epsilon
+        def __getattr__(self, name):
+            return getattr(optax, name)
+
+        @staticmethod
+        def adam(learning_rate):
+            return optax.adam(learning_rate, eps=ADAM_EPSILON)
+
     fedpm_module.sampled_masks = observed
     fedpm_module.beta_posterior = code_bits if mapped_bits else posterior
+    if epsilon:
+        fedpm_module.optax = Optax()
     try:
         clients = list(range(CLIENTS))
         return J.run_rounds(algorithm, server_state, states, split, [(i, clients) for i in range(ROUNDS)],
                             after=after, after_round=lambda i, state: A.prefixed(f"round{i}/global/theta",
                                                                                  torch_names(state["theta"])))
     finally:
-        fedpm_module.sampled_masks, fedpm_module.beta_posterior = sampled, posterior
+        fedpm_module.sampled_masks, fedpm_module.beta_posterior, fedpm_module.optax = sampled, posterior, optax
 
 
 def compare(setup: dict, library: dict, official: dict, case: str) -> list[dict]:

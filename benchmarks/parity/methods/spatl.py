@@ -66,9 +66,11 @@ LIBRARY_OPTIONS = {"algorithm": "spatl", "model": "vgg11", "spatl_aggregation": 
 CAUSES = {"control": "their code subtracts lr (c_g - c_l) / 100 from the encoder after each optimizer step and divides "
                      "c_l+'s (w_g - w) by its plain count of steps; the library adds c_g - c_l to the gradient (eq. "
                      "9) and divides by the momentum-aware count; aligned by the library's `--spatl-control code`"}
-CASES = {"published": Case("their code as published (`--alg noselect`; its controls start equal, c_l = c_g)"),
+CASES = {"published": Case("their code as published (`--alg noselect`; its controls start equal, c_l = c_g)",
+                           floor="code_control"),
          "code_control": Case("the library with `--spatl-control code`", ("control",)),
-         "distinct": Case("each client's c_l set to its own random encoder before the first round"),
+         "distinct": Case("each client's c_l set to its own random encoder before the first round",
+                          floor="distinct_code_control"),
          "distinct_code_control": Case("the same, the library with `--spatl-control code`", ("control",))}
 RUNS = {"published": "equal/paper", "code_control": "equal/code", "distinct": "distinct/paper",
         "distinct_code_control": "distinct/code"}
