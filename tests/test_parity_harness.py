@@ -3,6 +3,7 @@
 decisions are recorded and mapped between the two sides' layouts, and two runs' tables compare."""
 
 import json
+import subprocess
 import sys
 from pathlib import Path
 
@@ -19,6 +20,8 @@ from benchmarks.parity import arrays as A  # noqa: E402
 from benchmarks.parity import decisions as D  # noqa: E402
 from benchmarks.parity import verdicts as V  # noqa: E402
 from benchmarks.parity.__main__ import markdown, same  # noqa: E402
+from benchmarks.parity.methods import METHODS  # noqa: E402
+from benchmarks.parity.planted import plants  # noqa: E402
 
 CAUSES = {"scaler": "their Scaler", "clip": "their clipping"}
 
@@ -167,3 +170,15 @@ def test_tables_of_two_runs_compare(tmp_path):
     second.write_text(json.dumps(changed))
     assert same(first, first) == 0
     assert same(first, second) == 1
+
+
+def test_every_method_has_two_planted_departures_that_apply_to_the_library_as_it_is():
+    """The planted-bug check (benchmarks/parity/planted.py) patches a copy of the library: a plant that no
+    longer applies (the code it edits moved) would leave a method unchecked."""
+    found = plants()
+    assert sorted({name.split("-")[0] for name in found}) == sorted(METHODS)
+    assert all(sum(name.startswith(f"{m}-") for name in found) >= 2 for m in METHODS)
+    for name, patch in found.items():
+        assert patch.read_text().startswith("# "), f"{name}: its first line says what it plants"
+        done = subprocess.run(["git", "apply", "--check", str(patch)], cwd=ROOT, capture_output=True, text=True)
+        assert done.returncode == 0, f"{name}: {done.stderr.strip()}"
