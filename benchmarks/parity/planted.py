@@ -7,14 +7,15 @@ parity run against that copy must report it UNEXPLAINED and exit non-zero.
 A plant `<method>-<what>.patch` (a unified diff against the repository, its first line a comment saying
 what it plants) is applied to a copy of `fedjax_sparse` in a temporary folder, which the run imports
 first (it checks that it did: the run records the library's path). The run takes the method's
-published case and its terminal cases (those aligning the most: a departure shows there, where every
-known cause is aligned). Writes <out>/parity_plants.{json,md}; exits 1 if a plant was not caught.
+terminal cases (those aligning the most causes): there nothing known is left to differ, so a row above
+round-off is UNEXPLAINED whatever the other cases show, and the full run, which includes them, fails
+too; the other cases would only say how the plant reads against the code as published. Writes
+<out>/parity_plants.{json,md}; exits 1 if a plant was not caught.
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import shutil
@@ -41,7 +42,7 @@ def plants() -> dict[str, Path]:
 
 def run_plant(name: str, patch: Path, official_root: Path, torch_python: str) -> dict:
     method = name.split("-")[0]
-    cases = ["published"] + [c for c in V.terminal(get(method).CASES) if c != "published"]
+    cases = V.terminal(get(method).CASES)
     with tempfile.TemporaryDirectory(prefix=f"plant_{name}_") as scratch:
         root = Path(scratch)
         shutil.copytree(REPO_ROOT / "fedjax_sparse", root / "fedjax_sparse",
@@ -82,10 +83,12 @@ def markdown(results: dict) -> str:
     env = results["environment"]
     lines = ["# Planted bugs against the parity harness", "",
              "Each plant (`benchmarks/parity/plants/<plant>.patch`) plants one departure in a copy of the library; "
-             "the method's parity run against that copy (its published case and its terminal cases) must report "
+             "the method's parity run against that copy (its terminal cases: those aligning every known cause) must report "
              "it UNEXPLAINED and exit non-zero. The same runs without a plant are the table in "
              "`benchmarks/results/parity.md`.", "",
-             f"Host: {env['host']}. Command: `{env['command']}` ({env['date']}).", "",
+             f"Host: {env['host']}. Run with "
+             + "; ".join(f"`{c}`" for c in dict.fromkeys(r.get("command", env["command"]) for r in results["plants"]))
+             + f" (the last on {env['date']}; each plant's date and host are in parity_plants.json).", "",
              "| plant | what it plants | exit code | UNEXPLAINED rows | failing rows | the row that shows it most "
              "(case: row) | max rel (tolerance) | entries beyond | verdict |",
              "|---|---|---|---|---|---|---|---|---|"]
@@ -111,22 +114,22 @@ def main(argv=None) -> int:
     unknown = [p for p in chosen if p not in available]
     if unknown:
         parser.error(f"unknown plant {', '.join(unknown)}; valid: {', '.join(available)}")
-    from benchmarks.parity.__main__ import host
+    from benchmarks.parity.__main__ import host, now
+    command = " ".join(["python -m benchmarks.parity.planted", *(argv if argv is not None else sys.argv[1:])])
     out_json = args.out / "parity_plants.json"
     results = json.loads(out_json.read_text()) if out_json.exists() else {"plants": []}
     kept = [r for r in results["plants"] if r["plant"] not in chosen and r["plant"] in available]
     done = []
     for name in chosen:
         print(f"{name} ...", flush=True)
-        done.append(run_plant(name, available[name], args.official_root.resolve(), args.torch_python))
+        # plants run alone keep their own command and host: the others' rows may come from other runs
+        done.append({**run_plant(name, available[name], args.official_root.resolve(), args.torch_python),
+                     "command": command, "host": host(), "date": now()})
         print(f"  {'caught' if done[-1]['caught'] else 'MISSED'}: exit {done[-1]['exit_code']}, "
               f"{len(done[-1]['failing_rows'])} failing rows", flush=True)
     order = list(available)
     results["plants"] = sorted(kept + done, key=lambda r: order.index(r["plant"]))
-    results["environment"] = {
-        "host": host(), "python": sys.version.split()[0],
-        "command": " ".join(["python -m benchmarks.parity.planted", *(argv if argv is not None else sys.argv[1:])]),
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+    results["environment"] = {"host": host(), "python": sys.version.split()[0], "command": command, "date": now()}
     args.out.mkdir(parents=True, exist_ok=True)
     out_json.write_text(json.dumps(results, indent=1) + "\n")
     (args.out / "parity_plants.md").write_text(markdown(results))
