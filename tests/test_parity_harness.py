@@ -97,6 +97,20 @@ def test_entries_are_judged_against_their_measured_round_off_floor():
         V.floor_case(specs, "published")
 
 
+def test_a_row_whose_floor_shows_the_official_run_unsteady_is_near_a_tie_and_redrawn():
+    """FLOOR_FACTOR times a floor of 0.2 (SpaFL's third round on one draw) would pass a 20 % difference: such a
+    row is NEAR A TIE, never round-off, and the driver redraws the inputs."""
+    from benchmarks.parity.__main__ import near_ties
+    unsteady = {**numeric("client 2", 0.2), "beyond": 0, "entries": 10, "floor": 0.19, "tolerance": 19.0}
+    steady = {**numeric("client 1", 2e-6), "beyond": 0, "entries": 10, "floor": 1e-7, "tolerance": 1e-5}
+    judged = cases(published=[dict(unsteady), dict(steady)], no_scaler=[dict(unsteady), dict(steady)])
+    assert V.within(unsteady)  # its own tolerance would pass it
+    failing = V.judge(judged, CAUSES)
+    assert [r["verdict"] for r in judged["no_scaler"]["rows"]] == [V.NEAR_TIE, V.ROUND]
+    assert failing == ["published: client 2 (NEAR A TIE)", "no_scaler: client 2 (NEAR A TIE)"]
+    assert near_ties(judged) == [f"{case}: client 2 {V.figure(unsteady)}" for case in ("published", "no_scaler")]
+
+
 def test_judge_refuses_unknown_causes_and_shared_row_names():
     with pytest.raises(ValueError, match="not among the causes"):
         V.judge({"x": {"aligns": ["epsilon"], "rows": []}}, CAUSES)

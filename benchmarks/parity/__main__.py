@@ -107,7 +107,7 @@ def run_draw(method, name: str, checkout: Path, torch_python: str, work: Path, s
 
 def near_ties(cases: dict) -> list[str]:
     return [f"{case}: {row['compared']} {V.figure(row)}" for case, body in cases.items() for row in body["rows"]
-            if row.get("kind") == "margin" and not V.within(row)]
+            if V.near_tie(row)]
 
 
 def run_method(name: str, folder: Path, torch_python: str, workdir: Path, cases: list[str] | None = None) -> dict:
@@ -178,7 +178,9 @@ def markdown(results: dict) -> str:
              "more causes brings the same row to round-off (the verdict names the causes and that case), else it "
              "is **UNEXPLAINED**, which fails the run (`python -m benchmarks.parity run` exits non-zero); so the "
              "case aligning every cause must be at round-off throughout. Margin rows check the inputs: no top-k or "
-             "threshold decision within its margin of a tie (else redrawn); ReLU and max-pool decisions within "
+             "threshold decision within its margin of a tie (else redrawn), and no row whose official run moves by "
+             f"more than {V.CHAOTIC_FLOOR:g} of its scale under the floor's noise (such a row is NEAR A TIE, and "
+             "the inputs are redrawn); ReLU and max-pool decisions within "
              "1e-4 of a tie (too many to redraw away) are taken the library's way in the official run "
              "(`decisions.py`), counted per case.", "",
              f"Host: {env['host']}. Versions: jax {env['jax']}, flax {env['flax']}, optax {env['optax']}; torch "
