@@ -196,3 +196,15 @@ def test_every_method_has_two_planted_departures_that_apply_to_the_library_as_it
         assert patch.read_text().startswith("# "), f"{name}: its first line says what it plants"
         done = subprocess.run(["git", "apply", "--check", str(patch)], cwd=ROOT, capture_output=True, text=True)
         assert done.returncode == 0, f"{name}: {done.stderr.strip()}"
+
+
+def test_a_plant_is_caught_only_by_rows_that_do_not_fail_without_it(tmp_path):
+    """A row failing in the table without a plant would 'catch' every plant of its method: those rows are set aside."""
+    from benchmarks.parity.planted import unplanted_failing
+    table = tmp_path / "parity.json"
+    table.write_text(json.dumps({"methods": {"fedrolex": {"failing": [
+        "published: round 1: client 0 (UNEXPLAINED)", "no_scaler_counts: round 1: client 0 (UNEXPLAINED)"]}}}))
+    assert unplanted_failing(table, "fedrolex", ["no_scaler_counts"]) == {
+        "no_scaler_counts: round 1: client 0 (UNEXPLAINED)"}
+    assert unplanted_failing(table, "heterofl", ["no_scaler"]) == set()
+    assert unplanted_failing(tmp_path / "none.json", "fedrolex", ["no_scaler_counts"]) == set()

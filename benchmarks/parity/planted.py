@@ -1,6 +1,7 @@
 """The harness checked against planted bugs: each patch in `plants/` plants one departure in a copy of
 the library (a scaling constant, an aggregation weight, a mask rule, a learning rate); the method's
-parity run against that copy must report it UNEXPLAINED and exit non-zero.
+parity run against that copy must report it UNEXPLAINED, in a row the table without the plant does not
+fail (`--table`), and exit non-zero.
 
     python -m benchmarks.parity.planted --official-root DIR --torch-python PY [--plant NAME ...]
 
@@ -40,7 +41,18 @@ def plants() -> dict[str, Path]:
     return out
 
 
-def run_plant(name: str, patch: Path, official_root: Path, torch_python: str) -> dict:
+def unplanted_failing(table: Path, method: str, cases: list[str]) -> set[str]:
+    """The failing rows of the terminal cases in the table without a plant (`table`, a parity.json): a
+    plant is caught only by a row failing beyond those, or a row failing already would catch every plant."""
+    if not table.exists():
+        return set()
+    body = json.loads(table.read_text())["methods"].get(method)
+    if body is None:
+        return set()
+    return {line for line in body["failing"] if line.split(":", 1)[0] in cases}
+
+
+def run_plant(name: str, patch: Path, official_root: Path, torch_python: str, table: Path) -> dict:
     method = name.split("-")[0]
     cases = V.terminal(get(method).CASES)
     with tempfile.TemporaryDirectory(prefix=f"plant_{name}_") as scratch:
@@ -64,14 +76,20 @@ def run_plant(name: str, patch: Path, official_root: Path, torch_python: str) ->
             raise RuntimeError(f"plant {name}: the run imported the library from {library}, not the planted copy")
     body = run["methods"][method]
     failing = body["failing"]
+    already = unplanted_failing(table, method, cases)
+    new = [line for line in failing if line not in already]
     numeric = [r for c in body["cases"].values() for r in c["rows"] if r.get("kind", "numeric") == "numeric"]
-    # the row that shows the plant: the largest difference over its tolerance among the UNEXPLAINED ones
-    worst = max([r for r in numeric if r["verdict"] == V.UNEXPLAINED] or numeric,
+    shown = {line.rsplit(" (", 1)[0] for line in new}
+    # the row that shows the plant: the largest difference over its tolerance among the new UNEXPLAINED ones
+    worst = max([r for c, b in body["cases"].items() for r in b["rows"]
+                 if r in numeric and r["verdict"] == V.UNEXPLAINED and f"{c}: {r['compared']}" in shown] or numeric,
                 key=lambda r: r["max_rel"] / r.get("tolerance", V.ROUND_OFF))
     return {"plant": name, "method": method, "what": patch.read_text().splitlines()[0].lstrip("# "),
             "cases": cases, "exit_code": done.returncode, "failing_rows": failing,
-            # caught: an UNEXPLAINED row (not merely inputs near a tie) and the run's non-zero exit
-            "caught": done.returncode == 1 and any(line.endswith(f"({V.UNEXPLAINED})") for line in failing),
+            "failing_without_the_plant": sorted(already),
+            # caught: an UNEXPLAINED row (not merely inputs near a tie) the table without the plant does not
+            # have, and the run's non-zero exit
+            "caught": done.returncode == 1 and any(line.endswith(f"({V.UNEXPLAINED})") for line in new),
             "worst": {"case": next(c for c, b in body["cases"].items() if worst in b["rows"]),
                       "compared": worst["compared"], "max_rel": worst["max_rel"], "verdict": worst["verdict"],
                       "tolerance": worst.get("tolerance", V.ROUND_OFF), "beyond": worst.get("beyond"),
@@ -84,17 +102,18 @@ def markdown(results: dict) -> str:
     lines = ["# Planted bugs against the parity harness", "",
              "Each plant (`benchmarks/parity/plants/<plant>.patch`) plants one departure in a copy of the library; "
              "the method's parity run against that copy (its terminal cases: those aligning every known cause) must report "
-             "it UNEXPLAINED and exit non-zero. The same runs without a plant are the table in "
-             "`benchmarks/results/parity.md`.", "",
+             "it UNEXPLAINED and exit non-zero, in a row that does not fail without the plant. The same runs "
+             "without a plant are the table in `benchmarks/results/parity.md`.", "",
              f"Host: {env['host']}. Run with "
              + "; ".join(f"`{c}`" for c in dict.fromkeys(r.get("command", env["command"]) for r in results["plants"]))
              + f" (the last on {env['date']}; each plant's date and host are in parity_plants.json).", "",
-             "| plant | what it plants | exit code | UNEXPLAINED rows | failing rows | the row that shows it most "
+             "| plant | what it plants | exit code | UNEXPLAINED rows the table without it lacks | failing rows | the row that shows it most "
              "(case: row) | max rel (tolerance) | entries beyond | verdict |",
              "|---|---|---|---|---|---|---|---|---|"]
     for r in results["plants"]:
         w = r["worst"]
-        unexplained = sum(line.endswith(f"({V.UNEXPLAINED})") for line in r["failing_rows"])
+        already = set(r.get("failing_without_the_plant", []))
+        unexplained = sum(line.endswith(f"({V.UNEXPLAINED})") and line not in already for line in r["failing_rows"])
         beyond = f"{w['beyond']:,} of {w['entries']:,}" if w.get("beyond") is not None else ""
         lines.append(f"| `{r['plant']}` | {r['what']} | {r['exit_code']} | {unexplained} | {len(r['failing_rows'])} | "
                      f"{w['case']}: {w['compared']} ({w['verdict']}) | {w['max_rel']:.2e} ({w['tolerance']:.1e}) | "
@@ -108,6 +127,8 @@ def main(argv=None) -> int:
     parser.add_argument("--torch-python", default=os.environ.get("PARITY_TORCH_PYTHON", "python"))
     parser.add_argument("--plant", nargs="+", default=None, help="these plants only (default: every one)")
     parser.add_argument("--out", type=Path, default=REPO_ROOT / "benchmarks" / "results")
+    parser.add_argument("--table", type=Path, default=REPO_ROOT / "benchmarks" / "results" / "parity.json",
+                        help="the table without a plant: rows failing there catch no plant")
     args = parser.parse_args(argv)
     available = plants()
     chosen = args.plant or list(available)
@@ -123,7 +144,8 @@ def main(argv=None) -> int:
     for name in chosen:
         print(f"{name} ...", flush=True)
         # plants run alone keep their own command and host: the others' rows may come from other runs
-        done.append({**run_plant(name, available[name], args.official_root.resolve(), args.torch_python),
+        done.append({**run_plant(name, available[name], args.official_root.resolve(), args.torch_python,
+                                 args.table),
                      "command": command, "host": host(), "date": now()})
         print(f"  {'caught' if done[-1]['caught'] else 'MISSED'}: exit {done[-1]['exit_code']}, "
               f"{len(done[-1]['failing_rows'])} failing rows", flush=True)
