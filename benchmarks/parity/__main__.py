@@ -184,7 +184,10 @@ def markdown(results: dict) -> str:
              "1e-4 of a tie (too many to redraw away) are taken the library's way in the official run "
              "(`decisions.py`), counted per case.", "",
              f"Host: {env['host']}. Versions: jax {env['jax']}, flax {env['flax']}, optax {env['optax']}; torch "
-             f"{env['torch']}; Python {env['python']}. Command: `{env['command']}` ({env['date']}).", "",
+             f"{env['torch']}; Python {env['python']}. "
+             + ("Each method's section names the command and host that made it; the last: "
+                if len({m.get("command") for m in results["methods"].values()}) > 1 else "Command: ")
+             + f"`{env['command']}` ({env['date']}).", "",
              "| method | case | aligns | rows | round-off | explained | UNEXPLAINED |", "|---|---|---|---|---|---|---|"]
     for name, method in results["methods"].items():
         for case, body in method["cases"].items():
