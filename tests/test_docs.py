@@ -190,6 +190,17 @@ def test_the_site_knows_its_address_and_links_the_repositorys_files(site):
     assert cited > 5
 
 
+def test_a_cited_place_in_a_result_file_links_to_that_place():
+    """`benchmarks/results/parity.md#spatl-distinct` (a method page citing its rows of the parity table) links to
+    the file at that anchor; a path that is not in the repository stays plain text, fragment or not."""
+    spec = importlib.util.spec_from_file_location("repository_links", ROOT / "docs" / "hooks" / "repository_links.py")
+    hook = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(hook)
+    text = hook.link_paths("`benchmarks/results/parity.md#spatl-distinct` and `no/such.md#x`", REPO_URL)
+    assert text == (f"[`benchmarks/results/parity.md#spatl-distinct`]({REPO_URL}/blob/main/benchmarks/results/"
+                    "parity.md#spatl-distinct) and `no/such.md#x`")
+
+
 def test_the_layout_page_draws_every_package_and_module_from_the_folders():
     """docs/layout.md's tree is the hook's (docs/hooks/layout_tree.py), drawn when the site is built: every
     package with its __init__'s first sentence, every module with its docstring's."""

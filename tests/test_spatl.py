@@ -108,13 +108,16 @@ def test_eq12_masked_mean_fedavg_and_eq11_by_hand(make_split, mlp):
         np.testing.assert_allclose(new["control"]["fc1"]["bias"], 0.25 + (1.0 + 3.0) / 2)
 
 
-def test_one_local_step_corrects_only_the_encoder_and_eq10_updates_the_control(make_split, mlp):
+@pytest.mark.parametrize("variant,scale", [("paper", 1.0), ("code", 0.01)])
+def test_one_local_step_corrects_only_the_encoder_and_eq10_updates_the_control(make_split, mlp, variant, scale):
     """One full-batch SGD step from (w_g, own predictor) with c_g - c_l = d on the encoder:
-    encoder <- w - lr (g + d), predictor <- w - lr g (g = dL/dw at the start, by jax.grad here);
-    then c_l+ = c_l - c_g + (w_g - w_e) / (1 step x lr) = g_encoder + c_l - c_g + d = g_encoder."""
+    encoder <- w - lr (g + s d), predictor <- w - lr g (g = dL/dw at the start, by jax.grad here);
+    then c_l+ = c_l - c_g + (w_g - w_e) / (1 step x lr) = g_encoder + s d - d. The paper's reading has
+    s = 1 (c_l+ = g_encoder); the official code's (`--spatl-control code`) subtracts lr d / 100 after
+    the step: s = 1/100, so c_l+ = g_encoder - 0.99 d."""
     split = make_split([16, 16])
     lr = 0.05
-    alg, _ = build(mlp, split, lr=lr, batch_size=16, salient_keep=1.0)
+    alg, _ = build(mlp, split, lr=lr, batch_size=16, salient_keep=1.0, spatl_control=variant)
     variables = jax.jit(mlp.init)(jax.random.key(0))
     server, clients = jax.jit(alg.init, static_argnums=2)(jax.random.key(1), variables, 2)
     labels = part_labels(mlp)
@@ -137,10 +140,11 @@ def test_one_local_step_corrects_only_the_encoder_and_eq10_updates_the_control(m
     g = jax.grad(loss)(variables["params"])
     trained = new_state["variables"]["params"]
     for name in ("fc1", "fc2"):
-        assert_trees_close(trained[name], tree_map(lambda w, gw: w - lr * (gw + 0.2), variables["params"][name],
-                                                   g[name]))
+        assert_trees_close(trained[name], tree_map(lambda w, gw: w - lr * (gw + 0.2 * scale),
+                                                   variables["params"][name], g[name]))
     assert_trees_close(trained["fc3"], tree_map(lambda w, gw: w - lr * gw, variables["params"]["fc3"], g["fc3"]))
-    assert_trees_close(new_state["control"], take_part(g, labels["params"], "encoder"), atol=1e-4)
+    assert_trees_close(new_state["control"], tree_map(lambda gw: gw + 0.2 * scale - 0.2,
+                                                      take_part(g, labels["params"], "encoder")), atol=1e-4)
     assert_trees_close(up["control_delta"], tree_map(lambda c, ci: c - ci, new_state["control"], c_l))
 
 

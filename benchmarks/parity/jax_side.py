@@ -12,7 +12,7 @@ Layouts (`LAYOUTS`: kind -> (torch -> flax, flax -> torch)):
 from __future__ import annotations
 
 import contextlib
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -146,6 +146,48 @@ def federated_data(setup: dict[str, np.ndarray]):
     indices = [np.arange(bounds[i], bounds[i + 1]) for i in range(len(bounds) - 1)]
     channels = x.shape[-1]
     return federated_split(x, y, indices, mean=[0.0] * channels, std=[1.0] * channels)
+
+
+def run_rounds(algorithm, server_state: Any, states: list, split, schedule, *, after: Callable,
+               after_round: Callable, before: Callable | None = None, broadcast: Callable | None = None,
+               weights: Callable | None = None) -> dict[str, np.ndarray]:
+    """The library's rounds as the harness runs them, the server state and `states` (client c's at
+    states[c]) carried: `schedule` is [(round index, clients)]; in round i each client c trains
+    (`client_update`, jitted, with key 1000 i + 100 + c), then `server_update` takes their stacked uploads.
+    The library's shuffle is off (`fixed_data_order`) and its ReLU and max-pool decisions are recorded
+    (under decisions/r{i}/c{c}, `decisions.LibraryDecisions`). Hooks return arrays to keep:
+    broadcast(server_state, c, info) -> down (default `algorithm.broadcast`); before(i, c, down, state);
+    after(i, c, up, new_state, metrics); after_round(i, server_state); weights(clients) -> the
+    server's weights (default their example counts)."""
+    import jax
+    import jax.numpy as jnp
+
+    from benchmarks.parity.decisions import LibraryDecisions
+    from fedjax_sparse.core.round.step import round_info
+
+    broadcast = broadcast or algorithm.broadcast
+    out = {}
+    recorder = LibraryDecisions()
+    with fixed_data_order(), recorder.installed():
+        client_update = jax.jit(algorithm.client_update)
+        server_update = jax.jit(algorithm.server_update)
+        for i, (index, clients) in enumerate(schedule):
+            info = round_info(0, index, jnp.asarray(clients))
+            ups = []
+            for c in clients:
+                down = broadcast(server_state, c, info)
+                if before is not None:
+                    out.update(before(i, c, down, states[c]))
+                up, states[c], metrics = client_update(down, states[c], split.client(c),
+                                                       jax.random.key(1000 * i + 100 + c), info)
+                jax.effects_barrier()
+                out.update(recorder.take(f"decisions/r{i}/c{c}"))
+                out.update(after(i, c, up, states[c], metrics))
+                ups.append(up)
+            counts = weights(clients) if weights is not None else split.counts[np.asarray(clients)]
+            server_state = server_update(server_state, stack(ups), counts, info)
+            out.update(after_round(i, server_state))
+    return out
 
 
 def stack(trees: list) -> Any:

@@ -71,16 +71,20 @@ def load_state(module, arrays: dict[str, np.ndarray], strict: bool = True) -> No
 class Batches:
     """An iterable over a client's batches in a fixed order (examples [t B, (t + 1) B) in step t),
     built afresh by `make(x, y)` on every pass: their loops mutate what they are given (HeteroFL's
-    `collate` stacks a dict in place)."""
+    `collate` stacks a dict in place). The last batch is short unless `drop_last` (as their
+    DataLoader's). `owner`: the client the batches belong to, for the harness's bookkeeping."""
 
-    def __init__(self, x: np.ndarray, y: np.ndarray, batch_size: int, make: Callable[[np.ndarray, np.ndarray], Any]):
+    def __init__(self, x: np.ndarray, y: np.ndarray, batch_size: int, make: Callable[[np.ndarray, np.ndarray], Any],
+                 drop_last: bool = False, owner: int | None = None):
         self.x, self.y, self.batch_size, self.make = x, y, batch_size, make
+        self.drop_last, self.owner = drop_last, owner
 
     def __len__(self) -> int:
-        return -(-len(self.y) // self.batch_size)
+        return len(self.y) // self.batch_size if self.drop_last else -(-len(self.y) // self.batch_size)
 
     def __iter__(self) -> Iterator:
-        for start in range(0, len(self.y), self.batch_size):
+        for t in range(len(self)):
+            start = t * self.batch_size
             yield self.make(self.x[start:start + self.batch_size], self.y[start:start + self.batch_size])
 
 
@@ -96,6 +100,27 @@ def client_arrays(setup: dict[str, np.ndarray], client: int) -> tuple[np.ndarray
     start = int(np.sum(counts[:client]))
     stop = start + int(counts[client])
     return setup["data/x"][start:stop], setup["data/y"][start:stop]
+
+
+def round_off_noise(seed: int) -> None:
+    """From now on, after every optimizer step (any torch optimizer: a global post-hook), each parameter
+    moves one ulp up or down at random: a float32 rounding difference in every weight at every step,
+    what the library's different summation orders amount to at most, give or take a few ulps. The
+    official run under this noise against the same run without it is the round-off floor of its
+    comparisons (the driver's `floor` phase)."""
+    import torch
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+    generator = torch.Generator().manual_seed(seed)
+
+    def nudge(optimizer, args, kwargs):
+        with torch.no_grad():
+            for group in optimizer.param_groups:
+                for p in group["params"]:
+                    up = torch.rand(p.shape, generator=generator) < 0.5
+                    p.copy_(torch.nextafter(p, torch.where(up, torch.tensor(float("inf")),
+                                                           torch.tensor(float("-inf"))).to(p.dtype)))
+
+    register_optimizer_step_post_hook(nudge)
 
 
 class GradientNorms:

@@ -1,4 +1,5 @@
-"""An MkDocs hook: a path of the repository named in a page (`benchmarks/results/cpu_full.md`) links to it.
+"""An MkDocs hook: a path of the repository named in a page (`benchmarks/results/cpu_full.md`) links to it,
+at the place a fragment names where it has one (`benchmarks/results/parity.md#spatl-distinct`).
 
 The pages cite result files, scripts and tests by their path in the repository, which the site does not
 hold. Every code span in a page's text that is such a path (a file or folder outside docs/, or a glob
@@ -13,7 +14,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 BRANCH = "main"
-CODE_SPAN = re.compile(r"(?<![`\[])`([A-Za-z0-9_.\-]+/[A-Za-z0-9_.\-/*]*)`(?![`\]])")
+# a path, and optionally a fragment naming a place in the file (`benchmarks/results/parity.md#spatl-distinct`)
+CODE_SPAN = re.compile(r"(?<![`\[])`([A-Za-z0-9_.\-]+/[A-Za-z0-9_.\-/*]*)(#[A-Za-z0-9_\-]+)?`(?![`\]])")
 
 
 def repository_path(text: str) -> str | None:
@@ -31,7 +33,7 @@ def link_paths(markdown: str, repo_url: str) -> str:
         if path is None:
             return match.group(0)
         kind = "tree" if (ROOT / path).is_dir() else "blob"
-        return f"[{match.group(0)}]({repo_url.rstrip('/')}/{kind}/{BRANCH}/{path})"
+        return f"[{match.group(0)}]({repo_url.rstrip('/')}/{kind}/{BRANCH}/{path}{match.group(2) or ''})"
 
     lines, fenced = [], False
     for line in markdown.split("\n"):

@@ -104,13 +104,16 @@ gradients clipped to global norm 3, no bounds (`weight_bounds` is refused),
 kernels drawn U(-1/sqrt(n), 1/sqrt(n)), and the reset at "at most 1 %". Not
 reproduced: the code applies eq. 13 to every client after each aggregation
 (here a client applies the change since its last download when next sampled:
-the same total), uploads before the reset its last step triggers, drops each epoch's last
-partial batch, and runs its reset check in evaluation passes too: with two test
-batches or more, its evaluation already resets a collapsed layer of the client's
-own thresholds, so the next round starts from the received ones unreset (here
-the round's start resets the received thresholds where the client's own last
-mask collapsed a layer; benchmarks/results/parity.md, `two_test_batches`). docs/methods/spafl.md tabulates every
-difference.
+the same total, under one reading of sign(sum w), which the code re-reads at
+each application), uploads before the reset its last step triggers, drops each
+epoch's last partial batch, and runs its reset check in evaluation passes too:
+with two test batches or more, its evaluation already resets a collapsed layer
+of the client's own thresholds, so the next round starts from the received ones
+unreset (here the round's start resets the received thresholds where the
+client's own last mask collapsed a layer). The parity harness (benchmarks/parity)
+aligns the timing, the dropped batch and the evaluation's reset with the code
+(its causes `eq13_timing`, `drop_last`, `reset_in_evaluation`);
+docs/methods/spafl.md tabulates every difference.
 
 Why one module past 400 lines: SpaFL's math is one algorithm (thresholds, the straight-through mask, eq. 13's
 update, the regularizer) with its options and the paper's readings written out beside each equation; the official

@@ -22,6 +22,12 @@ count the equation comes from, the number of local steps, momentum-aware
 (`LocalSGD.effective_steps`, `building_blocks.control_variates`): divided by epochs, c_l
 would be the sum of an epoch's gradients rather than their mean, ~steps-per-
 epoch times too large for c to correct a gradient with.
+The official code (`spatl_control=code`; federated_learning/network_training.py
+at fef44a6, :459 and :479) applies the control otherwise: after each optimizer
+step it subtracts lr (c_g - c_l) / 100 from the encoder (outside the momentum,
+a hundredth of eq. 9's correction), and its c_l+ divides by the plain count of
+steps; the same formula then gives c_l+ = the mean gradient + 0.99 (c_l - c_g).
+benchmarks/results/parity.md compares both with the code.
 
 Salient selection. A policy gives a keep ratio per encoder layer; within a
 layer the units with the largest L2 norm of their incoming weights are kept
@@ -113,6 +119,8 @@ from fedjax_sparse.algorithms.spatl_selection import (SalientPolicy, agent_holdo
 
 tree_map = jax.tree_util.tree_map
 NEVER = -1  # a client's last round before it first trains
+# federated_learning/network_training.py:459 of the official code: w -= lr (c_g - c_l) / 100 after each step
+CODE_CONTROL_DIVISOR = 100.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -131,6 +139,11 @@ class SPATLOptions(ServerOptimizerOptions):
     spatl_evaluation: str = option("salient", "SPATL: clients predict with their salient sub-model or their "
                                               "dense encoder", choices=("salient", "dense"))
     gradient_control: bool = option(True, "SPATL: correct the encoder's gradients by c_g - c_l (eq. 9)")
+    spatl_control: str = option("paper", "SPATL: the control term as the paper reads it (paper: c_g - c_l added to "
+                                         "the encoder's gradient, c_l+ over the momentum-aware step count) or as "
+                                         "the official code applies it (code: lr (c_g - c_l) / 100 subtracted from "
+                                         "the encoder after each optimizer step, c_l+ over the plain step count)",
+                                choices=("paper", "code"))
     agent_updates: int = option(5, "SPATL agent: PPO updates of each client's agent per round (20 steps each)",
                                 low=1)
     agent_reset: bool = option(False, "SPATL agent: a fresh agent every round (the official code) instead of "
@@ -232,13 +245,24 @@ def spatl(context: BuildContext, options: SPATLOptions, policy: SalientPolicy | 
             encoder_grads = take_part(grads["params"], labels["params"], "encoder")
             return {**grads, "params": overlay(grads["params"], corrected_gradients(encoder_grads, c_g, c_l))}
 
+        def code_correction(before, after, batch):  # the official code's step: after the optimizer's, / 100
+            lr = local.learning_rate_at(info.index)
+            encoder = take_part(after["params"], labels["params"], "encoder")
+            moved = tree_map(lambda w, g, l: w - lr * (g - l) / CODE_CONTROL_DIVISOR, encoder, c_g, c_l)
+            return {**after, "params": overlay(after["params"], moved)}, {}
+
         # training draws from `key` exactly as every other method does; the policy from a branch of it
         policy_key = jax.random.fold_in(key, 1)
-        objective = LocalObjective(grad_correction=correct if options.gradient_control else None)
+        code = options.spatl_control == "code"
+        objective = LocalObjective(
+            grad_correction=correct if options.gradient_control and not code else None,
+            after_step=code_correction if options.gradient_control and code else None)
         training, validation = split_holdout(data, held)
         trained, stats = local.train(variables, training, key, round_index=info.index, objective=objective)
         encoder = encoder_of(trained)
-        new_control = control_update(local, c_l, c_g, down["encoder"]["params"], encoder["params"],
+        # the code divides by its count of steps, whatever the momentum (the paper's reading: FedNova's count)
+        counted = dataclasses.replace(local, momentum=0.0) if code else local
+        new_control = control_update(counted, c_l, c_g, down["encoder"]["params"], encoder["params"],
                                      stats["num_steps"], info.index)
         policy_state, ratios, policy_metrics = policy.select(state["policy"], trained, validation, policy_key)
         masks = salient_masks(structure, trained["params"], ratios, layers)

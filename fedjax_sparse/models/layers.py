@@ -91,8 +91,8 @@ class MaskedBatchNorm(nn.BatchNorm):
 def batch_norm(train: bool, name: str) -> MaskedBatchNorm:
     """The BatchNorm every model uses (PyTorch's momentum 0.1 = Flax 0.9 and eps 1e-5; its running variance
     follows the biased batch variance, as Flax's does, where PyTorch's follows the unbiased one, n / (n - 1)
-    times larger: 6.7 % at a batch of 16, 0.6 % of the running variance after four steps in
-    benchmarks/results/parity.md's SpaFL rows; normalization in training uses the biased one in both)."""
+    times larger: 6.7 % at a batch of 16 (the parity harness's SpaFL cause `bessel`, benchmarks/parity);
+    normalization in training uses the biased one in both)."""
     return MaskedBatchNorm(use_running_average=not train, momentum=BN_MOMENTUM,
                            epsilon=BN_EPSILON, name=name)
 

@@ -6,37 +6,38 @@ round (its layer assignment, lines 170-174 and 195), `models/distributed_trainin
 The model. Their small networks are `emnist_NN` (an MLP, for which main.py's OPU2 branch uploads
 every layer), `FMNIST_CNN` and `cifar10_LeNet`: conv 64@5x5 -> ReLU -> pool 2 -> conv 64@5x5 -> ReLU
 -> pool 2 -> dense 1600-1024 -> dense 1024-1024 -> dense 10, with biases, no normalization. The zoo
-has neither CNN: its nearest, `cnn2` (FedAvg's CNN: conv 32 and 64 padded, one hidden dense layer),
-has four layers, which would make OPU2 share three layers where their code shares four. The harness
-builds their cifar10_LeNet in Flax from the library's own pieces (layers.conv/dense/relu_pool2, the
-ModelStructure the library's FedP3 reads), as the FedPM harness builds Mask4CNN. cifar10_LeNet rather
-than FMNIST_CNN: its kernels allow the diagnostic case below.
+has neither CNN: its nearest, `cnn2`, has four layers, which would make OPU2 share three layers where
+their code shares four. The harness builds their cifar10_LeNet in Flax from the library's own pieces
+(layers.conv/dense/relu_pool2, the ModelStructure the library's FedP3 reads).
 
-One round at round index 3 (lr 0.01 x 0.997^3, their lr_decay default applied three times as main.py's
-loop does), four of 100 clients: ids 0, 25, 50 and 75, which main.py's OPU2 assigns the layer pairs
-(conv1, conv2), (conv2, fc1), (fc1, fc2) and (fc2, conv1); each holds 20 examples (32x32x3), trains two
-local epochs of batches of 8 (8, 8, 4: their `local_epoch` steps, ceil(n / B)), SGD without momentum
-or weight decay (their defaults), gradients clipped to norm 10 (their `max_norm`), and holds its own
-model from an earlier round: its shared layers are then overwritten by the download, its classifier
-is its own. The examples are drawn with standard deviation 4: at 1 the gradient norms stay at 1.5-3.6
-and the clip at 10 never binds; at 4 it binds in some steps (the last row says how many).
-The library runs `fedp3` at its defaults (the code's: magnitude downlink at 0.9, client
-model from the server, classifier uploaded) with `--lr-decay 0.997 --grad-clip-norm 10`.
+Three rounds at round indices 3, 4, 5 (lr 0.01 x 0.997^r, their lr_decay as main.py's loop applies
+it), four of 100 clients: ids 0, 25, 50 and 75, which main.py's OPU2 assigns the layer pairs (conv1,
+conv2), (conv2, fc1), (fc1, fc2) and (fc2, conv1); they hold 61, 40, 29 and 13 examples (32x32x3)
+and train their defaults: two local epochs of batches of 48 (the last short: their `local_epoch`
+steps are ceil(n / B)), SGD without momentum or weight decay, gradients clipped to norm 10 (their
+`max_norm`). Each client keeps its own model across rounds: its shared layers are overwritten by each
+download, its classifier is its own. The examples are drawn with standard deviation 4, so that the
+clip at 10 binds in some steps (the last row says how many).
 
-Their run is driven from the harness in main.py's order: per client, `synchronize_with_server`
-(global_prune 0.9) with the keys main.py computes for OPU2 (written out here: layers int(id / 25) and
-that + 1 mod 4, and the classifier), then `compute_weight_update`; then
-`aggregate_weight_updates_subset` ('mean'). `utils.utils_dataset` (their CIFAR download) is an import
-stub holding a stand-in `Dataset` for the loader `Client.__init__` builds, which the harness then
-replaces by our batches (`trn_gen`); torchvision is an import stub.
+Their run is driven from the harness in main.py's order: per round and client,
+`synchronize_with_server` (global_prune 0.9) with the keys main.py computes for OPU2 (written out
+here: layers int(id / 25) and that + 1 mod 4, and the classifier), then `compute_weight_update`;
+then `aggregate_weight_updates_subset` ('mean'). `utils.utils_dataset` (their CIFAR download) is an
+import stub holding a stand-in `Dataset` for the loader `Client.__init__` builds, which the harness
+then replaces by our batches (`trn_gen`); torchvision is an import stub.
 
-The library's documented departures, and how the setup meets them:
-  * the server's mean: theirs plain over a layer's uploaders, the library's weighted by data size:
-    every client holds 20 examples, so the weights are equal;
-  * the downlink keeps ceil(0.9 n) entries of a pruned kernel, theirs int(0.9 n): for fc2's 1,048,576
-    entries 943,719 against 943,718 (the other kernels' 0.9 n are integers). Clients 0 and 25 receive
-    fc2 pruned, one entry more in the library (case `published`). Case `global_prune_int` runs their
-    code at `--global_prune 0.90000059`, where int(g n) = ceil(0.9 n) for all four kernels.
+Top-k near a tie. The downlink keeps each pruned kernel's largest magnitudes; a kernel whose k-th and
+(k+1)-th largest magnitudes sit within round-off of each other can be cut differently. The setup's
+server kernels are drawn with a gap at both cuts (int(0.9 n) and ceil(0.9 n)): the magnitudes below
+the cut are halved, those above raised by half; the margin row checks the gap at every round's
+download on both sides.
+
+Causes: `int_prune`, the downlink keeps ceil(0.9 n) entries of a pruned kernel, theirs int(0.9 n):
+for fc2's 1,048,576 entries 943,719 against 943,718 (the other kernels' 0.9 n are integers); aligned
+by their `--global_prune 0.90000059`, where int(g n) = ceil(0.9 n) for all four kernels.
+`plain_mean`, the server's mean over a layer's uploaders: theirs plain, the library's weighted by
+data size; aligned by handing the library's `server_update` equal client weights (the engine hands
+it data sizes).
 """
 
 from __future__ import annotations
@@ -47,6 +48,9 @@ from pathlib import Path
 import numpy as np
 
 from benchmarks.parity import arrays as A
+from benchmarks.parity import decisions as D
+from benchmarks.parity import verdicts as V
+from benchmarks.parity.verdicts import Case
 
 NAME = "fedp3"
 REPOSITORY = "SonyResearch/FedP3"
@@ -55,30 +59,67 @@ CHECKOUT = ""
 MODEL = ("their client_model('cifar10_LeNet') (conv 64-64 5x5, dense 1600-1024-1024-10, biases) on both sides "
          "(a Flax copy from the library's layers), 32x32x3")
 SEED = 0
-IDS, USERS = (0, 25, 50, 75), 100
-EXAMPLES, BATCH, LOCAL_EP, CLASSES, SIDE = 20, 8, 2, 10, 32
-LR, LR_DECAY, ROUND, KEEP, CLIP = 0.01, 0.997, 3, 0.9, 10.0
-INPUT_STD = 4.0  # at 1 their gradient norms stay at 1.5-3.6 and the clip at 10 never binds
+IDS, USERS, COUNTS = (0, 25, 50, 75), 100, (61, 40, 29, 13)
+BATCH, LOCAL_EP, CLASSES, SIDE = 48, 2, 10, 32
+LR, LR_DECAY, FIRST_ROUND, ROUNDS, KEEP, CLIP = 0.01, 0.997, 3, 3, 0.9, 10.0
+INPUT_STD = 4.0  # at 1 their gradient norms stay below the clip at 10
 # int(g n) = ceil(0.9 n) for n = 4,800, 102,400, 1,638,400 and 1,048,576 (fc2: 943,719)
 CEIL_PRUNE = 0.90000059
 LAYERS = ("conv1", "conv2", "fc1", "fc2", "fc3")
+SHARED = LAYERS[:4]
+GAP = 0.5  # the setup's server kernels: magnitudes below a cut x (1 - GAP), above it x (1 + GAP)
+TOPK_MARGIN = 1e-4  # the smallest gap at a cut, relative to the kernel's largest magnitude
+SETUP = (f"{ROUNDS} rounds at round indices {FIRST_ROUND}-{FIRST_ROUND + ROUNDS - 1}, the server model and each "
+         f"client's model carried; clients {', '.join(map(str, IDS))} of {USERS} holding "
+         f"{', '.join(map(str, COUNTS))} examples; their defaults: {LOCAL_EP} local epochs of batches of {BATCH} "
+         f"(the last short), SGD lr {LR} x {LR_DECAY}^round, no momentum or weight decay, gradients clipped to "
+         f"norm {CLIP:g}, the downlink keeping {KEEP} of each pruned kernel.")
 LIBRARY_OPTIONS = {"algorithm": "fedp3", "model": "a Flax copy of their cifar10_LeNet", "fedp3_downlink": "magnitude",
                    "downlink_keep": KEEP, "fedp3_client_model": "server", "fedp3_upload_classifier": True,
-                   "server_optimizer": "sgd", "server_lr": 1.0, "lr": LR, "lr_decay": LR_DECAY, "round": ROUND,
-                   "grad_clip_norm": CLIP, "momentum": 0.0, "weight_decay": 0.0, "local_epochs": LOCAL_EP,
-                   "batch_size": BATCH, "num_clients": USERS, "clients": ", ".join(map(str, IDS))}
-CASES = {
-    "published": f"their code as published (`--method OPU2 --global_prune {KEEP}`, lr_decay {LR_DECAY}, clip 10)",
-    "global_prune_int": f"diagnostic: their `--global_prune {CEIL_PRUNE}`, whose int(g n) keeps the library's "
-                        f"ceil(0.9 n) entries of every kernel",
-}
-ONE_MORE = "the library's downlink keeps ceil(0.9 n) of fc2's entries, theirs int(0.9 n)"
+                   "server_optimizer": "sgd", "server_lr": 1.0, "lr": LR, "lr_decay": LR_DECAY,
+                   "rounds": ", ".join(str(FIRST_ROUND + i) for i in range(ROUNDS)), "grad_clip_norm": CLIP,
+                   "momentum": 0.0, "weight_decay": 0.0, "local_epochs": LOCAL_EP, "batch_size": BATCH,
+                   "num_clients": USERS, "clients": ", ".join(map(str, IDS))}
+CAUSES = {"int_prune": "the library's downlink keeps ceil(0.9 n) entries of a pruned kernel, theirs int(0.9 n): one "
+                       "fewer of fc2's; aligned by their `--global_prune 0.90000059` (int(g n) = ceil(0.9 n) for every "
+                       "kernel here)",
+          "plain_mean": "their server takes the plain mean over a layer's uploaders, the library's the data-weighted "
+                        "mean; aligned by handing the library's `server_update` equal client weights"}
+CASES = {"published": Case(f"their code as published (`--method OPU2 --global_prune {KEEP}`, lr_decay {LR_DECAY}, "
+                           f"clip 10)"),
+         "global_prune_int": Case(f"their `--global_prune {CEIL_PRUNE}`", ("int_prune",)),
+         "plain_mean": Case("the library's server with equal client weights", ("plain_mean",)),
+         "both": Case(f"their `--global_prune {CEIL_PRUNE}`, the library's server with equal client weights",
+                      ("int_prune", "plain_mean"))}
+WEIGHTS = {"published": "data", "global_prune_int": "data", "plain_mean": "equal", "both": "equal"}
 
 
 def _args(prune: float) -> list[str]:
     return ["main.py", "--method", "OPU2", "--dataset", "CIFAR10", "--num_users", str(USERS), "--lr", str(LR),
-            "--lr_decay", str(LR_DECAY), "--local_ep", str(LOCAL_EP), "--local_bs", str(BATCH),
-            "--global_prune", str(prune), "--gpu", "-1", "--seed", str(SEED)]
+            "--lr_decay", str(LR_DECAY), "--global_prune", str(prune), "--gpu", "-1", "--seed", str(SEED)]
+
+
+def cuts(n: int) -> tuple[int, ...]:
+    """The kept counts of an n-entry kernel on the two sides: int(0.9 n) (theirs) and ceil(0.9 n)."""
+    return tuple(sorted({int(n * KEEP), int(np.ceil(round(n * KEEP, 6)))}))
+
+
+def topk_gap(kernel: np.ndarray) -> float:
+    """The smallest gap between a kept and a dropped magnitude at either cut, relative to the largest."""
+    flat = np.sort(np.abs(kernel.astype(np.float64)).reshape(-1))
+    gaps = [flat[-k] - flat[-k - 1] for k in cuts(flat.size)]
+    return float(min(gaps) / flat[-1])
+
+
+def gapped(kernel: np.ndarray) -> np.ndarray:
+    """A kernel with its magnitudes pushed away from both cuts: below the lower x (1 - GAP), above the
+    upper x (1 + GAP); the entries between the cuts (fc2's one) unchanged."""
+    flat = kernel.reshape(-1).copy()
+    order = np.argsort(np.abs(flat), kind="stable")
+    kept = cuts(flat.size)
+    flat[order[:flat.size - kept[-1]]] *= 1 - GAP
+    flat[order[flat.size - kept[0]:]] *= 1 + GAP
+    return flat.reshape(kernel.shape)
 
 
 # ------------------------------------------------------------------ the PyTorch side
@@ -109,17 +150,19 @@ def _official(checkout: Path):
     return Nets, distributed_training_utils, options
 
 
-def torch_setup(checkout: Path) -> dict[str, np.ndarray]:
+def torch_setup(checkout: Path, seed: int) -> dict[str, np.ndarray]:
     from benchmarks.parity import torch_side as T
     Nets, _, _ = _official(checkout)
-    T.deterministic(SEED)
-    out = A.prefixed("init/server", T.state_arrays(Nets.client_model("cifar10_LeNet").state_dict()))
+    T.deterministic(seed)
+    server = T.state_arrays(Nets.client_model("cifar10_LeNet").state_dict())
+    server.update({f"{layer}.weight": gapped(server[f"{layer}.weight"]) for layer in SHARED})
+    out = A.prefixed("init/server", server)
     for c in range(len(IDS)):
         out.update(A.prefixed(f"init/client{c}", T.state_arrays(Nets.client_model("cifar10_LeNet").state_dict())))
-    rng = np.random.default_rng(SEED)
-    out.update({"data/x": (INPUT_STD * rng.normal(size=(EXAMPLES * len(IDS), 3, SIDE, SIDE))).astype(np.float32),
-                "data/y": rng.integers(0, CLASSES, EXAMPLES * len(IDS)).astype(np.int64),
-                "data/counts": np.full(len(IDS), EXAMPLES), "keys": np.array(list(A.under(out, "init/server")))})
+    rng = np.random.default_rng(seed)
+    out.update({"data/x": (INPUT_STD * rng.normal(size=(sum(COUNTS), 3, SIDE, SIDE))).astype(np.float32),
+                "data/y": rng.integers(0, CLASSES, sum(COUNTS)).astype(np.int64),
+                "data/counts": np.array(COUNTS), "keys": np.array(list(A.under(out, "init/server")))})
     return out
 
 
@@ -128,14 +171,16 @@ def torch_official(checkout: Path, setup: dict, library: dict, case: str) -> dic
 
     from benchmarks.parity import torch_side as T
     Nets, training, options = _official(checkout)
-    sys.argv = _args(CEIL_PRUNE if case == "global_prune_int" else KEEP)
+    sys.argv = _args(CEIL_PRUNE if case in ("global_prune_int", "both") else KEEP)
     args = options.args_parser()
     args.device = torch.device("cpu")
-    for _ in range(ROUND):  # main.py's loop decays the rate after every round
+    for _ in range(FIRST_ROUND):  # main.py's loop decays the rate after every round
         args.lr = args.lr * args.lr_decay
-    assert (args.momentum, args.weigh_delay, args.aggregation, training.max_norm) == (0, 0, "mean", CLIP), args
+    assert (args.momentum, args.weigh_delay, args.aggregation, training.max_norm, args.local_ep, args.local_bs) == \
+        (0, 0, "mean", CLIP, LOCAL_EP, BATCH), args
     T.deterministic(SEED)
     norms = T.GradientNorms(clip=True)
+    decisions = D.OfficialDecisions(A.under(library, WEIGHTS[case]))
     server_model = Nets.client_model("cifar10_LeNet")
     T.load_state(server_model, A.under(setup, "init/server"))
     server = training.Server(model=server_model, args=args, n_cls=CLASSES)
@@ -153,19 +198,24 @@ def torch_official(checkout: Path, setup: dict, library: dict, case: str) -> dic
         first = client_id // 25
         assigned = [first, (first + 1) % (total_layers // 2 - 1)]
         ops[client_id] = [k for i in assigned for k in keys[i]] + keys[4]
-        client.synchronize_with_server(server, shared, args.global_prune, ops[client_id])
-        out.update({f"client{c}/sent/{k}": (np.ones(v.shape, bool) if k in ops[client_id] or "bias" in k
-                                            else v.detach().numpy() != 0)
-                    for k, v in client.W.items() if k in shared})
-        client.compute_weight_update(shared, server, False)
-        out.update(A.prefixed(f"client{c}/value", T.state_arrays(client.model.state_dict())))
-        out[f"client{c}/uploaded"] = np.array([k in ops[client_id] for k in setup["keys"]])
         clients.append(client)
-    server.aggregate_weight_updates_subset(clients=clients, iter=ROUND, w_glob_keys_ops=ops,
-                                           aggregation=args.aggregation)
-    out.update(A.prefixed("global", T.state_arrays(server.model.state_dict())))
+    for rnd in range(ROUNDS):
+        for c, (client_id, client) in enumerate(zip(IDS, clients)):
+            client.synchronize_with_server(server, shared, args.global_prune, ops[client_id])
+            out.update({f"round{rnd}/client{c}/sent/{k}": (np.ones(v.shape, bool) if k in ops[client_id]
+                                                           or "bias" in k else v.detach().numpy() != 0)
+                        for k, v in client.W.items() if k in shared})
+            decisions.start(f"decisions/r{rnd}/c{c}")
+            client.compute_weight_update(shared, server, False)
+            decisions.finish()
+            out.update(A.prefixed(f"round{rnd}/client{c}/value", T.state_arrays(client.model.state_dict())))
+            out[f"round{rnd}/client{c}/uploaded"] = np.array([k in ops[client_id] for k in setup["keys"]])
+        server.aggregate_weight_updates_subset(clients=clients, iter=FIRST_ROUND + rnd, w_glob_keys_ops=ops,
+                                               aggregation=args.aggregation)
+        out.update(A.prefixed(f"round{rnd}/global", T.state_arrays(server.model.state_dict())))
+        args.lr = args.lr * args.lr_decay
     out["norms"] = np.array(norms.norms)
-    return out
+    return {**out, **decisions.arrays()}
 
 
 # ------------------------------------------------------------------ the JAX side
@@ -208,7 +258,14 @@ def mapping() -> dict:
     return J.layer_mapping(LAYERS, "fc1", "64,5,5")
 
 
-def library(setup: dict) -> dict[str, np.ndarray]:
+def library(setup: dict, cases) -> dict[str, np.ndarray]:
+    """The library's rounds, for the variants `cases` compare with: its server weighing the clients by
+    data size (as the engine does), and equally (the `plain_mean` alignment)."""
+    return {k: v for weights in dict.fromkeys(WEIGHTS[c] for c in cases)
+            for k, v in A.prefixed(weights, library_rounds(setup, equal_weights=weights == "equal")).items()}
+
+
+def library_rounds(setup: dict, equal_weights: bool) -> dict[str, np.ndarray]:
     import jax
     import jax.numpy as jnp
 
@@ -217,7 +274,6 @@ def library(setup: dict) -> dict[str, np.ndarray]:
     from fedjax_sparse.core.contract.algorithm import BuildContext
     from fedjax_sparse.core.round.local_training import LocalSGD
     from fedjax_sparse.core.messages.pricing import KnownMaskArray, SparseArray
-    from fedjax_sparse.core.round.step import round_info
 
     model = _model()
     maps = mapping()
@@ -229,74 +285,68 @@ def library(setup: dict) -> dict[str, np.ndarray]:
     algorithm = make_algorithm("fedp3", context, make_options("fedp3", {}))
     server_state, _ = algorithm.init(jax.random.key(1), J.load_torch(blank, maps, A.under(setup, "init/server")),
                                      len(IDS))
-    info = round_info(0, ROUND, jnp.asarray(IDS))
-    client_update = jax.jit(algorithm.client_update)
     is_message = lambda x: isinstance(x, (SparseArray, KnownMaskArray))  # noqa: E731
-    out, ups = {}, []
-    with J.fixed_data_order():
-        for c, client_id in enumerate(IDS):
-            down = algorithm.broadcast(server_state, client_id, info)
-            sent = jax.tree_util.tree_map(lambda leaf: leaf.mask, down["variables"], is_leaf=is_message)
-            out.update(A.prefixed(f"client{c}/sent", J.in_torch_layout(sent, maps)))
-            own = J.load_torch(blank, maps, A.under(setup, f"init/client{c}"))
-            up, trained, _ = client_update(down, own, split.client(c), jax.random.key(100 + c), info)
-            ups.append(up)
-            out.update(A.prefixed(f"client{c}/value", J.in_torch_layout(trained, maps)))
-            uploaded = J.in_torch_layout(jax.tree_util.tree_map(lambda leaf: leaf.mask, up, is_leaf=is_message), maps)
-            out[f"client{c}/uploaded"] = np.array([bool(np.all(uploaded[k])) for k in map(str, setup["keys"])])
-            out[f"client{c}/uploaded_any"] = np.array([bool(np.any(uploaded[k])) for k in map(str, setup["keys"])])
-    new = jax.jit(algorithm.server_update)(server_state, J.stack(ups), split.counts, info)
-    out.update(A.prefixed("global", J.in_torch_layout(new["variables"], maps)))
-    return out
+    keys = list(map(str, setup["keys"]))
+
+    def before(i, c, down, own):
+        sent = jax.tree_util.tree_map(lambda leaf: leaf.mask, down["variables"], is_leaf=is_message)
+        return A.prefixed(f"round{i}/client{c}/sent", J.in_torch_layout(sent, maps))
+
+    def after(i, c, up, own, metrics):
+        uploaded = J.in_torch_layout(jax.tree_util.tree_map(lambda leaf: leaf.mask, up, is_leaf=is_message), maps)
+        return {**A.prefixed(f"round{i}/client{c}/value", J.in_torch_layout(own, maps)),
+                f"round{i}/client{c}/uploaded": np.array([bool(np.all(uploaded[k])) for k in keys]),
+                f"round{i}/client{c}/uploaded_any": np.array([bool(np.any(uploaded[k])) for k in keys])}
+
+    owns = [J.load_torch(blank, maps, A.under(setup, f"init/client{c}")) for c in range(len(IDS))]
+    clients = list(range(len(IDS)))
+    return J.run_rounds(algorithm, server_state, owns, split, [(FIRST_ROUND + i, clients) for i in range(ROUNDS)],
+                        broadcast=lambda state, c, info: algorithm.broadcast(state, IDS[c], info), before=before,
+                        after=after, weights=(lambda ids: jnp.ones(len(ids), jnp.int32)) if equal_weights else None,
+                        after_round=lambda i, state: A.prefixed(f"round{i}/global",
+                                                                J.in_torch_layout(state["variables"], maps)))
 
 
 def compare(setup: dict, library: dict, official: dict, case: str) -> list[dict]:
+    library = A.under(library, WEIGHTS[case])
     keys = list(map(str, setup["keys"]))
     clients = range(len(IDS))
-    sent_ours = {f"client {IDS[c]}/{k}": library[f"client{c}/sent/{k}"] for c in clients for k in keys}
-    # their classifier is never synchronized: nothing of it is sent
-    sent_theirs = {name: official.get(f"client{c}/sent/{k}", np.zeros_like(sent_ours[name]))
-                   for c in clients for k in keys for name in [f"client {IDS[c]}/{k}"]}
-    extra = {k: int(np.sum(sent_ours[k] & ~sent_theirs[k])) for k in sent_ours}
-    missing = {k: int(np.sum(~sent_ours[k] & sent_theirs[k])) for k in sent_ours}
-    one_more = sorted(k for k, n in extra.items() if n == 1 and k.endswith("fc2.weight"))
-    if not any(missing.values()) and all(n == 0 for k, n in extra.items() if k not in one_more):
-        note = ("the same entries, exactly" if not one_more else
-                f"the library sends one more entry in {', '.join(one_more)}: ceil(0.9 n) = 943,719 of fc2's "
-                f"1,048,576, theirs int(0.9 n) = 943,718; every other entry the same")
-    else:
-        note = "DIFFERENT entries"
-    down = A.identical("entries sent down (assigned layers whole, other shared layers' kernels pruned by "
-                       "magnitude, biases whole, classifier not sent)", sent_ours, sent_theirs, note)
-    ours_up = {f"client {IDS[c]}": library[f"client{c}/uploaded"] for c in clients}
-    theirs_up = {f"client {IDS[c]}": official[f"client{c}/uploaded"] for c in clients}
-    whole = all(np.array_equal(library[f"client{c}/uploaded"], library[f"client{c}/uploaded_any"]) for c in clients)
-    same = all(np.array_equal(ours_up[k], theirs_up[k]) for k in ours_up)
-    pairs = ", ".join(f"{client}: " + "+".join(dict.fromkeys(k.split(".")[0] for k, u in zip(keys, sent) if u))
-                      for client, sent in theirs_up.items())
-    up = A.identical("tensors uploaded (OPU2's two layers and the classifier)", ours_up, theirs_up,
-                     f"the same tensors, each whole ({pairs})" if same and whole else "DIFFERENT tensors")
-    rows = []
-    for c in clients:
-        theirs = A.under(official, f"client{c}/value")
-        row = A.group(f"client {IDS[c]}: its model after local training",
-                      [A.difference(k, library[f"client{c}/value/{k}"], v) for k, v in theirs.items()])
-        received_more = any(k.startswith(f"client {IDS[c]}/") for k in one_more)
-        A.explain([row], f"{ONE_MORE}; this client received one more fc2 entry (the server's value where theirs "
-                         f"has 0)" if received_more else "UNEXPLAINED")
-        rows.append(row)
-    differing = {IDS[c] for c, row in zip(clients, rows) if row["max_rel"] > A.ROUND_OFF}
-    for layer in LAYERS:
-        uploaders = [IDS[c] for c in clients if official[f"client{c}/uploaded"][keys.index(f"{layer}.weight")]]
-        row = A.group(f"server: {layer} (mean of clients {', '.join(map(str, uploaders))})",
-                      [A.difference(k, library[f"global/{k}"], official[f"global/{k}"], setup[f"init/server/{k}"])
-                       for k in (f"{layer}.weight", f"{layer}.bias")])
-        late = sorted(differing & set(uploaders))
-        A.explain([row], (f"{ONE_MORE}; through the upload{'s' if len(late) > 1 else ''} of "
-                          f"client{'s' if len(late) > 1 else ''} {', '.join(map(str, late))} (above)") if late
-                  else "UNEXPLAINED")
-        rows.append(row)
+    rows, gaps = [], []
+    for rnd in range(ROUNDS):
+        sent_ours = {f"client {IDS[c]}/{k}": library[f"round{rnd}/client{c}/sent/{k}"] for c in clients for k in keys}
+        # their classifier is never synchronized: nothing of it is sent
+        sent_theirs = {name: official.get(f"round{rnd}/client{c}/sent/{k}", np.zeros_like(sent_ours[name]))
+                       for c in clients for k in keys for name in [f"client {IDS[c]}/{k}"]}
+        rows.append(A.identical(f"round {rnd + 1}: entries sent down (assigned layers whole, other shared layers' "
+                                f"kernels pruned by magnitude, biases whole, classifier not sent)", sent_ours,
+                                sent_theirs))
+        ours_up = {f"client {IDS[c]}": library[f"round{rnd}/client{c}/uploaded"] for c in clients}
+        theirs_up = {f"client {IDS[c]}": official[f"round{rnd}/client{c}/uploaded"] for c in clients}
+        whole = all(np.array_equal(library[f"round{rnd}/client{c}/uploaded"],
+                                   library[f"round{rnd}/client{c}/uploaded_any"]) for c in clients)
+        pairs = ", ".join(f"{client}: " + "+".join(dict.fromkeys(k.split(".")[0] for k, u in zip(keys, sent) if u))
+                          for client, sent in theirs_up.items())
+        rows.append(A.identical(f"round {rnd + 1}: tensors uploaded (OPU2's two layers and the classifier)", ours_up,
+                                theirs_up, f"each whole: {whole}; theirs: {pairs}"))
+        for c in clients:
+            theirs = A.under(official, f"round{rnd}/client{c}/value")
+            rows.append(A.group(f"round {rnd + 1}: client {IDS[c]}'s model after local training",
+                                [A.difference(k, library[f"round{rnd}/client{c}/value/{k}"], v,
+                                              key=f"round{rnd}/client{c}/value/{k}") for k, v in theirs.items()]))
+        for layer in LAYERS:
+            uploaders = [IDS[c] for c in clients
+                         if official[f"round{rnd}/client{c}/uploaded"][keys.index(f"{layer}.weight")]]
+            rows.append(A.group(f"round {rnd + 1}: server {layer} (mean of clients {', '.join(map(str, uploaders))})",
+                                [A.difference(k, library[f"round{rnd}/global/{k}"], official[f"round{rnd}/global/{k}"],
+                                              key=f"round{rnd}/global/{k}") for k in (f"{layer}.weight", f"{layer}.bias")]))
+        # the kernels each side pruned this round's download from
+        for side in (library, official):
+            start = A.under(setup, "init/server") if rnd == 0 else A.under(side, f"round{rnd - 1}/global")
+            gaps += [topk_gap(start[f"{layer}.weight"]) for layer in SHARED]
     norms = official["norms"]
-    rows[-1]["note"] += (f"; gradient norms their clipping saw: {norms.min():.3g} to {norms.max():.3g} "
-                         f"({int(np.sum(norms > CLIP))} of {len(norms)} steps clipped to {CLIP:g})")
-    return [down, up] + rows
+    rows[-1]["note"] = (f"gradient norms their clipping saw: {norms.min():.3g} to {norms.max():.3g} "
+                        f"({int(np.sum(norms > CLIP))} of {len(norms)} steps clipped to {CLIP:g})")
+    if case in V.terminal(CASES):  # the decisions of the run every other case's differences are measured by
+        rows.append(A.margin_row("top-k: the smallest gap between a kept and a dropped magnitude at a pruned kernel's "
+                                 "cuts, every round, both sides (relative to its largest)", min(gaps), TOPK_MARGIN))
+    return rows + [D.aligned_row(official)]

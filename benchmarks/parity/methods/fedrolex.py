@@ -2,15 +2,18 @@
 (split_model's rolling window, distribute, combine), `resnet_client.py`'s `ResnetClient` (update,
 step), `models/resnet.py`'s pre-activation `resnet18`.
 
-One round at round index 5 (the window rolls by 5 units: {(j - 5) mod N : j < ceil(rate N)}, so it
-wraps around), three clients of rates 1, 1/2, 1/4 each holding a few labels, SGD momentum 0.9 and
-weight decay 1e-3 (their CIFAR-10 settings) at lr 0.01 (their README's 2e-4 would move the weights by
-~1e-4 in three steps and hide any difference), one local epoch of 3 batches of 8, their `resnet18`
-(64-128-256-512) at 8x8x3. The library runs `fedrolex` on `preresnet18` with `--label-mask
---label-mask-fill zero --scaler --static-bn --grad-clip-norm 1` (their `clip_grad_norm_(..., 1)`;
-unclipped in the diagnostics no_clip and no_clip_no_scaler), aggregated twice:
-`--submodel-aggregation heterofl` (the paper's plain mean over holders, the library's reading) and
-`fedrolex_counts` (their code's weighting), where the library has it.
+Three rounds at round indices 5, 6, 7 (the window rolls by the round index: {(j - r) mod N : j <
+ceil(rate N)}, so it wraps around), the global model and their update counts carried; three clients
+of rates 1, 1/2, 1/4 holding 27, 16 and 8 examples (batches of 10: 10+10+7, 10+6, 8) and a few labels
+each; their CIFAR-10 settings (batch 10, one local epoch, SGD momentum 0.9, weight decay 1e-3,
+gradients clipped to norm 1) but lr 0.01: their README's 2e-4 moves the weights by ~1e-5 of their size
+in these steps, below what the comparison resolves. Their `resnet18` (64-128-256-512) at 16x16x3 (its
+last stage's maps 2x2: at 8x8 they are 1x1, and a short batch leaves BatchNorm a handful of values
+per channel, where the full-width client's BatchNorm shifts parted from theirs by up to 45 times their
+round-off floor). The
+library runs `fedrolex` on `preresnet18` with `--label-mask --label-mask-fill zero --scaler --static-bn
+--grad-clip-norm 1`, twice: `--submodel-aggregation heterofl` (the paper's plain mean over holders, the
+library's reading) and `fedrolex_counts` (the option reproducing their code's weighting).
 
 Their run is fed from the harness: ray is an import stub whose `remote` leaves classes as they are
 and whose `get`/`put` return their argument (the harness calls `distribute`, each client's `update`
@@ -18,16 +21,15 @@ and `step` and the server's `step` in the order their `main_resnet.py` does, in 
 `make_data_loader`/`SplitDataset` (resnet_client's names) return our batches; their hard-coded
 'cuda' device reads as the CPU; data, torchvision and the logger are import stubs.
 
-Known differences: the Scaler's BatchNorm epsilon as in HeteroFL (see heterofl.py; the same
-diagnostic cases), and in `combine` `self.tmp_counts = tmp_counts_cpy` sits
+Causes: `scaler`, the Scaler's BatchNorm epsilon as in HeteroFL (heterofl.py), aligned by their
+`scale` control at 0; `counts`, their `combine`'s weighting: `self.tmp_counts = tmp_counts_cpy` sits
 inside the loop over keys, so from the second key on the k-th client holding a bias, normalization
-parameter or output row weighs its count + (k - 1) instead of the same count: the paper's plain mean
-(the library's `heterofl` aggregation) differs there, their weighting (`fedrolex_counts`) does not.
+parameter or output row weighs its count + (k - 1) instead of the same count; aligned by the
+library's `--submodel-aggregation fedrolex_counts`.
 """
 
 from __future__ import annotations
 
-import functools
 import sys
 import time
 from pathlib import Path
@@ -35,49 +37,53 @@ from pathlib import Path
 import numpy as np
 
 from benchmarks.parity import arrays as A
+from benchmarks.parity import decisions as D
 from benchmarks.parity.methods import _submodels as S
 from benchmarks.parity.methods.heterofl import _Logger
+from benchmarks.parity.verdicts import Case
 
 NAME = "fedrolex"
 REPOSITORY = "AIoT-MLSys-Lab/FedRolex"
 COMMIT = "813510997e1802eb756d53baa4229c90ce5ac008"
 CHECKOUT = ""
-MODEL = "their pre-activation resnet18 (64-128-256-512) / the library's preresnet18, 8x8x3, 10 classes"
+MODEL = "their pre-activation resnet18 (64-128-256-512) / the library's preresnet18, 16x16x3, 10 classes"
 SEED = 0
-ROUND = 5
+FIRST_ROUND, ROUNDS = 5, 3
 RATES = (1.0, 0.5, 0.25)
 LABELS = ((0, 1, 2, 3), (2, 3, 4, 5, 6), (0, 7, 8))
-EXAMPLES, BATCH, SIDE, CLASSES = 24, 8, 8, 10
+COUNTS, BATCH, EPOCHS, SIDE, CLASSES = (27, 16, 8), 10, 1, 16, 10
 LR, MOMENTUM, WEIGHT_DECAY = 0.01, 0.9, 1e-3
-LIBRARY_OPTIONS = {"algorithm": "fedrolex", "model": "preresnet18", "capacities": "the client's rate", "round": ROUND,
-                   "submodel_aggregation": "heterofl and fedrolex_counts", "label_mask": True,
+SETUP = (f"{ROUNDS} rounds at round indices {FIRST_ROUND}-{FIRST_ROUND + ROUNDS - 1}, the global model and update "
+         f"counts carried; clients of rates {', '.join(map(str, RATES))} holding {', '.join(map(str, COUNTS))} "
+         f"examples of labels {'; '.join(','.join(map(str, l)) for l in LABELS)}; {EPOCHS} local epoch of batches "
+         f"of {BATCH} (the last short), SGD lr {LR} (their README's 2e-4 would move the weights below what the "
+         f"comparison resolves), momentum {MOMENTUM}, weight decay {WEIGHT_DECAY}, gradients clipped to norm 1.")
+LIBRARY_OPTIONS = {"algorithm": "fedrolex", "model": "preresnet18", "capacities": "the client's rate",
+                   "rounds": ", ".join(str(FIRST_ROUND + i) for i in range(ROUNDS)),
+                   "submodel_aggregation": "heterofl (fedrolex_counts where `counts` is aligned)", "label_mask": True,
                    "label_mask_fill": "zero", "scaler": True, "static_bn": True, "lr": LR, "momentum": MOMENTUM,
-                   "weight_decay": WEIGHT_DECAY, "local_epochs": 1, "batch_size": BATCH,
-                   "grad_clip_norm": f"{S.CLIP:g} (none in no_clip and no_clip_no_scaler)"}
-CASES = {
-    "published": "their code as published (`--algo roll --weighting avg`, gradients clipped to norm 1, Scaler on); "
-                 "the library clips at 1 too",
-    "no_clip": "diagnostic: both sides unclipped (their clip_grad_norm_ measuring only, max_norm = inf)",
-    "no_scaler": "diagnostic: both sides clipped at 1, their `scale` control at 0",
-    "no_clip_no_scaler": "diagnostic: both sides unclipped (their clip_grad_norm_ measuring only, max_norm = inf), "
-                         "their `scale` control at 0",
-}
-EXPLANATIONS = {
-    "published": "the Scaler: their BN(x / rate) has epsilon 1e-5 rate^2, the library's unscaled BN 1e-5",
-    "no_clip": "the Scaler: their BN(x / rate) has epsilon 1e-5 rate^2, the library's unscaled BN 1e-5",
-    "no_scaler": "UNEXPLAINED",
-    "no_clip_no_scaler": "UNEXPLAINED",
-}
-PLAIN_MEAN = ("their combine's tmp_counts aliasing: the k-th client holding a bias, norm parameter or output row "
-              "weighs 1 + (k - 1); the library's `heterofl` is the paper's plain mean")
+                   "weight_decay": WEIGHT_DECAY, "local_epochs": EPOCHS, "batch_size": BATCH,
+                   "grad_clip_norm": S.CLIP}
+CAUSES = {"scaler": "their Scaler divides a layer's input by the rate before its BatchNorm, which changes only "
+                    "BatchNorm's epsilon (1e-5 rate^2 for their 1e-5); the library leaves BatchNorm layers "
+                    "unscaled; aligned by their `scale` control at 0",
+          "counts": "their combine weighs the k-th client holding a bias, norm parameter or output row by its "
+                    "update count + (k - 1) (`self.tmp_counts = tmp_counts_cpy` inside the loop over keys); the "
+                    "library's default `heterofl` aggregation is the paper's plain mean; aligned by the library's "
+                    "`--submodel-aggregation fedrolex_counts`"}
+CASES = {"published": Case("their code as published (`--algo roll --weighting avg`, Scaler on, gradients clipped "
+                           "to norm 1) against the library's plain mean"),
+         "no_scaler": Case("their `scale` control at 0", ("scaler",)),
+         "counts": Case("the library with `--submodel-aggregation fedrolex_counts`", ("counts",)),
+         "no_scaler_counts": Case("both", ("scaler", "counts"))}
+AGGREGATION = {"published": "heterofl", "no_scaler": "heterofl", "counts": "fedrolex_counts",
+               "no_scaler_counts": "fedrolex_counts"}
 
 
-def _aggregations() -> tuple[str, ...]:
-    from fedjax_sparse.algorithms.submodels import SubmodelOptions
-    from fedjax_sparse.core.contract.options import option_fields
-    choices = next(f.metadata["option"].choices for f in option_fields(SubmodelOptions)
-                   if f.name == "submodel_aggregation")
-    return ("heterofl",) + (("fedrolex_counts",) if "fedrolex_counts" in choices else ())
+def rolled_channels(round_index: int):
+    """FedRolex's sub-model of a layer in round `round_index` (`decisions.ChannelMap`): their
+    torch.roll(arange(N), r)[:k], official channel j being global unit (j - r) mod N."""
+    return lambda units, kept: (np.arange(kept) - round_index) % units
 
 
 # ------------------------------------------------------------------ the PyTorch side
@@ -118,35 +124,37 @@ def _official(checkout: Path, scale: bool):
                       "mask": "1"}
     cfg["data_name"] = "CIFAR10"
     utils.process_control()
-    # what main_resnet.py sets from its command line (--algo roll --weighting avg, no --overlap)
+    assert cfg["batch_size"]["train"] == BATCH, cfg
+    # what main_resnet.py sets from its command line (--algo roll --weighting avg --l_epoch 1, no --overlap)
     cfg.update({"overlap": None, "weighting": "avg", "lr": LR, "data_shape": [3, SIDE, SIDE], "classes_size": CLASSES,
                 "device": "cpu", "model_tag": "parity", "active_user": len(RATES),
-                "num_epochs": {"global": 1, "local": 1}, "batch_size": {"train": BATCH, "test": BATCH},
+                "num_epochs": {"global": ROUNDS, "local": EPOCHS},
                 "metric_name": {"train": {"Local": ["Local-Loss", "Local-Accuracy"]}}})
     assert list(cfg["model_rate"]) == list(RATES) and cfg["momentum"] == MOMENTUM \
         and cfg["weight_decay"] == WEIGHT_DECAY and cfg["optimizer_name"] == "SGD", cfg
     return resnet_client, resnet_server, resnet, cfg
 
 
-def torch_setup(checkout: Path) -> dict[str, np.ndarray]:
+def torch_setup(checkout: Path, seed: int) -> dict[str, np.ndarray]:
     from benchmarks.parity import torch_side as T
     _, _, resnet, cfg = _official(checkout, scale=True)
-    T.deterministic(SEED)
+    T.deterministic(seed)
     state = T.state_arrays(resnet.resnet18(model_rate=cfg["global_model_rate"], cfg=cfg).state_dict())
-    rng = np.random.default_rng(SEED)
-    x = rng.normal(size=(EXAMPLES * len(RATES), 3, SIDE, SIDE)).astype(np.float32)
-    y = np.concatenate([rng.choice(labels, EXAMPLES) for labels in LABELS]).astype(np.int64)
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(sum(COUNTS), 3, SIDE, SIDE)).astype(np.float32)
+    y = np.concatenate([rng.choice(labels, n) for labels, n in zip(LABELS, COUNTS)]).astype(np.int64)
     return {**A.prefixed("init", state), "keys": np.array(list(state)), "data/x": x, "data/y": y,
-            "data/counts": np.full(len(RATES), EXAMPLES)}
+            "data/counts": np.array(COUNTS)}
 
 
 def torch_official(checkout: Path, setup: dict, library: dict, case: str) -> dict[str, np.ndarray]:
     import torch
 
     from benchmarks.parity import torch_side as T
-    resnet_client, resnet_server, resnet, cfg = _official(checkout, scale=case in ("published", "no_clip"))
+    resnet_client, resnet_server, resnet, cfg = _official(checkout, scale=case in ("published", "counts"))
     T.deterministic(SEED)
-    norms = T.GradientNorms(clip=case in ("published", "no_scaler"))
+    norms = T.GradientNorms(clip=True)
+    decisions = D.OfficialDecisions(A.under(library, AGGREGATION[case]))
     model = resnet.resnet18(model_rate=cfg["global_model_rate"], cfg=cfg)
     T.load_state(model, A.under(setup, "init"))
     users = list(range(len(RATES)))
@@ -160,24 +168,28 @@ def torch_official(checkout: Path, setup: dict, library: dict, case: str) -> dic
     resnet_client.make_data_loader = lambda split: {k: loaders[user] for k, user in split.items()}
     dataset_ref = {"dataset": None, "split": {c: c for c in users}, "label_split": label_split}
     server = resnet_server.ResnetServerRoll(model, cfg["model_rate"], dataset_ref, cfg)
-    server.rounds = ROUND
-    # main_resnet.py's round: broadcast (distribute, client.update), client.step, server.step
-    local_parameters, param_idx = server.distribute(users)
+    server.rounds = FIRST_ROUND
     out = {}
-    for m, user in enumerate(users):
-        out.update(A.prefixed(f"client{user}", S.record_indices(param_idx[m])))
-    start = time.time()
-    trained = []
-    for m, user in enumerate(users):
-        client = resnet_client.ResnetClient("parity", [cfg])
-        client.update(user, dataset_ref, {"lr": LR, "model_rate": server.model_rate[user],
-                                          "local_params": local_parameters[m]})
-        trained.append(client.step(m, len(users), start))
-        out.update(A.prefixed(f"client{user}/value", T.state_arrays(trained[-1])))
-    server.step(trained, param_idx, users)
-    out.update(A.prefixed("global", T.state_arrays(server.global_parameters)))
+    for rnd in range(ROUNDS):
+        # main_resnet.py's round: broadcast (distribute, client.update), client.step, server.step
+        assert server.rounds == FIRST_ROUND + rnd
+        local_parameters, param_idx = server.distribute(users)
+        for m, user in enumerate(users):
+            out.update(A.prefixed(f"round{rnd}/client{user}", S.record_indices(param_idx[m])))
+        start = time.time()
+        trained = []
+        for m, user in enumerate(users):
+            client = resnet_client.ResnetClient("parity", [cfg])
+            client.update(user, dataset_ref, {"lr": LR, "model_rate": server.model_rate[user],
+                                              "local_params": local_parameters[m]})
+            decisions.start(f"decisions/r{rnd}/c{user}", rolled_channels(server.rounds))
+            trained.append(client.step(m, len(users), start))
+            decisions.finish()
+            out.update(A.prefixed(f"round{rnd}/client{user}/value", T.state_arrays(trained[-1])))
+        server.step(trained, param_idx, users)
+        out.update(A.prefixed(f"round{rnd}/global", T.state_arrays(server.global_parameters)))
     out["norms"] = np.array(norms.norms)
-    return out
+    return {**out, **decisions.arrays()}
 
 
 # ------------------------------------------------------------------ the JAX side
@@ -204,24 +216,17 @@ def mapping(setup: dict):
     return out
 
 
-def library(setup: dict) -> dict[str, np.ndarray]:
+def library(setup: dict, cases) -> dict[str, np.ndarray]:
     options = {k: LIBRARY_OPTIONS[k] for k in ("label_mask", "label_mask_fill", "scaler", "static_bn")}
-    return S.library_runs(functools.partial(S.library_round, "fedrolex", "preresnet18", setup, mapping(setup), RATES,
-                                            ROUND, options, lr=LR, momentum=MOMENTUM, weight_decay=WEIGHT_DECAY,
-                                            batch_size=BATCH, num_classes=CLASSES, aggregations=_aggregations()))
+    rounds = tuple(range(FIRST_ROUND, FIRST_ROUND + ROUNDS))
+    out = {}
+    for aggregation in dict.fromkeys(AGGREGATION[c] for c in cases):
+        out.update(A.prefixed(aggregation, S.library_rounds(
+            "fedrolex", "preresnet18", setup, mapping(setup), RATES, rounds,
+            {**options, "submodel_aggregation": aggregation}, lr=LR, momentum=MOMENTUM, weight_decay=WEIGHT_DECAY,
+            epochs=EPOCHS, batch_size=BATCH, num_classes=CLASSES, grad_clip_norm=S.CLIP)))
+    return out
 
 
 def compare(setup: dict, library: dict, official: dict, case: str) -> list[dict]:
-    library = S.run_arrays(library, clipped=case in ("published", "no_scaler"))
-    rows = S.client_rows(setup, library, official, len(RATES), RATES, "")
-    A.explain(rows, EXPLANATIONS[case])
-    code = [S.global_row(setup, library, official, "fedrolex_counts",
-                         "server: combine vs the library's fedrolex_counts", "")
-            ] if "global_fedrolex_counts/linear.weight" in library else []
-    A.explain(code, EXPLANATIONS[case])
-    plain = S.global_row(setup, library, official, "heterofl",
-                         "server: combine vs the library's heterofl (plain mean)", "")
-    A.explain([plain], PLAIN_MEAN)
-    for row in code + [plain]:
-        row["note"] += "; " + S.norms_note(official)
-    return S.selection_rows(library, official, len(RATES), RATES) + rows + code + [plain]
+    return S.compare_rounds(setup, A.under(library, AGGREGATION[case]), official, ROUNDS, RATES)

@@ -3,36 +3,35 @@ CIFAR-10 code: `main/cifar10/client/Client_Class.py`'s `Client` (th_update, loca
 local_training), `server/Server_Class.py`'s `Server` (broadcast, aggregation), `model/net.py`'s
 `masked_Conv4` with `model/binarization.py`'s `MaskedConv2d`, `MaskedMLP` and `BinaryStep`.
 
-One round as `Simulator.py`'s loop runs it, for three clients of 32 examples (32x32x3), each with its
-own weights and its own thresholds from an earlier round: eq. 13 from a given change of the global
-thresholds (`th_update`), the evaluation that follows it (`local_test`, whose forward pass sets the
-mask the next round's reset check reads), the server's `broadcast` of the new global thresholds,
-`local_training` (two epochs of two batches of 16: four steps of momentum-0.9 SGD at lr 0.01, the
-eq. 5 regularizer, gradients clipped to norm 3, their CIFAR-10 command's settings but for alpha), and
-`aggregation` (the uniform mean). The library runs `spafl --spafl-variant code` on `spafl_cnn` (their
+Three rounds as `Simulator.py`'s loop runs them, two of three clients sampled each round (0 and 1,
+then 1 and 2, then 0 and 2), so each client sits one round out: `broadcast`, each sampled client's
+`local_training`, `aggregation` (the uniform mean), every client's `th_update` (eq. 13 from the
+change of the global thresholds) and every client's `local_test` (whose forward pass sets the mask
+the next round's reset check reads). The clients hold 45, 30 and 21 examples (32x32x3), each with its
+own weights and thresholds from an earlier round, given that round's change of the global thresholds
+through `th_update` before the first round. Their CIFAR-10 command's settings (`run_command.txt`):
+lr 0.01, momentum 0.9, batches of 16 (their loader drops the last partial one), 5 local epochs,
+`--th_coeff 0.00015`, `--clip 3`. The library runs `spafl --spafl-variant code` on `spafl_cnn` (their
 masked_Conv4: the same layers, no biases, BatchNorm after every layer but the last) from the same
-weights, thresholds and batches, with its client state set to what the code's client holds: its own
-thresholds and the global thresholds it received last round.
+weights, thresholds and batches, its client state set to what the code's client holds: its own
+thresholds and the global thresholds it last received.
 
-Settings chosen so that every piece of the code's step shows:
-  * the thresholds: the global ones sit at -1.5, -0.5, +0.5 (and +1.5 in the output layer, which has
-    no BatchNorm) per unit, plus a jitter, so units are kept and pruned both with the gate of their
-    `BinaryStep` open (|mean |w| - tau| > 1) and shut; a layer keeps about half its units;
-  * conv1's own thresholds (from the client's last round) prune all of it: the code's reset check
-    then zeroes the thresholds conv1 receives, before its first forward pass;
-  * alpha = 0.01: their CIFAR-10 command's 0.00015 moves a threshold by ~2e-5 in four steps, below
-    what the comparison resolves; at 0.01 the regularizer's push is ~100 times round-off;
-  * the change of the global thresholds is within +-0.05 per unit, so eq. 13 moves a conv kernel by
-    up to 0.002 (dtau / k^2), a tenth of conv2's weights.
+Settings chosen so that the code's step shows, and its decisions stay clear of a tie:
+  * the global thresholds sit at -1.5, -0.5, +0.5 (and +1.5 in the output layer, which has no
+    BatchNorm) per unit, plus a jitter, so units are kept and pruned both with the gate of their
+    `BinaryStep` open (|mean |w| - tau| > 1) and shut, each at least ~0.4 from the mask's and the
+    gate's thresholds (the margin rows check every pass on both sides);
+  * the first round's clients' own conv1 thresholds (from their last round) prune all of it: the
+    code's reset check then zeroes the conv1 thresholds a client receives, before its first forward
+    pass, or, when its evaluation runs two batches or more, the client's own in that evaluation (cause
+    below). The third client's do not: it sits the first round out, and a second evaluation in a row
+    would reset them there too;
+  * the change of the global thresholds is within +-0.05 per unit.
 
-The code's departures the library documents (docs/methods/spafl.md) are matched by the setup:
-  * eq. 13 timing: the code applies tau(t+1) - tau(t) to every client after each aggregation, the
-    library a sampled client's change since its last download; the harness gives the official client
-    that change through `th_update` just before the round, as the code's previous aggregation would;
-  * upload before the reset: no layer collapses in the last step (the row of resets checks it: a
-    collapse there would be counted by the library at that step, by the code at the next pass);
-  * drop_last: every client holds whole batches, so the library's ceil(n/B) steps are the code's
-    floor(n/B).
+Eq. 13's timing: the code applies tau(t+1) - tau(t) to every client after each aggregation, the
+library a sampled client's change since its last download: the same total (the changes telescope),
+but the code re-reads sign(sum w) at each application, and eq. 13 moves all of a unit's weights the
+same way, so a unit's sign can flip in between (cause `eq13_timing` below).
 
 Their code imports unchanged, with two pieces of plumbing: `model/net.py` imports `from binarization
 import *` (a module on the path by that name) while `client/Client_Class.py` and
@@ -42,26 +41,18 @@ copies would make every isinstance test false and their round a no-op). einops, 
 ViT classes only, is an import stub. `Client.FLOP_count_weight` reads `len(tr_loader.dataset)`: the
 harness's batches carry the examples as `dataset`.
 
-The evaluation before the round. The code's reset check reads the mask of a layer's previous forward
-pass, and the pass before a round is the last batch of `local_test`. With one test batch (case
-`published`) that pass ran under the client's own thresholds, so the round's first pass zeroes the
-conv1 thresholds the client received: the library's reading (`spafl_code.reset_after_collapse` on the
-mask of the client's own thresholds). With two or more (case `two_test_batches`, and every client of
-their CIFAR-10 run holding more than 16 test examples) the second test batch already resets the
-client's own conv1 thresholds, its mask is then whole, and the round keeps the conv1 thresholds it
-receives; the library still resets them. That difference is the library's (not documented there).
-
-Known differences:
-  * torch's BatchNorm updates its running variance with the unbiased batch variance (x n/(n-1),
-    n = batch x positions), the library's (Flax's) with the biased one; the per-client rows compare
-    the library's update part times n/(n-1), and the row "running variances as they are" shows the
-    difference itself;
-  * max pooling's near-ties: a 2x2 window whose two largest values lie within float32 round-off of
-    each other can pool either, and the gradient then goes to another input. The harness records the
-    closest window of each client's forward passes (their pooling, wrapped) and the gradients of each
-    client's first step on both sides (at their `clip_grad_norm_` and the library's `clip_grad_norm`,
-    wrapped): a client whose trained tensors differ gets a row of its first step's gradients, which
-    names the tie's unit and how much of the kernel gradient's error it carries.
+Causes:
+  * `drop_last`: their loader drops each epoch's last partial batch (floor(n / B) steps), the
+    library's epochs take ceil(n / B); aligned by their loader keeping it;
+  * `reset_in_evaluation`: every forward pass of theirs checks the previous one's mask, evaluation's
+    too: with two test batches or more (any client holding more than 16 test examples; here each
+    client's evaluation runs over its examples) a layer collapsed under the client's own thresholds
+    is reset during the evaluation, and the next round keeps the thresholds it receives; the library
+    resets the received ones; aligned by evaluating on one batch;
+  * `bessel`: torch's BatchNorm updates its running variance with the unbiased batch variance
+    (x n/(n-1)), the library's (Flax's) with the biased one; aligned by the harness's wrap of
+    torch's `batch_norm` that updates the running variance with the biased one (the forward pass, on
+    batch statistics, is torch's).
 """
 
 from __future__ import annotations
@@ -73,6 +64,9 @@ from pathlib import Path
 import numpy as np
 
 from benchmarks.parity import arrays as A
+from benchmarks.parity import decisions as D
+from benchmarks.parity import verdicts as V
+from benchmarks.parity.verdicts import Case
 
 NAME = "spafl"
 REPOSITORY = "news-vt/SpaFL_NeruIPS_2024"
@@ -80,34 +74,49 @@ COMMIT = "d3639ab3c6ecae3a3d09cf897b264fc44551a56c"
 CHECKOUT = "main/cifar10"
 MODEL = "their masked_Conv4 (conv 64-64-128-128 5x5, dense 128-128-10, BN) / the library's spafl_cnn, 32x32x3"
 SEED = 0
-CLIENTS, EXAMPLES, BATCH, EPOCHS, CLASSES, SIDE = 3, 32, 16, 2, 10, 32
-LR, MOMENTUM, ALPHA, CLIP = 0.01, 0.9, 0.01, 3
+COUNTS, BATCH, EPOCHS, CLASSES, SIDE = (45, 30, 21), 16, 5, 10, 32
+CLIENTS = len(COUNTS)
+SAMPLED = ((0, 1), (1, 2), (0, 2))  # the clients of each round
+LR, MOMENTUM, ALPHA, CLIP = 0.01, 0.9, 0.00015, 3
 RESET_LAYER = "conv1"
 LAYERS = {"conv1": "conv1", "conv2": "conv2", "conv3": "conv3", "conv4": "conv4",
           "dense1": "fc1", "dense2": "fc2", "dense3": "fc3"}  # theirs -> the library's structure layer
-# positions per example at each BatchNorm (28x28, 24x24, 8x8, 4x4 maps; the dense layers' one)
-BN_POSITIONS = {"bn1": 28 * 28, "bn2": 24 * 24, "bn3": 8 * 8, "bn4": 4 * 4, "bn5": 1, "bn6": 1}
+THRESHOLD_MARGIN = 1e-4  # |mean |w| - tau| from 0 (the mask) and from 1 (BinaryStep's gate), absolute
+SIGN_MARGIN = 1e-6  # |sum w| / sum |w| of a unit at eq. 13
+SETUP = (f"{len(SAMPLED)} rounds, {len(SAMPLED[0])} of {CLIENTS} clients sampled each "
+         f"({'; '.join(','.join(map(str, s)) for s in SAMPLED)}), every client's weights, thresholds and BatchNorm "
+         f"statistics carried; clients holding {', '.join(map(str, COUNTS))} examples; their CIFAR-10 command's "
+         f"settings: lr {LR}, momentum {MOMENTUM}, batches of {BATCH}, {EPOCHS} local epochs, `--th_coeff {ALPHA}`, "
+         f"`--clip {CLIP}`.")
 LIBRARY_OPTIONS = {"algorithm": "spafl", "spafl_variant": "code", "model": "spafl_cnn", "sparsity_coef": ALPHA,
                    "threshold_update": True, "lr": LR, "momentum": MOMENTUM, "weight_decay": 0.0,
-                   "local_epochs": EPOCHS, "batch_size": BATCH, "clients_per_round": "all"}
-CASES = {
-    "published": "their code as published (`--learning_rate 0.01 --batch_size 16 --clip 3`, "
-                 f"`--th_coeff {ALPHA}`, `--local_epoch {EPOCHS}`), the evaluation before the round on one batch",
-    "two_test_batches": "the same with the evaluation before the round (`local_test`) on two batches, as for any "
-                        "client holding more than 16 test examples",
-}
-RESET_IN_EVALUATION = ("the code's reset fires inside the evaluation (its second batch reads the first's collapsed "
-                       "conv1 and zeroes the client's own thresholds), so the round keeps the conv1 thresholds it "
-                       "receives; the library resets the received ones")  # case two_test_batches
-NEAR_TIE = 1e-5  # a max-pool window's top two values closer than this (relative) can swap under round-off
-TIE = "a max-pool near-tie in the first step"
-BESSEL = "torch's running variance takes the unbiased batch variance (x n/(n-1)), the library's the biased one"
+                   "local_epochs": EPOCHS, "batch_size": BATCH, "clients_per_round": len(SAMPLED[0])}
+CAUSES = {"drop_last": "their loader drops each epoch's last partial batch, the library's epochs take ceil(n / B) "
+                       "steps; aligned by their loader keeping it",
+          "reset_in_evaluation": "their evaluation before a round (two test batches or more) already resets a layer "
+                                 "collapsed under the client's own thresholds, so the round keeps the thresholds it "
+                                 "receives; the library resets the received ones; aligned by evaluating on one batch",
+          "bessel": "torch's BatchNorm updates its running variance with the unbiased batch variance, the library's "
+                    "with the biased one; aligned by the harness's wrap of torch's batch_norm updating it with the "
+                    "biased one",
+          "eq13_timing": "their code applies each round's change of the global thresholds to every client after the "
+                         "aggregation (eq. 13), re-reading sign(sum w) each time; the library applies the change since "
+                         "a client's last download once, when it is next sampled; eq. 13 shifts a unit's weights "
+                         "together, so a sign can flip between two applications; aligned by calling their th_update "
+                         "once per client, with the changes since its last, at the stage before its next round"}
+CASES = {"published": Case(f"their code as published (`--learning_rate {LR} --batch_size {BATCH} --clip {CLIP} "
+                           f"--th_coeff {ALPHA} --local_epoch {EPOCHS}`), each client evaluated on its examples"),
+         "full_batches": Case("their loader keeping the last partial batch", ("drop_last",)),
+         "one_test_batch": Case("the evaluation on one batch", ("reset_in_evaluation",)),
+         "biased_variance": Case("torch's running variance from the biased batch variance", ("bessel",)),
+         "eq13_once": Case("their th_update once per client, before its next round", ("eq13_timing",)),
+         "aligned": Case("all four", ("drop_last", "reset_in_evaluation", "bessel", "eq13_timing"))}
 
 
 def _args() -> list[str]:
     return ["train.py", "--model", "conv4", "--learning_rate", str(LR), "--th_coeff", str(ALPHA),
             "--batch_size", str(BATCH), "--local_epoch", str(EPOCHS), "--clip", str(CLIP), "--momentum", str(MOMENTUM),
-            "--num_clients", str(CLIENTS), "--schedulingsize", str(CLIENTS)]
+            "--num_clients", str(CLIENTS), "--schedulingsize", str(len(SAMPLED[0]))]
 
 
 # ------------------------------------------------------------------ the PyTorch side
@@ -141,44 +150,46 @@ def _unit_mask(layer) -> np.ndarray:
     return layer.mask.detach().numpy().reshape(layer.mask.shape[0], -1)[:, 0].astype(bool)
 
 
-class _PoolGaps:
-    """Wraps `torch.nn.functional.max_pool2d` (their forward's pooling, 2x2 stride 2 after ReLU) to record,
-    over the training passes (gradients on), the smallest gap between the two largest values of a window
-    relative to the largest: where it is within float32 round-off, the two sides can pick different maxima
-    and send the gradient to different inputs. `gaps` holds, per call, (call, gap, example, channel,
-    window row, window column) of its closest window."""
-
-    def __init__(self):
-        import torch.nn.functional as F
-        self.original = F.max_pool2d
-        self.gaps: list[tuple] = []
-
-        def max_pool2d(x, *args, **kwargs):
-            if x.requires_grad:
-                self.gaps.append((len(self.gaps),) + self.smallest(x.detach().numpy()))
-            return self.original(x, *args, **kwargs)
-
-        F.max_pool2d = max_pool2d
-
-    @staticmethod
-    def smallest(x: np.ndarray) -> tuple:
-        h, w = x.shape[2] // 2 * 2, x.shape[3] // 2 * 2
-        x = x[:, :, :h, :w].astype(np.float64)
-        windows = np.sort(np.stack([x[:, :, i::2, j::2] for i in (0, 1) for j in (0, 1)], -1), -1)
-        top = windows[..., -1]
-        gap = np.where(top > 0, (top - windows[..., -2]) / np.where(top > 0, top, 1.0), np.inf)
-        where = np.unravel_index(np.argmin(gap), gap.shape)
-        return (float(gap[where]),) + tuple(int(i) for i in where)
+def unit_margins(kernels: np.ndarray, thresholds: np.ndarray) -> tuple[float, float]:
+    """(min |u|, min ||u| - 1|) of u = mean |w| - tau per unit (the mask's and the gate's decisions)."""
+    u = np.mean(np.abs(kernels.reshape(kernels.shape[0], -1).astype(np.float64)), axis=1) - thresholds
+    return float(np.min(np.abs(u))), float(np.min(np.abs(np.abs(u) - 1.0)))
 
 
-def torch_setup(checkout: Path) -> dict[str, np.ndarray]:
+def sign_margin(kernels: np.ndarray) -> float:
+    """min over units of |sum w| / sum |w| (eq. 13's sign(sum w))."""
+    flat = kernels.reshape(kernels.shape[0], -1).astype(np.float64)
+    return float(np.min(np.abs(flat.sum(axis=1)) / np.abs(flat).sum(axis=1)))
+
+
+def _biased_running_variance():
+    """Torch's batch_norm with its running variance updated from the biased batch variance (the library's):
+    the output, on batch statistics, is torch's own."""
+    import torch
+    import torch.nn.functional as F
+    original = F.batch_norm
+
+    def batch_norm(x, running_mean, running_var, weight=None, bias=None, training=False, momentum=0.1, eps=1e-5):
+        if not training or running_var is None:
+            return original(x, running_mean, running_var, weight, bias, training, momentum, eps)
+        out = original(x, None, None, weight, bias, True, momentum, eps)
+        with torch.no_grad():
+            dims = [0] + list(range(2, x.dim()))
+            running_mean.mul_(1 - momentum).add_(momentum * x.mean(dims))
+            running_var.mul_(1 - momentum).add_(momentum * x.var(dims, unbiased=False))
+        return out
+
+    F.batch_norm = batch_norm
+
+
+def torch_setup(checkout: Path, seed: int) -> dict[str, np.ndarray]:
     from benchmarks.parity import torch_side as T
     binarization, net, _, _, _ = _official(checkout)
-    T.deterministic(SEED)
+    T.deterministic(seed)
     out = {}
     for c in range(CLIENTS):
         out.update(A.prefixed(f"init/client{c}", T.state_arrays(net.masked_Conv4().state_dict())))
-    rng = np.random.default_rng(SEED)
+    rng = np.random.default_rng(seed)
     units = {name: layer.threshold.shape[0] for name, layer in _masked_layers(net.masked_Conv4(), binarization).items()}
     for name, n in units.items():
         levels = (-1.5, -0.5, 0.5, 1.5) if name == "dense3" else (-1.5, -0.5, 0.5)
@@ -186,11 +197,12 @@ def torch_setup(checkout: Path) -> dict[str, np.ndarray]:
         prev = new - rng.uniform(-0.05, 0.05, n)
         out[f"global/new/{name}"], out[f"global/prev/{name}"] = new.astype(np.float32), prev.astype(np.float32)
         for c in range(CLIENTS):  # the client's own thresholds, from its last round
-            own = np.full(n, 1.5) if name == RESET_LAYER else prev + rng.uniform(-0.1, 0.1, n)
+            collapsed = name == RESET_LAYER and c in SAMPLED[0]
+            own = np.full(n, 1.5) if collapsed else prev + rng.uniform(-0.1, 0.1, n)
             out[f"init/client{c}/{name}.threshold"] = own.astype(np.float32)
-    out.update({"data/x": rng.normal(size=(EXAMPLES * CLIENTS, 3, SIDE, SIDE)).astype(np.float32),
-                "data/y": rng.integers(0, CLASSES, EXAMPLES * CLIENTS).astype(np.int64),
-                "data/counts": np.full(CLIENTS, EXAMPLES), "keys": np.array(list(A.under(out, "init/client0")))})
+    out.update({"data/x": rng.normal(size=(sum(COUNTS), 3, SIDE, SIDE)).astype(np.float32),
+                "data/y": rng.integers(0, CLASSES, sum(COUNTS)).astype(np.int64),
+                "data/counts": np.array(COUNTS), "keys": np.array(list(A.under(out, "init/client0")))})
     return out
 
 
@@ -203,26 +215,26 @@ def torch_official(checkout: Path, setup: dict, library: dict, case: str) -> dic
         (LR, MOMENTUM, ALPHA, CLIP, 1, 0.0), args
     T.deterministic(SEED)
     norms = T.GradientNorms(clip=True)
-    pools = _PoolGaps()
-    first_gradients: dict = {}  # per client, the gradients its first clip call saw
-    clip = torch.nn.utils.clip_grad_norm_
-
-    def recording_clip(parameters, max_norm, *args, **kwargs):
-        parameters = list(parameters)
-        if training not in first_gradients:
-            first_gradients[training] = {name: p.grad.detach().numpy().copy()
-                                         for name, p in clients[training].model.named_parameters()}
-        return clip(parameters, max_norm, *args, **kwargs)
-
-    torch.nn.utils.clip_grad_norm_ = recording_clip
+    decisions = D.OfficialDecisions(library)
+    if "bessel" in CASES[case].aligns:
+        _biased_running_variance()
+    margins = {"mask": [], "gate": [], "sign": []}
+    for cls in (binarization.MaskedConv2d, binarization.MaskedMLP):
+        def recording(self, weight, thresholds, generate=cls.mask_generation):
+            mask, gate = unit_margins(self.weight.detach().numpy(), self.threshold.detach().numpy())
+            margins["mask"].append(mask)
+            margins["gate"].append(gate)
+            return generate(self, weight, thresholds)
+        cls.mask_generation = recording
     clients = []
+    drop_last = "drop_last" not in CASES[case].aligns
     for c in range(CLIENTS):
         network = net.masked_Conv4()
         T.load_state(network, A.under(setup, f"init/client{c}"))
         x, y = T.client_arrays(setup, c)
-        batches = T.Batches(x, y, BATCH, T.tensor_pair)
+        batches = T.Batches(x, y, BATCH, T.tensor_pair, drop_last=drop_last)
         batches.dataset = x
-        tested = EXAMPLES if case == "two_test_batches" else BATCH
+        tested = BATCH if "reset_in_evaluation" in CASES[case].aligns else len(y)
         test = T.Batches(x[:tested], y[:tested], BATCH, T.tensor_pair)
         clients.append(Client_Class.Client(args, network, torch.nn.CrossEntropyLoss(), c, batches, test,
                                            torch.device("cpu")))
@@ -231,38 +243,65 @@ def torch_official(checkout: Path, setup: dict, library: dict, case: str) -> dic
         for name, layer in _masked_layers(server_network, binarization).items():
             layer.threshold.copy_(torch.from_numpy(setup[f"global/new/{name}"]))
     server = Server_Class.Server(args, server_network)
-    # what the previous aggregation left in server.global_difference
-    difference = {name: torch.from_numpy(setup[f"global/new/{name}"] - setup[f"global/prev/{name}"])
-                  for name in LAYERS}
     out = {}
-    for c, client in enumerate(clients):  # Simulator.py: th_update, then every client's local_test
-        client.th_update(difference)
-        layers = _masked_layers(client.model, binarization)
-        out.update({f"client{c}/eq13/{name}.weight": layer.weight.detach().numpy().copy()
-                    for name, layer in layers.items()})
-        client.local_test()
-        out.update({f"client{c}/start_mask/{name}": _unit_mask(layer) for name, layer in layers.items()})
-    sampled = np.arange(CLIENTS)
-    server.broadcast(clients, sampled)  # the next round: broadcast, local_training, aggregation
-    for training in sampled:
-        c = int(training)
-        pools.gaps.clear()
-        clients[c].local_training(0)
-        out.update(A.prefixed(f"client{c}/gradient", first_gradients[training]))
-        out[f"client{c}/pool_gap"] = np.array(min(pools.gaps, key=lambda g: g[1]), np.float64)
-    server.aggregation(clients, sampled)
-    for c, client in enumerate(clients):
-        layers = _masked_layers(client.model, binarization)
-        out.update(A.prefixed(f"client{c}/value", T.state_arrays(client.model.state_dict())))
-        # a layer whose last pass kept <= 1 % is reset by the next pass; the library resets it at that step
-        out[f"client{c}/pending_resets"] = np.array([float(layer.ratio.detach()) <= 0.01 for layer in layers.values()])
-        out[f"client{c}/resets"] = np.array([layer.zero_count for layer in layers.values()])
-        for name, layer in layers.items():
-            layer.mask_generation(layer.weight, layer.threshold)  # their mask of the trained weights
-            out[f"client{c}/end_mask/{name}"] = _unit_mask(layer)
-    out.update({f"global/{name}": t.detach().numpy().copy() for name, t in server.global_thresholds.items()})
+
+    once = "eq13_timing" in CASES[case].aligns
+    pending = {c: None for c in range(CLIENTS)}  # with `once`: the changes a client has not applied yet
+
+    def th_update_all(difference, sampled_next):
+        """Simulator.py: every client's th_update, then every client's local_test; with `once`, a client's
+        th_update waits for the stage before its next round and applies the changes since its last."""
+        for c, client in enumerate(clients):
+            if once:
+                pending[c] = difference if pending[c] is None else {k: pending[c][k] + v for k, v in difference.items()}
+                if c not in sampled_next:
+                    continue
+                difference_c, pending[c] = pending[c], None
+            else:
+                difference_c = difference
+            layers = _masked_layers(client.model, binarization)
+            margins["sign"] += [sign_margin(layer.weight.detach().numpy()) for layer in layers.values()]
+            client.th_update(difference_c)
+        for c, client in enumerate(clients):
+            client.local_test()
+            out.update({f"next/client{c}/start_mask/{name}": _unit_mask(layer)
+                        for name, layer in _masked_layers(client.model, binarization).items()})
+
+    # what the previous aggregation left in server.global_difference
+    th_update_all({name: torch.from_numpy(setup[f"global/new/{name}"] - setup[f"global/prev/{name}"])
+                   for name in LAYERS}, SAMPLED[0])
+    resets_before = {c: 0 for c in range(CLIENTS)}
+    for rnd, sampled in enumerate(SAMPLED):
+        server.broadcast(clients, np.array(sampled))
+        for c in sampled:
+            layers = _masked_layers(clients[c].model, binarization)
+            out.update({f"round{rnd}/client{c}/start/{name}.weight": layer.weight.detach().numpy().copy()
+                        for name, layer in layers.items()})
+            out.update({f"round{rnd}/client{c}/start_mask/{name}": out[f"next/client{c}/start_mask/{name}"]
+                        for name in LAYERS})
+            per = -(-COUNTS[c] // BATCH)  # the library's steps an epoch; their loader may drop the last
+            short = drop_last and COUNTS[c] % BATCH
+            decisions.start(f"decisions/r{rnd}/c{c}", passes=EPOCHS * per,
+                            skipped=tuple(e * per + per - 1 for e in range(EPOCHS)) if short else ())
+            clients[c].local_training(rnd)
+            decisions.finish()
+            out.update(A.prefixed(f"round{rnd}/client{c}/value", T.state_arrays(clients[c].model.state_dict())))
+            # a layer whose last pass kept <= 1 % is reset by the next pass; the library resets it at that step
+            pending_resets = sum(float(layer.ratio.detach()) <= 0.01 for layer in layers.values())
+            total = sum(layer.zero_count for layer in layers.values())
+            out[f"round{rnd}/client{c}/resets"] = np.array(total - resets_before[c] + pending_resets)
+            resets_before[c] = total + pending_resets
+            for name, layer in layers.items():
+                layer.mask_generation(layer.weight, layer.threshold)  # their mask of the trained weights
+                out[f"round{rnd}/client{c}/end_mask/{name}"] = _unit_mask(layer)
+        server.aggregation(clients, np.array(sampled))
+        out.update({f"round{rnd}/global/{name}": t.detach().numpy().copy()
+                    for name, t in server.global_thresholds.items()})
+        th_update_all({k: v.detach().clone() for k, v in server.global_difference.items()},
+                      SAMPLED[rnd + 1] if rnd + 1 < len(SAMPLED) else ())
     out["norms"] = np.array(norms.norms)
-    return out
+    out.update({f"margin/{kind}": np.array(min(values)) for kind, values in margins.items()})
+    return {**{k: v for k, v in out.items() if not k.startswith("next/")}, **decisions.arrays()}
 
 
 # ------------------------------------------------------------------ the JAX side
@@ -294,18 +333,18 @@ def _their_names(tree: dict) -> dict[str, np.ndarray]:
     return {names[k]: np.asarray(v) for k, v in tree.items()}
 
 
-def library(setup: dict) -> dict[str, np.ndarray]:
+def library(setup: dict, cases) -> dict[str, np.ndarray]:
+    del cases  # every case compares with the same run
     import jax
     import jax.numpy as jnp
-    import optax
 
     from benchmarks.parity import jax_side as J
     from fedjax_sparse.algorithms import make_algorithm, make_options, spafl_code
     from fedjax_sparse.algorithms.spafl import global_threshold_update, threshold_masks
     from fedjax_sparse.core.contract.algorithm import BuildContext
     from fedjax_sparse.core.round.local_training import LocalSGD
-    from fedjax_sparse.core.round.step import round_info
     from fedjax_sparse.models import get_model
+    from fedjax_sparse.models.structure import get_path
 
     model = get_model("spafl_cnn", (SIDE, SIDE, 3), CLASSES)
     structure = model.structure
@@ -313,176 +352,106 @@ def library(setup: dict) -> dict[str, np.ndarray]:
     blank = model.init(jax.random.key(0))
     split = J.federated_data(setup)
     local = LocalSGD(model, LR, EPOCHS, BATCH, MOMENTUM, 0.0)
-    context = BuildContext(local=local, num_clients=CLIENTS, clients_per_round=CLIENTS, train=split,
+    context = BuildContext(local=local, num_clients=CLIENTS, clients_per_round=len(SAMPLED[0]), train=split,
                            num_classes=CLASSES, seed=0)
     algorithm = make_algorithm("spafl", context, make_options("spafl", {"spafl_variant": "code",
                                                                         "sparsity_coef": ALPHA}))
     server_state = {"thresholds": _thresholds(setup, "global/new/")}
-    previous = _thresholds(setup, "global/prev/")
-    delta = jax.tree_util.tree_map(jnp.subtract, server_state["thresholds"], previous)
-    info = round_info(0, 0, jnp.arange(CLIENTS))
-    # the gradients the code variant's clip sees, step by step: its clip is looked up in the module when
-    # local training builds its optimizer (inside the trace below)
-    spafl_module = sys.modules["fedjax_sparse.algorithms.spafl"]
-    clip = spafl_module.clip_grad_norm
-    gradients: list = []
+    states = [{"variables": J.load_torch(blank, maps, A.under(setup, f"init/client{c}")),
+               "thresholds": _thresholds(setup, f"init/client{c}/", ".threshold"),
+               "global_thresholds": _thresholds(setup, "global/prev/"), "train_flops": jnp.zeros((), jnp.float32)}
+              for c in range(CLIENTS)]
+    margins = {"mask": [], "gate": [], "sign": []}
+    step = spafl_code.code_step
 
-    def recording_clip(max_norm):
-        inner = clip(max_norm)
+    def recording_step(u):  # the code variant's mask and gate decisions, every pass
+        def record(u):
+            u = np.abs(np.asarray(u, np.float64))
+            margins["mask"].append(float(u.min()))
+            margins["gate"].append(float(np.abs(u - 1.0).min()))
+        jax.debug.callback(record, u, ordered=True)
+        return step(u)
 
-        def update(grads, state, params=None):
-            jax.debug.callback(lambda g: gradients.append(g), grads, ordered=True)
-            return inner.update(grads, state, params)
+    def before(i, c, down, state):
+        params = state["variables"]["params"]
+        margins["sign"].extend(sign_margin(np.moveaxis(np.asarray(get_path(params, l.kernel)), -1, 0))
+                               for l in structure.layers)
+        delta = jax.tree_util.tree_map(jnp.subtract, down, state["global_thresholds"])
+        moved = global_threshold_update(structure, params, delta, spafl_code.eq13_divisor)
+        for l in structure.layers:  # the reset check's decisions, at the round's start
+            kernel = np.moveaxis(np.asarray(get_path(moved, l.kernel)), -1, 0)
+            margins["mask"].append(unit_margins(kernel, np.asarray(state["thresholds"][l.name]))[0])
+        return {**A.prefixed(f"round{i}/client{c}/start", J.in_torch_layout({"params": moved}, maps)),
+                **A.prefixed(f"round{i}/client{c}/start_mask",
+                             _their_names(threshold_masks(structure, moved, state["thresholds"])))}
 
-        return optax.GradientTransformation(inner.init, update)
+    def after(i, c, up, state, metrics):
+        return {**A.prefixed(f"round{i}/client{c}/value", J.in_torch_layout(state["variables"], maps)),
+                **{f"round{i}/client{c}/value/{k}.threshold": v for k, v in _their_names(up).items()},
+                **A.prefixed(f"round{i}/client{c}/end_mask", _their_names(
+                    threshold_masks(structure, state["variables"]["params"], state["thresholds"]))),
+                f"round{i}/client{c}/resets": np.asarray(metrics["threshold_resets"])}
 
-    out, ups = {}, []
-    spafl_module.clip_grad_norm = recording_clip
+    spafl_code.code_step = recording_step
     try:
-        client_update = jax.jit(algorithm.client_update)
-        with J.fixed_data_order():
-            for c in range(CLIENTS):
-                variables = J.load_torch(blank, maps, A.under(setup, f"init/client{c}"))
-                own = _thresholds(setup, f"init/client{c}/", ".threshold")
-                moved = global_threshold_update(structure, variables["params"], delta, spafl_code.eq13_divisor)
-                out.update(A.prefixed(f"client{c}/eq13", J.in_torch_layout({"params": moved}, maps)))
-                out.update(A.prefixed(f"client{c}/start_mask", _their_names(threshold_masks(structure, moved, own))))
-                state = {"variables": variables, "thresholds": own, "global_thresholds": previous,
-                         "train_flops": jnp.zeros((), jnp.float32)}
-                up, new, metrics = client_update(algorithm.broadcast(server_state, c, info), state, split.client(c),
-                                                 jax.random.key(100 + c), info)
-                jax.effects_barrier()
-                ups.append(up)
-                first = gradients[0]
-                gradients.clear()
-                out.update(A.prefixed(f"client{c}/gradient", J.in_torch_layout({"params": first["params"]}, maps)))
-                out.update({f"client{c}/gradient/{k}.threshold": v
-                            for k, v in _their_names(first["thresholds"]).items()})
-                out.update(A.prefixed(f"client{c}/value", J.in_torch_layout(new["variables"], maps)))
-                out.update({f"client{c}/value/{k}.threshold": v for k, v in _their_names(up).items()})
-                out.update(A.prefixed(f"client{c}/end_mask", _their_names(
-                    threshold_masks(structure, new["variables"]["params"], new["thresholds"]))))
-                out[f"client{c}/resets"] = np.asarray(metrics["threshold_resets"])
+        out = J.run_rounds(algorithm, server_state, states, split, list(enumerate(SAMPLED)), before=before,
+                           after=after, after_round=lambda i, state: A.prefixed(f"round{i}/global",
+                                                                                _their_names(state["thresholds"])))
     finally:
-        spafl_module.clip_grad_norm = clip
-    new_server = jax.jit(algorithm.server_update)(server_state, J.stack(ups), split.counts, info)
-    out.update(A.prefixed("global", _their_names(new_server["thresholds"])))
+        spafl_code.code_step = step
+    out.update({f"margin/{kind}": np.array(min(values)) for kind, values in margins.items()})
     return out
 
 
-def _rescaled_variance(setup: dict, library: dict, c: int, key: str, steps: int) -> np.ndarray:
-    """The library's running variance with its update part (what the steps added to keep^steps times
-    the start) times n/(n-1): torch's, if the batch variances agree."""
-    keep = 0.9 ** steps
-    start = setup[f"init/client{c}/{key}"].astype(np.float64)
-    n = BATCH * BN_POSITIONS[key.split(".")[0]]
-    return keep * start + (library[f"client{c}/value/{key}"].astype(np.float64) - keep * start) * n / (n - 1)
-
-
-def _tie_unit(library: dict, official: dict, c: int) -> str:
-    """Client c's first-step gradient error, against the nearest max-pool tie of its forward passes: a
-    tie in the first step's pool after conv2 or conv4 (within NEAR_TIE) whose unit carries the kernel
-    gradient's error, at least ten times any other unit's, explains it."""
-    call, gap, example, unit, row, column = (int(v) if i != 1 else float(v)
-                                             for i, v in enumerate(official[f"client{c}/pool_gap"]))
-    layer = f"conv{2 + 2 * (call % 2)}"
-    theirs = official[f"client{c}/gradient/{layer}.weight"]
-    error = np.abs(library[f"client{c}/gradient/{layer}.weight"] - theirs).reshape(theirs.shape[0], -1).max(axis=1)
-    others = np.delete(error, unit).max()
-    scale = float(np.abs(theirs).max())
-    if gap > NEAR_TIE or call >= 2 or error[unit] <= 10 * others:
-        return "UNEXPLAINED"
-    return (f"{TIE}; a 2x2 window after {layer} (example {example}, unit {unit}, window {row},{column}) holds two "
-            f"values {gap:.1e} apart relative to their size, and float32 round-off can make either the maximum; "
-            f"{layer}'s kernel gradient is off by {error[unit] / scale:.1e} (of its largest entry) in unit {unit}, "
-            f"by at most {others / scale:.1e} in every other unit; the other layers' errors flow back from that unit")
-
-
 def compare(setup: dict, library: dict, official: dict, case: str) -> list[dict]:
-    steps = EPOCHS * EXAMPLES // BATCH
+    rows = []
 
-    def client_row(c, what, select, ours=None, start=None):
-        theirs = A.under(official, f"client{c}/value")
-        return A.group(f"client {c}: {what}",
-                       [A.difference(key, library[f"client{c}/value/{key}"] if ours is None else ours(c, key),
-                                     value, None if start is None else start(c, key))
-                        for key, value in sorted(theirs.items()) if select(key)])
-
-    def start(c, key):
-        if key.endswith(".threshold"):
-            return setup[f"global/new/{key.removesuffix('.threshold')}"]
-        return setup[f"init/client{c}/{key}"]
-
-    def trained(key):
-        return key.endswith((".weight", ".bias", ".threshold"))
-
-    eq13 = A.group("eq. 13: kernels moved by the threshold change (dtau / k^2 conv, / in_size dense)",
-                   [A.difference(f"client{c}/{k}", library[f"client{c}/eq13/{k}"], v, setup[f"init/client{c}/{k}"])
-                    for c in range(CLIENTS) for k, v in A.under(official, f"client{c}/eq13").items()])
-    A.explain([eq13], "UNEXPLAINED")
-    rows = [eq13]
-    for c in range(CLIENTS):
-        group = [client_row(c, "kernels, BatchNorm scales and shifts, thresholds after local training (its upload)",
-                            trained, start=start),
-                 client_row(c, "BatchNorm running means, and variances with the library's update x n/(n-1)",
-                            lambda k: k.endswith(("running_mean", "running_var")),
-                            ours=lambda c, k: (_rescaled_variance(setup, library, c, k, steps)
-                                               if k.endswith("running_var") else library[f"client{c}/value/{k}"]))]
-        if case != "published":
-            A.explain(group, RESET_IN_EVALUATION)
-        elif max(r["max_rel"] for r in group) > A.ROUND_OFF:
-            # where did it start: the first step's gradients, against the nearest max-pool tie of the client
-            gradient = A.group(f"client {c}: the first step's gradients (what the clip sees)",
-                               [A.difference(k, library[f"client{c}/gradient/{k}"], v)
-                                for k, v in sorted(A.under(official, f"client{c}/gradient").items())])
-            A.explain([gradient], _tie_unit(library, official, c))
-            A.explain(group, "UNEXPLAINED" if gradient["note"] == "UNEXPLAINED" else
-                      f"{TIE}; the row above, carried through the later steps")
-            group.insert(0, gradient)
-        else:
-            A.explain(group, "UNEXPLAINED")
-        rows += group
-    variance = A.group("BatchNorm running variances as they are",
-                       [A.difference(f"client{c}/{k}", library[f"client{c}/value/{k}"], v)
-                        for c in range(CLIENTS) for k, v in A.under(official, f"client{c}/value").items()
-                        if k.endswith("running_var")])
-    A.explain([variance], BESSEL if case == "published" else f"{RESET_IN_EVALUATION}; and {BESSEL}")
-    server = A.group("server: global thresholds (uniform mean of the uploads, eq. 7)",
-                     [A.difference(name, library[f"global/{name}"], official[f"global/{name}"]) for name in LAYERS])
-    ties = [r["compared"].split(":")[0] for r in rows if r["note"].startswith(TIE)
-            and r["compared"].endswith("(its upload)")]
-    A.explain([server], RESET_IN_EVALUATION if case != "published" else
-              (f"{TIE}; in the upload of {', '.join(ties)} (above)" if ties else "UNEXPLAINED"))
-    # each side's mean against its own uploads: what is left is the uploads' difference
-    own = max(float(np.max(np.abs(side[f"global/{name}"].astype(np.float64) - np.mean(
-        [side[f"client{c}/value/{name}.threshold"] for c in range(CLIENTS)], axis=0, dtype=np.float64))))
-        for side in (library, official) for name in LAYERS)
-    norms = official["norms"]
-    server["note"] += (f"; each side's mean equals the mean of its own uploads to {own:.1e}; gradient norms their "
-                       f"clipping saw: {norms.min():.3g} to {norms.max():.3g} ({int(np.sum(norms > CLIP))} of "
-                       f"{len(norms)} steps clipped to {CLIP})")
-
-    def masks(what, prefix):
-        ours = {f"client{c}/{n}": library[f"client{c}/{prefix}/{n}"] for c in range(CLIENTS) for n in LAYERS}
-        theirs = {f"client{c}/{n}": official[f"client{c}/{prefix}/{n}"] for c in range(CLIENTS) for n in LAYERS}
-        differing = sorted({k.split("/")[1] for k in ours if not np.array_equal(ours[k], theirs[k])})
+    def masks(what, rnd, prefix):
+        ours = {f"client{c}/{n}": library[f"round{rnd}/client{c}/{prefix}/{n}"] for c in SAMPLED[rnd] for n in LAYERS}
+        theirs = {f"client{c}/{n}": official[f"round{rnd}/client{c}/{prefix}/{n}"] for c in SAMPLED[rnd]
+                  for n in LAYERS}
         kept = sum(int(np.sum(v)) for v in theirs.values())
-        return A.identical(what, ours, theirs, f"the same units, exactly ({kept:,} of "
-                                               f"{sum(v.size for v in theirs.values()):,} kept)" if not differing
-                           else f"DIFFERENT units (in {', '.join(differing)})" + (
-                               "" if case == "published" else f": {RESET_IN_EVALUATION}"))
+        return A.identical(f"round {rnd + 1}: {what}", ours, theirs,
+                           f"theirs keep {kept:,} of {sum(v.size for v in theirs.values()):,}")
 
-    ours_resets = {f"client{c}": library[f"client{c}/resets"] for c in range(CLIENTS)}
-    theirs_resets = {f"client{c}": np.sum(official[f"client{c}/resets"]) + np.sum(official[f"client{c}/pending_resets"])
-                     for c in range(CLIENTS)}
-    pending = sum(int(np.sum(official[f"client{c}/pending_resets"])) for c in range(CLIENTS))
-    same = all(int(ours_resets[k]) == int(theirs_resets[k]) for k in ours_resets)
-    where = ("before the first step, on the thresholds received" if case == "published" else
-             "the code's in the evaluation, on the client's own thresholds; the library's on those received")
-    resets = A.identical("layers reset (<= 1 % kept) from the evaluation to the upload", ours_resets, theirs_resets,
-                         (f"the same count: {sum(int(v) for v in theirs_resets.values())} (conv1, collapsed under "
-                          f"each client's own thresholds; {where}); {pending} after the last step, so the upload "
-                          f"precedes no reset" if same else "DIFFERENT counts"))
-    exact = [masks("units kept under the client's own thresholds after eq. 13 (the reset check)", "start_mask"),
-             resets, masks("units kept after local training (the personal model)", "end_mask")]
-    return exact + rows + [variance, server]
+    def client_row(rnd, c, what, select, ours=None):
+        prefix = f"round{rnd}/client{c}/value"
+        return A.group(f"round {rnd + 1}: client {c}: {what}",
+                       [A.difference(k, library[f"{prefix}/{k}"], v, key=f"{prefix}/{k}")
+                        for k, v in sorted(A.under(official, prefix).items()) if select(k)])
+
+    for rnd, sampled in enumerate(SAMPLED):
+        rows.append(masks("units kept under each sampled client's own thresholds after eq. 13 (the reset check)",
+                          rnd, "start_mask"))
+        rows.append(A.group(f"round {rnd + 1}: eq. 13: kernels at the round's start, after the change of the global "
+                            f"thresholds",
+                            [A.difference(f"client{c}/{k}", library[f"round{rnd}/client{c}/start/{k}"], v,
+                                          key=f"round{rnd}/client{c}/start/{k}")
+                             for c in sampled for k, v in A.under(official, f"round{rnd}/client{c}/start").items()]))
+        rows.append(A.identical(f"round {rnd + 1}: layers reset (<= 1 % kept) since the client's last upload",
+                                {f"client{c}": library[f"round{rnd}/client{c}/resets"] for c in sampled},
+                                {f"client{c}": official[f"round{rnd}/client{c}/resets"] for c in sampled}))
+        rows.append(masks("units kept after local training (the personal model)", rnd, "end_mask"))
+        for c in sampled:
+            rows.append(client_row(rnd, c, "kernels, BatchNorm scales and shifts, thresholds after local training "
+                                           "(its upload)", lambda k: k.endswith((".weight", ".bias", ".threshold"))))
+            rows.append(client_row(rnd, c, "BatchNorm running means", lambda k: k.endswith("running_mean")))
+            rows.append(client_row(rnd, c, "BatchNorm running variances", lambda k: k.endswith("running_var")))
+        rows.append(A.group(f"round {rnd + 1}: server: global thresholds (uniform mean of the uploads, eq. 7)",
+                            [A.difference(name, library[f"round{rnd}/global/{name}"],
+                                          official[f"round{rnd}/global/{name}"], key=f"round{rnd}/global/{name}")
+                             for name in LAYERS]))
+    norms = official["norms"]
+    rows[-1]["note"] = (f"gradient norms their clipping saw: {norms.min():.3g} to {norms.max():.3g} "
+                        f"({int(np.sum(norms > CLIP))} of {len(norms)} steps clipped to {CLIP})")
+    if case in V.terminal(CASES):  # the decisions of the run every other case's differences are measured by
+        both = {kind: min(float(library[f"margin/{kind}"]), float(official[f"margin/{kind}"]))
+                for kind in ("mask", "gate", "sign")}
+        rows += [A.margin_row("threshold masks: min |mean |w| - tau| over every unit of every pass, both sides",
+                              both["mask"], THRESHOLD_MARGIN),
+                 A.margin_row("BinaryStep's gate: min ||mean |w| - tau| - 1| over every unit of every pass, both "
+                              "sides", both["gate"], THRESHOLD_MARGIN),
+                 A.margin_row("eq. 13's sign(sum w): min |sum w| / sum |w| over every unit and update, both sides",
+                              both["sign"], SIGN_MARGIN)]
+    rows += [D.aligned_row(official)]
+    return rows

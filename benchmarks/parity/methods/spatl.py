@@ -3,14 +3,14 @@
 RL pruning search), which calls `federated_learning/network_training.py`'s `local_update_scaffold`
 and `train_net_scaffold` and aggregates the encoders; `networks/vgg.py`'s `vgg11`.
 
-One round: two clients of 16 examples (32x32x3), one local epoch of 2 batches of 8, SGD lr 0.01 without
-momentum (their `--rho` default 0), weight decay 1e-5 (their `--reg` default), full participation.
-The library runs `spatl` on `vgg11` (the same network: the convolutions are the encoder, the three
-dense layers the private predictor) with `--spatl-aggregation fedavg` (their data-weighted mean of
-whole encoders), `--salient-policy fixed`, `--gradient-control`. The salient selection changes
-nothing either side sends under fedavg; their `--alg scaffold` runs the RL pruning search on a copy it
-then discards (the weights are those of `noselect`), and it needs their data pipeline and
-torch_geometric.
+Three rounds, every client sampled (`--sample 1`), three clients of 70, 45 and 19 examples (32x32x3),
+their README's VGG settings otherwise: five local epochs of batches of 64 (the last short), SGD lr 0.01
+with momentum 0.9 (`--rho 0.9`), weight decay 1e-5 (their `--reg` default). The library runs `spatl`
+on `vgg11` (the same network: the convolutions are the encoder, the three dense layers the private
+predictor) with `--spatl-aggregation fedavg` (their data-weighted mean of whole encoders),
+`--salient-policy fixed`, `--gradient-control`. The salient selection changes nothing either side
+sends under fedavg; their `--alg scaffold` runs the RL pruning search on a copy it then discards (the
+weights are those of `noselect`), and it needs their data pipeline and torch_geometric.
 
 Their run is fed from the harness: `partition_data`/`get_dataloader` (their data module, an import
 stub) give our examples; `init_nets` (called unchanged) has its nets loaded with the setup's weights;
@@ -19,13 +19,18 @@ log line, are import stubs. Their `train_net_scaffold` leaves the net in eval mo
 `compute_acc` calls `model.eval()` before training): VGG-11's dropout is then off, as in the library.
 
 Controls. Their code starts every control variate as the same random network (`c_nets` loaded with
-`c_global`'s encoder), so c_l = c_g in the first round: case `published`. Case `distinct_controls`
-gives each client its own c_l (another random network's encoder, as a later round would), set by the
-harness just before `local_update_scaffold`. There the update differs by design: their code subtracts
-lr (c_g - c_l) / 100 from the weights after each optimizer step, the library adds c_g - c_l to the
-gradient (eq. 9). With no momentum both are the same step once the library's controls are divided
-by 100: the library's third run (`controls / 100`) checks that the weights then agree, and that their
-c_l+ = c_l - c_g + (w_g - w) / (K lr) equals the library's plus 0.99 (c_l - c_g).
+`c_global`'s encoder), so c_l = c_g in the first round (setting `equal`, the code as published);
+from the second round each client's c_l is its own. Setting `distinct` gives each client its own c_l
+from the start (another random network's encoder), set by the harness before the first
+`local_update_scaffold`.
+
+Cause `control`: their code subtracts lr (c_g - c_l) / 100 from the encoder after each optimizer step
+(outside the momentum) and divides c_l+'s (w_g - w) by its plain count of steps, where the library
+(eq. 9, 10) adds c_g - c_l to the gradient and divides by the momentum-aware count; aligned by the
+library's `--spatl-control code`. The control variates are (w_g - w) / (K lr) plus controls: a
+difference of two weights a few steps apart over K lr, whose round-off is the weights' over K lr, so
+their rows compare them in those units: relative to the encoder weight's largest magnitude / (K lr),
+K the fewest steps a client takes.
 """
 
 from __future__ import annotations
@@ -38,6 +43,8 @@ from pathlib import Path
 import numpy as np
 
 from benchmarks.parity import arrays as A
+from benchmarks.parity import decisions as D
+from benchmarks.parity.verdicts import Case
 
 NAME = "spatl"
 REPOSITORY = "yusx-swapp/SPATL"
@@ -45,25 +52,35 @@ COMMIT = "fef44a60509624bca9dc6a3a6e5a11afc80fd726"
 CHECKOUT = ""
 MODEL = "their vgg11 (conv encoder 64-...-512, dense predictor 512-512-10) / the library's vgg11, 32x32x3"
 SEED = 0
-CLIENTS, EXAMPLES, BATCH, CLASSES, SIDE = 2, 16, 8, 10, 32
-LR, WEIGHT_DECAY = 0.01, 1e-5
+COUNTS, BATCH, EPOCHS, ROUNDS, CLASSES, SIDE = (70, 45, 19), 64, 5, 3, 10, 32
+CLIENTS = len(COUNTS)
+LR, MOMENTUM, WEIGHT_DECAY = 0.01, 0.9, 1e-5
+SETUP = (f"{ROUNDS} rounds, every client sampled, the global encoder, c_g and each client's model and c_l carried; "
+         f"clients holding {', '.join(map(str, COUNTS))} examples; their README's VGG settings: {EPOCHS} local "
+         f"epochs of batches of {BATCH} (the last short), SGD lr {LR}, momentum {MOMENTUM}, weight decay "
+         f"{WEIGHT_DECAY} (`--reg`'s default).")
 LIBRARY_OPTIONS = {"algorithm": "spatl", "model": "vgg11", "spatl_aggregation": "fedavg", "salient_policy": "fixed",
-                   "gradient_control": True, "lr": LR, "momentum": 0.0, "weight_decay": WEIGHT_DECAY,
-                   "local_epochs": 1, "batch_size": BATCH, "clients_per_round": "all"}
-CASES = {
-    "published": "their code as published (`--alg noselect`; its controls start equal, c_l = c_g)",
-    "distinct_controls": "each client's c_l set to its own random encoder before the round",
-}
-RUNS = {"equal": "c_l = c_g", "distinct": "each client's own c_l", "scaled": "each client's own c_l, controls / 100"}
-CORRECTION = ("their code subtracts lr (c_g - c_l) / 100 after each step; the library adds c_g - c_l to the "
-              "gradient (eq. 9)")
+                   "gradient_control": True, "spatl_control": "paper (code where `control` is aligned)", "lr": LR,
+                   "momentum": MOMENTUM, "weight_decay": WEIGHT_DECAY, "local_epochs": EPOCHS, "batch_size": BATCH,
+                   "clients_per_round": "all"}
+CAUSES = {"control": "their code subtracts lr (c_g - c_l) / 100 from the encoder after each optimizer step and divides "
+                     "c_l+'s (w_g - w) by its plain count of steps; the library adds c_g - c_l to the gradient (eq. "
+                     "9) and divides by the momentum-aware count; aligned by the library's `--spatl-control code`"}
+CASES = {"published": Case("their code as published (`--alg noselect`; its controls start equal, c_l = c_g)",
+                           floor="code_control"),
+         "code_control": Case("the library with `--spatl-control code`", ("control",)),
+         "distinct": Case("each client's c_l set to its own random encoder before the first round",
+                          floor="distinct_code_control"),
+         "distinct_code_control": Case("the same, the library with `--spatl-control code`", ("control",))}
+RUNS = {"published": "equal/paper", "code_control": "equal/code", "distinct": "distinct/paper",
+        "distinct_code_control": "distinct/code"}
 
 
 def _args(logdir: str) -> list[str]:
     return ["spatl_federated_learning.py", "--alg", "noselect", "--model", "vgg", "--dataset", "cifar10",
-            "--n_parties", str(CLIENTS), "--sample", "1", "--comm_round", "1", "--epochs", "1",
-            "--batch-size", str(BATCH), "--lr", str(LR), "--rho", "0", "--reg", str(WEIGHT_DECAY), "--device", "cpu",
-            "--init_seed", str(SEED), "--logdir", logdir, "--ckp_dir", logdir + "/"]
+            "--n_parties", str(CLIENTS), "--sample", "1", "--comm_round", str(ROUNDS), "--epochs", str(EPOCHS),
+            "--batch-size", str(BATCH), "--lr", str(LR), "--rho", str(MOMENTUM), "--reg", str(WEIGHT_DECAY),
+            "--device", "cpu", "--init_seed", str(SEED), "--logdir", logdir, "--ckp_dir", logdir + "/"]
 
 
 # ------------------------------------------------------------------ the PyTorch side
@@ -75,21 +92,20 @@ def _networks(checkout: Path):
     return vgg
 
 
-def torch_setup(checkout: Path) -> dict[str, np.ndarray]:
+def torch_setup(checkout: Path, seed: int) -> dict[str, np.ndarray]:
     from benchmarks.parity import torch_side as T
     vgg = _networks(checkout)
-    T.deterministic(SEED)
+    T.deterministic(seed)
     out = A.prefixed("init/global", T.state_arrays(vgg.vgg11().state_dict()))
     for c in range(CLIENTS):
         out.update(A.prefixed(f"init/client{c}", T.state_arrays(vgg.vgg11().state_dict())))
     out.update(A.prefixed("init/control", T.state_arrays(vgg.vgg11().encoder.state_dict())))
     for c in range(CLIENTS):
         out.update(A.prefixed(f"init/control{c}", T.state_arrays(vgg.vgg11().encoder.state_dict())))
-    rng = np.random.default_rng(SEED)
-    out.update({"data/x": rng.normal(size=(EXAMPLES * CLIENTS, 3, SIDE, SIDE)).astype(np.float32),
-                "data/y": rng.integers(0, CLASSES, EXAMPLES * CLIENTS).astype(np.int64),
-                "data/counts": np.full(CLIENTS, EXAMPLES),
-                "keys": np.array(list(A.under(out, "init/global")))})
+    rng = np.random.default_rng(seed)
+    out.update({"data/x": rng.normal(size=(sum(COUNTS), 3, SIDE, SIDE)).astype(np.float32),
+                "data/y": rng.integers(0, CLASSES, sum(COUNTS)).astype(np.int64),
+                "data/counts": np.array(COUNTS), "keys": np.array(list(A.under(out, "init/global")))})
     return out
 
 
@@ -111,13 +127,14 @@ def torch_official(checkout: Path, setup: dict, library: dict, case: str) -> dic
         if dataidxs is None:  # the global loaders: `noselect` only measures len(test set)
             return None, None, None, []
         c = int(np.searchsorted(bounds, dataidxs[0], side="right") - 1)
-        batches = T.Batches(*T.client_arrays(setup, c), train_bs, T.tensor_pair)
+        batches = T.Batches(*T.client_arrays(setup, c), train_bs, T.tensor_pair, owner=c)
         return batches, batches, None, None
 
     T.stub_module("utils.data.prepare_data", partition_data=partition_data, get_dataloader=get_dataloader)
     import federated_learning.network_training as training
     import utils.load_neural_networks as loading
     T.deterministic(SEED)
+    decisions = D.OfficialDecisions(A.under(library, RUNS[case]))
     init_nets = loading.init_nets
     sources = iter([[f"init/client{c}" for c in range(CLIENTS)], ["init/global"], ["init/control"] * CLIENTS,
                     ["init/control"]])
@@ -136,25 +153,42 @@ def torch_official(checkout: Path, setup: dict, library: dict, case: str) -> dic
 
     loading.init_nets = setup_nets
     local_update_scaffold = training.local_update_scaffold
+    train_net_scaffold = training.train_net_scaffold
+    out, rounds = {}, []
 
-    def with_controls(nets, selected, global_model, c_nets, *args, **kwargs):
-        if case == "distinct_controls":
+    def with_controls(nets, selected, global_model, c_nets, c_global, *args, **kwargs):
+        rnd = len(rounds)
+        if rnd == 0 and case.startswith("distinct"):
             for c in range(CLIENTS):
                 T.load_state(c_nets[c].module.encoder, A.under(setup, f"init/control{c}"))
-        return local_update_scaffold(nets, selected, global_model, c_nets, *args, **kwargs)
+        if rnd > 0:  # what the last round left: the aggregated encoder and c_g
+            record_global(rnd - 1, global_model, c_global)
+        rounds.append(rnd)
+        result = local_update_scaffold(nets, selected, global_model, c_nets, c_global, *args, **kwargs)
+        for c in range(CLIENTS):
+            out.update(A.prefixed(f"round{rnd}/client{c}", T.state_arrays(nets[c].module.state_dict())))
+            out.update(A.prefixed(f"round{rnd}/client{c}/control", T.state_arrays(c_nets[c].module.encoder.state_dict())))
+        return result
+
+    def aligned_training(net_id, net, global_model, c_local, c_global, train_dataloader, *args, **kwargs):
+        decisions.start(f"decisions/r{len(rounds) - 1}/c{train_dataloader.owner}")
+        result = train_net_scaffold(net_id, net, global_model, c_local, c_global, train_dataloader, *args, **kwargs)
+        decisions.finish()
+        return result
+
+    def record_global(rnd, global_model, c_global):
+        out.update({f"round{rnd}/global/encoder.{k}": v
+                    for k, v in T.state_arrays(global_model.module.encoder.state_dict()).items()})
+        out.update(A.prefixed(f"round{rnd}/global/control", T.state_arrays(c_global.module.encoder.state_dict())))
 
     training.local_update_scaffold = with_controls
+    training.train_net_scaffold = aligned_training
     with tempfile.TemporaryDirectory() as logdir:
         sys.argv = _args(logdir)
         runpy.run_path("spatl_federated_learning.py", run_name="__main__")
-    nets, global_nets, c_nets, c_globals = made
-    out = {}
-    for c in range(CLIENTS):
-        out.update(A.prefixed(f"client{c}", T.state_arrays(nets[c].module.state_dict())))
-        out.update(A.prefixed(f"client{c}/control", T.state_arrays(c_nets[c].module.encoder.state_dict())))
-    out.update(A.prefixed("global", T.state_arrays(global_nets[0].module.encoder.state_dict())))
-    out.update(A.prefixed("global/control", T.state_arrays(c_globals[0].module.encoder.state_dict())))
-    return out
+    _, global_nets, _, c_globals = made
+    record_global(ROUNDS - 1, global_nets[0], c_globals[0])
+    return {**out, **decisions.arrays()}
 
 
 # ------------------------------------------------------------------ the JAX side
@@ -172,7 +206,17 @@ def mapping(setup: dict) -> dict:
     return out
 
 
-def library(setup: dict) -> dict[str, np.ndarray]:
+def library(setup: dict, cases) -> dict[str, np.ndarray]:
+    """The library's rounds, for the runs `cases` compare with: controls starting equal or distinct, the
+    control term as the paper reads it or as the code applies it."""
+    out = {}
+    for run in dict.fromkeys(RUNS[c] for c in cases):
+        controls, variant = run.split("/")
+        out.update(A.prefixed(run, library_rounds(setup, controls, variant)))
+    return out
+
+
+def library_rounds(setup: dict, controls: str, variant: str) -> dict[str, np.ndarray]:
     import jax
     import jax.numpy as jnp
 
@@ -181,7 +225,6 @@ def library(setup: dict) -> dict[str, np.ndarray]:
     from fedjax_sparse.core.contract.algorithm import BuildContext
     from fedjax_sparse.core.round.local_training import LocalSGD
     from fedjax_sparse.core.structure.model_parts import part_labels, take_part
-    from fedjax_sparse.core.round.step import round_info
     from fedjax_sparse.models import get_model
 
     model = get_model("vgg11", (SIDE, SIDE, 3), CLASSES)
@@ -193,104 +236,76 @@ def library(setup: dict) -> dict[str, np.ndarray]:
     def full(source):
         return J.load_torch(blank, maps, A.under(setup, source))
 
-    def control(source, scale):
+    def control(source):
         tree = {"params": blank["params"]}
         for key, (collection, path, kind) in encoder_maps.items():
             value = setup[f"{source}/{key.removeprefix('encoder.')}"]  # saved from the encoder itself
             tree = {"params": J.put(tree["params"], path, jnp.asarray(J.from_torch(kind, value)))}
-        return jax.tree_util.tree_map(lambda x: x * scale, take_part(tree, labels, "encoder")["params"])
+        return take_part(tree, labels, "encoder")["params"]
 
     split = J.federated_data(setup)
-    local = LocalSGD(model, LR, 1, BATCH, 0.0, WEIGHT_DECAY)
+    local = LocalSGD(model, LR, EPOCHS, BATCH, MOMENTUM, WEIGHT_DECAY)
     context = BuildContext(local=local, num_clients=CLIENTS, clients_per_round=CLIENTS, train=split,
                            num_classes=CLASSES, seed=0)
-    options = {k: LIBRARY_OPTIONS[k] for k in ("spatl_aggregation", "salient_policy", "gradient_control")}
+    options = {**{k: LIBRARY_OPTIONS[k] for k in ("spatl_aggregation", "salient_policy", "gradient_control")},
+               "spatl_control": variant}
     algorithm = make_algorithm("spatl", context, make_options("spatl", options))
-    client_update = jax.jit(algorithm.client_update)
-    server_update = jax.jit(algorithm.server_update)
-    info = round_info(0, 0, jnp.arange(CLIENTS))
-    out = {}
+    server_state, clients = algorithm.init(jax.random.key(1), full("init/global"), CLIENTS)
+    server_state = {**server_state, "control": control("init/control")}
+    states = []
+    for c in range(CLIENTS):
+        state = jax.tree_util.tree_map(lambda leaf: leaf[c], clients)
+        own = "init/control" if controls == "equal" else f"init/control{c}"
+        states.append({**state, "variables": full(f"init/client{c}"), "control": control(own)})
+    def after(i, c, up, state, metrics):
+        return {**A.prefixed(f"round{i}/client{c}", J.in_torch_layout(state["variables"], maps)),
+                **A.prefixed(f"round{i}/client{c}/control", J.in_torch_layout({"params": state["control"]}, maps))}
 
-    def torch_tree(tree):
-        return J.in_torch_layout(tree, maps)
+    def after_round(i, state):
+        return {**A.prefixed(f"round{i}/global", J.in_torch_layout(state["encoder"], maps)),
+                **A.prefixed(f"round{i}/global/control", J.in_torch_layout({"params": state["control"]}, maps))}
 
-    for run in RUNS:
-        scale = 0.01 if run == "scaled" else 1.0
-        server_state, clients = algorithm.init(jax.random.key(1), full("init/global"), CLIENTS)
-        server_state = {**server_state, "control": control("init/control", scale)}
-        ups = []
-        with J.fixed_data_order():
-            for c in range(CLIENTS):
-                state = jax.tree_util.tree_map(lambda leaf: leaf[c], clients)
-                own = "init/control" if run == "equal" else f"init/control{c}"
-                state = {**state, "variables": full(f"init/client{c}"), "control": control(own, scale)}
-                up, new, _ = client_update(algorithm.broadcast(server_state, c, info), state, split.client(c),
-                                           jax.random.key(100 + c), info)
-                ups.append(up)
-                out.update(A.prefixed(f"{run}/client{c}", torch_tree(new["variables"])))
-                out.update(A.prefixed(f"{run}/client{c}/control", torch_tree({"params": new["control"]})))
-        new_server = server_update(server_state, J.stack(ups), split.counts, info)
-        out.update(A.prefixed(f"{run}/global", torch_tree(new_server["encoder"])))
-        out.update(A.prefixed(f"{run}/global/control", torch_tree({"params": new_server["control"]})))
-    return out
-
-
-def _ulp_note(row: dict, official: dict, clients: list[int]) -> None:
-    """A control variate is (w_g - w) / (K lr) plus controls: the difference of two float32 weights a
-    small step apart, so its round-off is that of the weights (their ulp), over K lr, not its own
-    scale's. The note says how many of those units the row's worst error is."""
-    steps = -(-EXAMPLES // BATCH)
-    units = []  # of the tensors above round-off at their own scale
-    for d in row["details"]:
-        if d["max_rel"] > A.ROUND_OFF:
-            weight = max(float(np.max(np.abs(official[f"client{c}/encoder.{d['tensor']}"]))) for c in clients)
-            units.append(d["max_abs"] / (float(np.spacing(np.float32(weight))) / (steps * LR)))
-    if units and max(units) <= 4:
-        row["note"] = (f"float32 round-off of w_g - w over K lr: at most {max(units):.2g} ulp of the weights / (K lr), "
-                       f"K = {steps}")
+    clients = list(range(CLIENTS))
+    return J.run_rounds(algorithm, server_state, states, split, [(i, clients) for i in range(ROUNDS)], after=after,
+                        after_round=after_round)
 
 
 def compare(setup: dict, library: dict, official: dict, case: str) -> list[dict]:
-    runs = ("equal",) if case == "published" else ("distinct", "scaled")
+    ours = A.under(library, RUNS[case])
+    prefix = "" if not case.startswith("distinct") else "distinct c_l: "
+    steps = min(EPOCHS * -(-n // BATCH) for n in COUNTS)
     rows = []
-    for run in runs:
-        ours = A.under(library, run)
-        label = f"library ({RUNS[run]})"
-        group, controls = [], []
-        global_start = A.under(setup, "init/global")
+    for rnd in range(ROUNDS):
+        head = f"{prefix}round {rnd + 1}: "
+        global_start = A.under(setup, "init/global") if rnd == 0 else A.under(official, f"round{rnd - 1}/global")
         for c in range(CLIENTS):
-            theirs = A.under(official, f"client{c}")
-            start = A.under(setup, f"init/client{c}")
-            encoder = {k: v for k, v in theirs.items() if k.startswith("encoder.")}
-            predictor = {k: v for k, v in theirs.items() if k.startswith("classifier.")}
-            group.append(A.group(f"{label}: client {c} encoder after local training",
-                                 [A.difference(k, ours[f"client{c}/{k}"], v, global_start[k])
-                                  for k, v in encoder.items()]))
-            group.append(A.group(f"{label}: client {c} private predictor",
-                                 [A.difference(k, ours[f"client{c}/{k}"], v, start[k]) for k, v in predictor.items()]))
-            control = A.under(official, f"client{c}/control")
-            if run == "scaled":  # their c_l+ = the library's (controls / 100) + 0.99 (c_l - c_g)
-                own, shared = A.under(setup, f"init/control{c}"), A.under(setup, "init/control")
-                row = A.group(f"{label}: client {c} c_l+ (library's + 0.99 (c_l - c_g))",
-                              [A.difference(k, ours[f"client{c}/control/encoder.{k}"] + 0.99 * (own[k] - shared[k]), v)
-                               for k, v in control.items()])
-            else:
-                row = A.group(f"{label}: client {c} control variate c_l+",
-                              [A.difference(k, ours[f"client{c}/control/encoder.{k}"], v) for k, v in control.items()])
-            group.append(row)
-            controls.append((row, [c]))
-        theirs_global = {k: v for k, v in A.under(official, "global").items() if not k.startswith("control/")}
-        group.append(A.group(f"{label}: server encoder (data-weighted mean)",
-                             [A.difference(k, ours[f"global/encoder.{k}"], v, setup[f"init/global/encoder.{k}"])
-                              for k, v in theirs_global.items()]))
-        row = A.group(f"{label}: server control variate c_g",
-                      [A.difference(k, ours[f"global/control/encoder.{k}"], v)
-                       for k, v in A.under(official, "global/control").items()])
-        group.append(row)
-        controls.append((row, list(range(CLIENTS))))
-        A.explain(group, CORRECTION if run == "distinct" else "UNEXPLAINED")
-        if run != "distinct":
-            for row, clients in controls:
-                _ulp_note(row, official, clients)
-        rows += group
-    return rows
+            theirs = A.under(official, f"round{rnd}/client{c}")
+            start = A.under(setup, f"init/client{c}") if rnd == 0 else A.under(official, f"round{rnd - 1}/client{c}")
+            rows.append(A.group(f"{head}client {c} encoder after local training",
+                                [A.difference(k, ours[f"round{rnd}/client{c}/{k}"], v, global_start[k],
+                                              key=f"round{rnd}/client{c}/{k}")
+                                 for k, v in theirs.items() if k.startswith("encoder.")]))
+            rows.append(A.group(f"{head}client {c} private predictor",
+                                [A.difference(k, ours[f"round{rnd}/client{c}/{k}"], v, start[k],
+                                              key=f"round{rnd}/client{c}/{k}")
+                                 for k, v in theirs.items() if k.startswith("classifier.")]))
+            rows.append(control_row(f"{head}client {c} control variate c_l+", ours, official,
+                                    f"round{rnd}/client{c}/control", f"round{rnd}/client{c}", steps))
+        rows.append(A.group(f"{head}server encoder (data-weighted mean)",
+                            [A.difference(k, ours[f"round{rnd}/global/{k}"], v, global_start[k],
+                                          key=f"round{rnd}/global/{k}")
+                             for k, v in A.under(official, f"round{rnd}/global").items() if k.startswith("encoder.")]))
+        rows.append(control_row(f"{head}server control variate c_g", ours, official, f"round{rnd}/global/control",
+                                f"round{rnd}/global", steps))
+    return rows + [{**D.aligned_row(official), "compared": prefix + D.aligned_row(official)["compared"]}]
+
+
+def control_row(what: str, ours: dict, official: dict, prefix: str, weights: str, steps: int) -> dict:
+    """Control variates against theirs in the units of their round-off: relative to the largest magnitude
+    of the encoder weight they stand beside over (K lr), K the fewest steps a client takes."""
+    diffs = []
+    for k, v in A.under(official, prefix).items():
+        weight = float(np.max(np.abs(official[f"{weights}/encoder.{k}"])))
+        diffs.append(A.difference(k, ours[f"{prefix}/encoder.{k}"], v, key=f"{prefix}/{k}",
+                                  scale=weight / (steps * LR)))
+    return A.group(what, diffs, "relative to the encoder weight's largest magnitude / (K lr)")
