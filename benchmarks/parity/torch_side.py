@@ -126,17 +126,39 @@ def round_off_noise(seed: int) -> None:
 class GradientNorms:
     """Wraps `torch.nn.utils.clip_grad_norm_` to record the total norm of every call (their code's
     clipping); `clip=False` measures without clipping (max_norm = inf: every gradient is multiplied
-    by exactly 1)."""
+    by exactly 1). `exact=True` takes the total norm in float64 (`exact_clip_grad_norm_`): torch's CPU
+    float32 norm accumulates in float32 and is off by up to ~1e-4 relative on tensors of millions of
+    entries, which moves every clipped step by that much (FedRolex's cause `torch_norm`)."""
 
-    def __init__(self, clip: bool):
+    def __init__(self, clip: bool, exact: bool = False):
         import torch
         self.original = torch.nn.utils.clip_grad_norm_
         self.clip = clip
         self.norms: list[float] = []
+        clipper = exact_clip_grad_norm_ if exact else self.original
 
         def clip_grad_norm_(parameters, max_norm, *args, **kwargs):
-            norm = self.original(parameters, max_norm if self.clip else float("inf"), *args, **kwargs)
+            norm = clipper(parameters, max_norm if self.clip else float("inf"), *args, **kwargs)
             self.norms.append(float(norm))
             return norm
 
         torch.nn.utils.clip_grad_norm_ = clip_grad_norm_
+
+
+def exact_clip_grad_norm_(parameters, max_norm, norm_type=2.0, error_if_nonfinite=False, foreach=None):
+    """torch's `clip_grad_norm_` (L2 only) with the total norm summed in float64 and rounded once to
+    float32; the clip factor and the product are torch's own float32 operations."""
+    import torch
+    if float(norm_type) != 2.0:
+        raise ValueError(f"exact_clip_grad_norm_ takes the L2 norm only, got norm_type={norm_type}")
+    params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+    grads = [p.grad for p in params if p.grad is not None]
+    if not grads:
+        return torch.tensor(0.0)
+    total = torch.sqrt(sum(torch.sum(g.detach().double() ** 2) for g in grads)).float()
+    if error_if_nonfinite and not torch.isfinite(total):
+        raise RuntimeError(f"the total norm of the gradients is {float(total)}")
+    coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    for g in grads:
+        g.detach().mul_(coefficient.to(g.dtype))
+    return total
