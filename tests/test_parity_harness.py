@@ -111,6 +111,18 @@ def test_a_row_whose_floor_shows_the_official_run_unsteady_is_near_a_tie_and_red
     assert near_ties(judged) == [f"{case}: client 2 {V.figure(unsteady)}" for case in ("published", "no_scaler")]
 
 
+def test_every_method_has_a_case_aligning_every_cause_where_its_floor_is_measured():
+    """A cause without a case that aligns it along with all the others leaves no case where nothing known
+    differs: its rows could never be shown at round-off, and a bug there would read as that cause."""
+    from benchmarks.parity.methods import get
+    for name in METHODS:
+        method = get(name)
+        assert all(set(case.aligns) <= set(method.CAUSES) for case in method.CASES.values()), name
+        full = [t for t in V.terminal(method.CASES) if set(method.CASES[t].aligns) == set(method.CAUSES)]
+        assert full, f"{name}: no case aligns all of {sorted(method.CAUSES)}"
+        assert all(V.floor_case(method.CASES, case) in V.terminal(method.CASES) for case in method.CASES), name
+
+
 def test_judge_refuses_unknown_causes_and_shared_row_names():
     with pytest.raises(ValueError, match="not among the causes"):
         V.judge({"x": {"aligns": ["epsilon"], "rows": []}}, CAUSES)
