@@ -123,12 +123,21 @@ def slow_entries(path: str | None = None) -> list[str]:
         return [line.strip() for line in f if line.strip() and not line.lstrip().startswith("#")]
 
 
+def listed_name(nodeid: str) -> str:
+    """A test's name as slow_tests.txt writes it: `test_x.py::test_name[id]`, whatever folder it was run from."""
+    module, _, name = nodeid.partition("::")
+    return f"{os.path.basename(module)}::{name}"
+
+
+def is_listed(name: str, entries) -> bool:
+    """Whether `entries` name this test (`listed_name`): itself, or its function with every parametrization."""
+    return name in entries or name.split("[", 1)[0] in entries
+
+
 def pytest_collection_modifyitems(config, items):
     entries = set(slow_entries())
     for item in items:
-        module, _, name = item.nodeid.partition("::")
-        own = f"{os.path.basename(module)}::{name}"
-        if own in entries or own.split("[", 1)[0] in entries:
+        if is_listed(listed_name(item.nodeid), entries):
             item.add_marker(pytest.mark.slow)
 
 

@@ -9,7 +9,7 @@ import textwrap
 
 import pytest
 
-from conftest import SLOW_TESTS, slow_entries
+from conftest import SLOW_TESTS, is_listed, listed_name, slow_entries
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
 
@@ -37,18 +37,12 @@ def collected(tmp_path_factory):
     return {nodeid: flag == "1" for nodeid, flag in (line.split("\t") for line in out.read_text().splitlines())}
 
 
-def _own(nodeid: str) -> str:
-    module, _, name = nodeid.partition("::")
-    return f"{os.path.basename(module)}::{name}"
-
-
 def test_every_listed_test_exists_and_is_marked(collected):
-    own = {_own(nodeid): slow for nodeid, slow in collected.items()}
-    functions = {name.split("[", 1)[0] for name in own}
-    stale = [entry for entry in slow_entries() if entry not in own and entry not in functions]
+    own = {listed_name(nodeid): slow for nodeid, slow in collected.items()}
+    stale = [entry for entry in slow_entries() if not any(is_listed(name, {entry}) for name in own)]
     assert not stale, f"{SLOW_TESTS} names tests that no longer exist: {stale}"
     unmarked = [entry for entry in slow_entries()
-                if any(not slow for name, slow in own.items() if name == entry or name.split("[", 1)[0] == entry)]
+                if any(not slow for name, slow in own.items() if is_listed(name, {entry}))]
     assert not unmarked, f"listed tests the fast tier still runs: {unmarked}"
 
 

@@ -3,23 +3,23 @@ CIFAR-10 code: `main/cifar10/client/Client_Class.py`'s `Client` (th_update, loca
 local_training), `server/Server_Class.py`'s `Server` (broadcast, aggregation), `model/net.py`'s
 `masked_Conv4` with `model/binarization.py`'s `MaskedConv2d`, `MaskedMLP` and `BinaryStep`.
 
-Three rounds as `Simulator.py`'s loop runs them, two of three clients sampled each round (0 and 1,
-then 1 and 2, then 0 and 2), so each client sits one round out: `broadcast`, each sampled client's
-`local_training`, `aggregation` (the uniform mean), every client's `th_update` (eq. 13 from the
-change of the global thresholds) and every client's `local_test` (whose forward pass sets the mask
-the next round's reset check reads). The clients hold 45, 30 and 28 examples (32x32x3; each epoch's
-last batch holds 13, 14 and 12 where it is kept), each with its own weights and thresholds from an
-earlier round, given that round's change of the global thresholds through `th_update` before the
-first round. Not 21 examples for the third client, as before: its last batch of 5 made the official
-run itself unsteady (BatchNorm's batch statistics of 5 examples gave gradient norms up to 30, and the
-run under one ulp of noise per step parted from it ~10x per epoch, 5.6e-6 to 1.9e-4 in the gradient
-norm over its 10 steps of round 2, measured on the draw with seed 3; the draws with seeds 0 to 3 were
-all unsteady for that client), so no comparison could resolve round-off there. Their CIFAR-10 command's settings (`run_command.txt`):
-lr 0.01, momentum 0.9, batches of 16 (their loader drops the last partial one), 5 local epochs,
-`--th_coeff 0.00015`, `--clip 3`. The library runs `spafl --spafl-variant code` on `spafl_cnn` (their
-masked_Conv4: the same layers, no biases, BatchNorm after every layer but the last) from the same
-weights, thresholds and batches, its client state set to what the code's client holds: its own
-thresholds and the global thresholds it last received.
+Three rounds as `Simulator.py`'s loop runs them, two of three clients sampled each round (0 and 1, then
+1 and 2, then 0 and 2), so each client sits one round out: `broadcast`, each sampled client's
+`local_training`, `aggregation` (the uniform mean), every client's `th_update` (eq. 13 from the change
+of the global thresholds) and every client's `local_test` (whose forward pass sets the mask the next
+round's reset check reads). The clients hold 45, 30 and 28 examples (32x32x3; each epoch's last batch
+holds 13, 14 and 12 where it is kept), each with its own weights and thresholds from an earlier round,
+given that round's change of the global thresholds through `th_update` before the first round. Not 21
+examples for the third client, as before: its last batch of 5 made the official run itself unsteady
+(BatchNorm's batch statistics of 5 examples gave gradient norms up to 30, and the run under one ulp of
+noise per step parted from it ~10x per epoch, 5.6e-6 to 1.9e-4 in the gradient norm over its 10 steps of
+round 2, measured on the draw with seed 3; the draws with seeds 0 to 3 were all unsteady for that
+client), so no comparison could resolve round-off there. Their CIFAR-10 command's settings
+(`run_command.txt`): lr 0.01, momentum 0.9, batches of 16 (their loader drops the last partial one), 5
+local epochs, `--th_coeff 0.00015`, `--clip 3`. The library runs `spafl --spafl-variant code` on
+`spafl_cnn` (their masked_Conv4: the same layers, no biases, BatchNorm after every layer but the last)
+from the same weights, thresholds and batches, its client state set to what the code's client holds: its
+own thresholds and the global thresholds it last received.
 
 Settings chosen so that the code's step shows, and its decisions stay clear of a tie:
   * the global thresholds sit at -1.5, -0.5, +0.5 (and +1.5 in the output layer, which has no
